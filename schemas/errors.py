@@ -1,0 +1,61 @@
+"""Error codes shared by API bodies, events and metric labels.
+
+Each code has one meaning, an HTTP status and a retryable flag. Add codes when needed;
+never reuse one for two meanings.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ErrorCode(msgspec.Struct, frozen=True):
+    code: str
+    http_status: int
+    retryable: bool
+
+
+_CODES = [
+    ErrorCode("invalid_request", 400, False),
+    ErrorCode("duplicate_request", 409, False),
+    ErrorCode("too_large", 413, False),
+    ErrorCode("queue_full", 429, True),
+    ErrorCode("slo_unattainable", 429, True),
+    ErrorCode("no_worker", 503, True),
+    ErrorCode("draining", 503, True),
+    ErrorCode("not_ready", 503, True),
+    ErrorCode("not_found", 404, False),
+    ErrorCode("queue_timeout", 504, True),
+    ErrorCode("timed_out", 504, True),
+    ErrorCode("dispatch_failed", 502, True),
+    ErrorCode("worker_failed", 502, True),
+    ErrorCode("stream_overflow", 502, True),
+    ErrorCode("cancelled", 499, False),
+    ErrorCode("internal", 500, True),
+]
+
+ERROR_CODES: dict[str, ErrorCode] = {c.code: c for c in _CODES}
+
+
+def error_code(code: str) -> ErrorCode:
+    """Look up a code; an unknown code is a programming error, so it raises."""
+    try:
+        return ERROR_CODES[code]
+    except KeyError:
+        raise ValueError(f"unknown error code {code!r}") from None
+
+
+class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
+    code: str
+    message: str
+    retryable: bool
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    """The body of every API error: {"error": {"code", "message", "retryable"}}."""
+
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, code: str, message: str) -> "ErrorBody":
+        return cls(error=ErrorDetail(code=code, message=message, retryable=error_code(code).retryable))

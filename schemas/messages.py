@@ -1,0 +1,331 @@
+"""Events (past-tense facts) and commands (imperatives) on the bus, and their Envelope.
+
+Every message on a FlexLB subject is an `Envelope` whose `payload` is one of the tagged
+Structs below. Tags are explicit, stable and dotted; they are the identity of a message kind
+on the wire and in the event log, never a Python import path.
+
+Evolution rules (golden payloads under tests/golden/ enforce them):
+- additive only: a new field always gets a default, so old readers read new messages and new
+  readers read old ones (unknown fields are ignored: events never use forbid_unknown_fields);
+- a breaking change is a new tag plus an upcaster in `UPCASTERS`, applied at decode time
+  by `schema_version`.
+
+Units are in the names: `*_ms`, `*_ns`, `*_tokens`, `*_blocks`, `num_*`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Role = Literal["pd_fusion", "prefill", "decode"]
+ROLES: tuple[str, ...] = ("pd_fusion", "prefill", "decode")
+
+
+def parse_role(text: str) -> str:
+    """Parse a role name case-insensitively from its common spellings.
+
+    Accepts `pd_fusion`, `PD_FUSION`, `ROLE_TYPE_PREFILL`, `RoleType.DECODE`, `pd-fusion`.
+    An unknown role is a ValueError naming the accepted ones.
+    """
+    norm = text.strip().lower().replace("-", "_")
+    for prefix in ("roletype.", "role_type_"):
+        if norm.startswith(prefix):
+            norm = norm[len(prefix):]
+    if norm not in ROLES:
+        raise ValueError(f"unknown worker role {text!r}; expected one of {', '.join(ROLES)}")
+    return norm
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+# --------------------------------------------------------------------------- worker facts
+class WorkerRegistered(_Event, tag="worker.registered"):
+    """A worker process started (or restarted: a new `boot_id`)."""
+
+    worker_id: str
+    role: Role
+    boot_id: str  # new on every process start; a change means the worker restarted
+    engine: str  # "sim" | "torch"
+    pid: int
+    host: str
+    block_size_tokens: int
+    num_kv_blocks: int  # KV capacity of the worker, in blocks
+    max_batch_tokens: int  # most prompt tokens one prefill batch may hold
+    max_seq_len_tokens: int  # longest prompt + output one sequence may have
+    heartbeat_interval_ms: int
+
+
+class WorkerStatusReported(_Event, tag="worker.status_reported"):
+    """Periodic heartbeat; authoritative about what the worker holds right now."""
+
+    worker_id: str
+    role: Role
+    boot_id: str
+    state: str = "ready"  # "ready" | "draining" | "stopping"
+    engine: str = "sim"
+    pid: int = 0
+    host: str = ""
+    block_size_tokens: int = 16
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    num_cached_kv_blocks: int = 0  # free-able blocks held only by the prefix cache
+    max_batch_tokens: int = 0
+    max_seq_len_tokens: int = 0
+    num_running_requests: int = 0
+    num_queued_batches: int = 0
+    running_request_ids: list[str] = []
+    num_batches_executed: int = 0
+    num_requests_finished: int = 0
+    num_undecodable_messages: int = 0
+    num_stale_commands_refused: int = 0
+    last_step_ms: float = 0.0
+    heartbeat_interval_ms: int = 200
+
+
+# --------------------------------------------------------------------------- request life
+class RequestAdmitted(_Event, tag="request.admitted"):
+    request_id: str
+    router_id: str
+    prefill_worker_id: str
+    decode_worker_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    policy: str = ""  # the routing policy that picked the workers
+    reason: str = ""  # why these workers (human readable, from the decision)
+
+
+class RequestRejected(_Event, tag="request.rejected"):
+    """Terminal: the router refused the request before it was dispatched."""
+
+    request_id: str
+    router_id: str
+    code: str
+    message: str
+
+
+class BatchDispatched(_Event, tag="batch.dispatched"):
+    batch_id: str
+    router_id: str
+    worker_id: str
+    epoch: int
+    request_ids: list[str]
+    num_prompt_tokens: int
+    reason: str = ""  # why the batcher closed the batch: "full" | "window" | "shutdown"
+
+
+class BatchStarted(_Event, tag="batch.started"):
+    batch_id: str
+    worker_id: str
+    request_ids: list[str]
+
+
+class PrefillCompleted(_Event, tag="prefill.completed"):
+    batch_id: str
+    worker_id: str
+    request_ids: list[str]
+    measured_ms: float  # wall time of the batch's prefill as executed
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class TokensGenerated(_Event, tag="tokens.generated"):
+    """Tokens of one request, on its core-NATS token subject (not the event log).
+
+    `start_index` is the index of `token_ids[0]` in the request's output, so the router can
+    detect a gap or a duplicate. The last chunk has `finish_reason` set.
+    """
+
+    request_id: str
+    worker_id: str
+    start_index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "length" | "stop" on the last chunk
+
+
+class RequestFinished(_Event, tag="request.finished"):
+    """Terminal: every output token was generated and published."""
+
+    request_id: str
+    worker_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+class RequestFailed(_Event, tag="request.failed"):
+    """Terminal: the request could not be completed."""
+
+    request_id: str
+    worker_id: str  # or the router id when the router failed it
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class RequestCancelled(_Event, tag="request.cancelled"):
+    """Terminal: cancelled by the client or an operator."""
+
+    request_id: str
+    worker_id: str
+    reason: str = ""
+
+
+class RequestTimedOut(_Event, tag="request.timed_out"):
+    """Terminal: the request passed its deadline."""
+
+    request_id: str
+    worker_id: str
+    phase: str = ""  # "queued" | "prefill" | "decode"
+
+
+# --------------------------------------------------------------------------- commands
+class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One request inside a DispatchBatch command."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    decode_worker_id: str  # == the prefill worker in pd_fusion mode
+    token_subject: str  # core-NATS subject the router listens on for this request's tokens
+    deadline_ns: int = 0  # 0: none
+
+
+class DispatchBatch(_Event, tag="cmd.dispatch_batch"):
+    """Run this batch's prefill as one unit, then decode (or hand off in PD mode)."""
+
+    batch_id: str
+    router_id: str
+    worker_id: str
+    epoch: int  # fencing epoch of the scheduling router
+    requests: list[BatchRequest]
+
+
+class StartDecode(_Event, tag="cmd.start_decode"):
+    """PD hand-off: a prefill worker asks a decode worker to continue a request."""
+
+    request_id: str
+    prefill_worker_id: str
+    decode_worker_id: str
+    batch_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    token_subject: str
+    first_token_id: int  # produced by the prefill
+    num_cached_tokens: int = 0
+    deadline_ns: int = 0
+
+
+class CancelRequest(_Event, tag="cmd.cancel_request"):
+    request_id: str
+    worker_id: str
+    reason: str = ""
+
+
+Payload = Union[
+    WorkerRegistered,
+    WorkerStatusReported,
+    RequestAdmitted,
+    RequestRejected,
+    BatchDispatched,
+    BatchStarted,
+    PrefillCompleted,
+    TokensGenerated,
+    RequestFinished,
+    RequestFailed,
+    RequestCancelled,
+    RequestTimedOut,
+    DispatchBatch,
+    StartDecode,
+    CancelRequest,
+]
+
+PAYLOAD_TYPES: tuple[type, ...] = Payload.__args__  # type: ignore[attr-defined]
+TERMINAL_TYPES: tuple[type, ...] = (
+    RequestRejected,
+    RequestFinished,
+    RequestFailed,
+    RequestCancelled,
+    RequestTimedOut,
+)
+
+
+def tag_of(cls: type) -> str:
+    return cls.__struct_config__.tag  # type: ignore[attr-defined]
+
+
+class Envelope(msgspec.Struct, frozen=True, kw_only=True):
+    """The frame of every message: who said it, in which order, when, in which version."""
+
+    event_id: str  # unique; "<producer>:<boot>:<seq>"
+    producer: str  # worker or router id
+    seq: int  # per-producer sequence, from 1, gap-free within one boot
+    time_ns: int  # producer's clock, ns since the Unix epoch
+    payload: Payload
+    schema_version: int = SCHEMA_VERSION
+
+
+class DecodeError(Exception):
+    """An undecodable message: the reason is kept for the dead-letter record."""
+
+
+# Upcasters: schema_version -> function(raw envelope dict) -> raw envelope dict of version+1.
+UPCASTERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Envelope)
+_RAW_DECODER = msgspec.json.Decoder()
+
+
+def encode(envelope: Envelope) -> bytes:
+    return _ENCODER.encode(envelope)
+
+
+def decode(data: bytes) -> Envelope:
+    """Decode one message, upcasting old schema versions; raise DecodeError with a reason."""
+    try:
+        env = _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DecodeError(str(exc)) from None
+    if env.schema_version > SCHEMA_VERSION:
+        # Newer writers are additive within a version; a higher version we cannot read.
+        raise DecodeError(f"schema_version {env.schema_version} is newer than {SCHEMA_VERSION}")
+    if env.schema_version < SCHEMA_VERSION:
+        raw = _RAW_DECODER.decode(data)
+        for version in range(env.schema_version, SCHEMA_VERSION):
+            if version not in UPCASTERS:
+                raise DecodeError(f"no upcaster from schema_version {version}")
+            raw = UPCASTERS[version](raw)
+        env = msgspec.convert(raw, Envelope)
+    return env
+
+
+class EnvelopeFactory:
+    """Stamps payloads with producer, a gap-free sequence and a time given by the caller."""
+
+    def __init__(self, producer: str, boot_id: str) -> None:
+        self.producer = producer
+        self.boot_id = boot_id
+        self.seq = 0
+
+    def wrap(self, payload: Any, time_ns: int) -> Envelope:
+        self.seq += 1
+        return Envelope(
+            event_id=f"{self.producer}:{self.boot_id}:{self.seq}",
+            producer=self.producer,
+            seq=self.seq,
+            time_ns=time_ns,
+            payload=payload,
+        )
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema of the Envelope and every payload (for non-Python consumers)."""
+    return msgspec.json.schema(Envelope)

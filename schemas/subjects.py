@@ -1,0 +1,159 @@
+"""Every NATS subject and JetStream stream FlexLB uses, built in one place.
+
+| what                         | subject                           | delivery                               |
+|------------------------------|-----------------------------------|----------------------------------------|
+| worker status heartbeats     | flexlb.evt.status.<worker>        | stream FLEXLB_STATUS (last few per worker) |
+| worker lifecycle events      | flexlb.evt.req.<worker>           | stream FLEXLB_EVENTS                   |
+| router decisions / lifecycle | flexlb.evt.router.<router>        | stream FLEXLB_EVENTS                   |
+| admin actions                | flexlb.evt.admin                  | stream FLEXLB_EVENTS                   |
+| KV-cache events              | flexlb.evt.kv.<worker>            | stream FLEXLB_EVENTS                   |
+| batch dispatch commands      | flexlb.cmd.dispatch.<worker>      | work-queue stream FLEXLB_DISPATCH      |
+| PD decode hand-off           | flexlb.cmd.decode.<worker>        | work-queue stream FLEXLB_DISPATCH      |
+| cancel                       | flexlb.cmd.cancel.<worker>        | core NATS, best effort                 |
+| tokens                       | flexlb.tok.<router>.<request>     | core NATS                              |
+| dead letters                 | flexlb.dlq.<component>            | stream FLEXLB_DLQ                      |
+
+Ids used in subjects must be subject-safe tokens: `validate_token` enforces it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+PREFIX = "flexlb"
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+
+
+def validate_token(kind: str, value: str) -> str:
+    """Return `value` if it is usable as one subject token, else raise ValueError."""
+    if not _TOKEN_RE.match(value):
+        raise ValueError(f"{kind} {value!r} must be 1-128 characters of [A-Za-z0-9_-]")
+    return value
+
+
+def status_subject(worker_id: str) -> str:
+    return f"{PREFIX}.evt.status.{worker_id}"
+
+
+def worker_events_subject(worker_id: str) -> str:
+    return f"{PREFIX}.evt.req.{worker_id}"
+
+
+def router_events_subject(router_id: str) -> str:
+    return f"{PREFIX}.evt.router.{router_id}"
+
+
+def kv_events_subject(worker_id: str) -> str:
+    return f"{PREFIX}.evt.kv.{worker_id}"
+
+
+ADMIN_EVENTS_SUBJECT = f"{PREFIX}.evt.admin"
+ALL_STATUS = f"{PREFIX}.evt.status.>"
+ALL_WORKER_EVENTS = f"{PREFIX}.evt.req.>"
+ALL_EVENTS = f"{PREFIX}.evt.>"
+
+
+def dispatch_subject(worker_id: str) -> str:
+    return f"{PREFIX}.cmd.dispatch.{worker_id}"
+
+
+def decode_subject(worker_id: str) -> str:
+    return f"{PREFIX}.cmd.decode.{worker_id}"
+
+
+def cancel_subject(worker_id: str) -> str:
+    return f"{PREFIX}.cmd.cancel.{worker_id}"
+
+
+def token_subject(router_id: str, request_id: str) -> str:
+    return f"{PREFIX}.tok.{router_id}.{request_id}"
+
+
+def all_tokens_subject(router_id: str) -> str:
+    return f"{PREFIX}.tok.{router_id}.*"
+
+
+def dlq_subject(component: str) -> str:
+    return f"{PREFIX}.dlq.{component}"
+
+
+def dispatch_consumer(worker_id: str) -> str:
+    return f"worker-{worker_id}-dispatch"
+
+
+def decode_consumer(worker_id: str) -> str:
+    return f"worker-{worker_id}-decode"
+
+
+def router_events_consumer(router_id: str) -> str:
+    return f"router-{router_id}-events"
+
+
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A JetStream stream, in the form of the JetStream JSON API (nats-py reads it with
+    `StreamConfig.from_response(spec.api_config())`)."""
+
+    name: str
+    subjects: list[str]
+    retention: str  # "limits" | "workqueue"
+    max_age_s: float  # 0: unlimited
+    max_bytes: int  # -1: unlimited
+    max_msgs_per_subject: int = -1
+    duplicate_window_s: float = 120.0
+    storage: str = "file"
+
+    def api_config(self) -> dict:
+        return {
+            "name": self.name,
+            "subjects": list(self.subjects),
+            "retention": self.retention,
+            "max_age": int(self.max_age_s * 1e9),
+            "max_bytes": self.max_bytes,
+            "max_msgs_per_subject": self.max_msgs_per_subject,
+            "duplicate_window": int(self.duplicate_window_s * 1e9),
+            "storage": self.storage,
+            "discard": "old",
+        }
+
+
+# Retention defaults: status is only needed "now" (last few per worker, one hour at most);
+# the event log keeps a day or 1 GiB, whichever comes first; dispatch is a work queue whose
+# messages leave on ack; dead letters are kept a week for forensics.
+STATUS_STREAM = StreamSpec(
+    name="FLEXLB_STATUS",
+    subjects=[ALL_STATUS],
+    retention="limits",
+    max_age_s=3600,
+    max_bytes=256 * 1024 * 1024,
+    max_msgs_per_subject=8,
+)
+EVENTS_STREAM = StreamSpec(
+    name="FLEXLB_EVENTS",
+    subjects=[f"{PREFIX}.evt.req.>", f"{PREFIX}.evt.router.>", f"{PREFIX}.evt.kv.>", ADMIN_EVENTS_SUBJECT],
+    retention="limits",
+    max_age_s=24 * 3600,
+    max_bytes=1024 * 1024 * 1024,
+)
+DISPATCH_STREAM = StreamSpec(
+    name="FLEXLB_DISPATCH",
+    subjects=[f"{PREFIX}.cmd.dispatch.>", f"{PREFIX}.cmd.decode.>"],
+    retention="workqueue",
+    max_age_s=3600,
+    max_bytes=1024 * 1024 * 1024,
+)
+DLQ_STREAM = StreamSpec(
+    name="FLEXLB_DLQ",
+    subjects=[f"{PREFIX}.dlq.>"],
+    retention="limits",
+    max_age_s=7 * 24 * 3600,
+    max_bytes=256 * 1024 * 1024,
+)
+ALL_STREAMS: tuple[StreamSpec, ...] = (STATUS_STREAM, EVENTS_STREAM, DISPATCH_STREAM, DLQ_STREAM)
+
+# Header names
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_DLQ_REASON = "Flexlb-Dlq-Reason"
+HDR_DLQ_SUBJECT = "Flexlb-Dlq-Subject"

@@ -1,0 +1,40 @@
+"""The default tokenizer and the chained block hashes of a prompt.
+
+The tokenizer is byte-level and dependency-free: a token id is a UTF-8 byte (0-255). It is
+part of the contract because the router tokenizes prompts and the workers turn generated ids
+back into text. Real engines with their own vocabularies are a later issue.
+
+Block hashes: a prompt is cut into blocks of `block_size_tokens`; block i's hash chains the
+hash of block i-1 with block i's token ids, so two prompts share their first k block hashes
+exactly when they share their first k full blocks. Only full blocks are hashed. The hash is
+a 63-bit int from blake2b (stable across processes and Python versions, unlike `hash()`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+VOCAB_SIZE = 256
+
+
+def encode_text(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode_tokens(token_ids: list[int]) -> str:
+    return bytes(t & 0xFF for t in token_ids).decode("utf-8", errors="replace")
+
+
+def block_hashes(token_ids: list[int], block_size_tokens: int) -> list[int]:
+    if block_size_tokens <= 0:
+        raise ValueError("block_size_tokens must be positive")
+    hashes: list[int] = []
+    parent = b"\x00" * 8
+    n_full = len(token_ids) // block_size_tokens
+    for i in range(n_full):
+        block = token_ids[i * block_size_tokens : (i + 1) * block_size_tokens]
+        digest = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little") >> 1)
+        parent = digest
+    return hashes
