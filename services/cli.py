@@ -1,24 +1,147 @@
-"""`flexlb` command line."""
+"""`flexlb` command line: `up`, `router`, `worker`, `schema`.
+
+Flags override `FLEXLB_*` environment variables, which override defaults; every value is
+validated at start and a bad one exits with status 2 and a message naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import signal
 import sys
+
+from services.settings import RouterSettings, SettingsError, known_env_vars, load
+
+POLICY_HELP = "prefill: round-robin | random; decode: round-robin | random"
+
+
+def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> None:
+    p.add_argument("--nats-url", help="NATS server URL (env FLEXLB_NATS_URL)")
+    p.add_argument("--redis-url", help="Redis URL (env FLEXLB_REDIS_URL)")
+    if with_listen:
+        p.add_argument("--host", help="HTTP listen address (default 127.0.0.1)")
+        p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--router-id", help="router id, stable across restarts (default router-0)")
+    p.add_argument("--cluster", help="cluster name: the Redis key prefix")
+    p.add_argument("--prefill-policy", help=POLICY_HELP)
+    p.add_argument("--decode-policy", help=POLICY_HELP)
+    p.add_argument("--batcher", help="fixed-window")
+    p.add_argument("--batch-wait-ms", type=float, help="fixed-window: longest wait of a batch's head (ms)")
+    p.add_argument("--batch-size-max", type=int, help="fixed-window: most requests per batch")
+    p.add_argument("--log-level", help="debug | info | warning | error")
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--time-scale", type=float, help="engine time multiplier: 1 = profile speed, 0 = instant")
+    p.add_argument("--heartbeat-interval-ms", type=int, help="status heartbeat period (default 200)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks (default 16384)")
+    p.add_argument("--block-size-tokens", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-batch-tokens", type=int, help="most prompt tokens per prefill batch (default 65536)")
+    p.add_argument("--max-seq-len-tokens", type=int, help="longest prompt + output (default 40960)")
+    p.add_argument("--profile", help="timing profile JSON (default: llama2-70b H100 TP8, Splitwise fit)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexlb", description="FlexLB control plane for LLM inference clusters")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run NATS, Redis, a router and simulated workers on this machine")
+    _add_router_flags(up)
+    _add_worker_flags(up)
+    up.add_argument("--workers", type=int, default=2, help="colocated pd_fusion workers (default 2)")
+    up.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated mode, with --decode)")
+    up.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated mode, with --prefill)")
+    up.add_argument("--state-file", help="write URLs and the pid of every started process here (JSON)")
+    up.add_argument("--data-dir", help="NATS JetStream data directory (default: a temporary one)")
+    up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one)")
+    up.add_argument("--redis-port", type=int, help="port for the started redis-server (default: a free one)")
+
+    router = sub.add_parser("router", help="run one router process")
+    _add_router_flags(router)
+
+    worker = sub.add_parser("worker", help="run one engine worker process")
+    worker.add_argument("--id", dest="worker_id", help="worker id (env FLEXLB_WORKER_ID)")
+    worker.add_argument("--role", help="pd_fusion | prefill | decode (env FLEXLB_ROLE)")
+    worker.add_argument("--engine", help="sim (env FLEXLB_ENGINE)")
+    worker.add_argument("--nats-url", help="NATS server URL (env FLEXLB_NATS_URL)")
+    _add_worker_flags(worker)
+    worker.add_argument("--log-level", default="info", help="debug | info | warning | error")
+
     schema = sub.add_parser("schema", help="print the JSON Schema of every bus message")
     schema.add_argument("--out", help="write to this file instead of stdout")
     return parser
 
 
+def _overrides(args: argparse.Namespace, cls) -> dict:
+    return {k: v for k, v in vars(args).items() if k in cls.__struct_fields__ and v is not None}
+
+
+def router_settings(args: argparse.Namespace, environ=None) -> RouterSettings:
+    from workers.agent import WorkerConfig
+
+    return load(RouterSettings, environ, _overrides(args, RouterSettings), known_elsewhere=known_env_vars(WorkerConfig))
+
+
+def worker_config(args: argparse.Namespace, environ=None):
+    from workers.agent import WorkerConfig
+
+    cfg = load(WorkerConfig, environ, _overrides(args, WorkerConfig), known_elsewhere=known_env_vars(RouterSettings))
+    return cfg
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_router(settings: RouterSettings) -> int:
+    import uvicorn
+
+    from services.api import create_app
+    from services.shell.router import RouterService
+
+    _logging(settings.log_level)
+    app = create_app(RouterService(settings))
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+        lifespan="on", timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+def run_worker(cfg) -> int:
+    from workers.agent import WorkerAgent
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await WorkerAgent(cfg).run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "schema":
-        import json
+    try:
+        if args.command == "router":
+            return run_router(router_settings(args))
+        if args.command == "worker":
+            _logging(args.log_level)
+            return run_worker(worker_config(args))
+        if args.command == "up":
+            from services.up import run_up
 
+            return run_up(args, router_settings(args))
+    except (SettingsError, ValueError) as exc:
+        print(f"flexlb {args.command}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "schema":
         from schemas.messages import json_schema
 
         text = json.dumps(json_schema(), indent=2)

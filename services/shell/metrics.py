@@ -1,0 +1,26 @@
+"""Prometheus metrics of one router process (its own registry: tests may run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("flexlb_requests_total", "Requests by terminal outcome and code", ["outcome", "code"], registry=r)
+        self.undecodable = Counter("flexlb_undecodable_messages_total", "Messages that failed to decode, by source", ["source"], registry=r)
+        self.stream_overflow = Counter("flexlb_token_buffer_overflow_total", "Requests failed because their token buffer was full", registry=r)
+        self.orphan_tokens = Counter("flexlb_orphan_token_chunks_total", "Token chunks for requests this router does not hold", registry=r)
+        self.duplicate_terminal = Counter("flexlb_duplicate_terminal_total", "Terminal outcomes after the first (counted, not applied)", registry=r)
+        self.dispatch_failures = Counter("flexlb_dispatch_failures_total", "Batches whose dispatch publish failed", registry=r)
+        self.consumer_errors = Counter("flexlb_consumer_errors_total", "Errors in bus consumer loops (retried)", ["consumer"], registry=r)
+        self.batches = Counter("flexlb_batches_dispatched_total", "Batches dispatched, by close reason", ["reason"], registry=r)
+        self.batch_size = Histogram("flexlb_batch_size_requests", "Requests per dispatched batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.inflight = Gauge("flexlb_inflight_requests", "Admitted requests without a terminal outcome", registry=r)
+        self.ttft = Histogram(
+            "flexlb_ttft_seconds", "Time from arrival to first token at the router",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
+        )
+        self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)

@@ -1,0 +1,503 @@
+"""The router process: wires the pure core to NATS, Redis and the HTTP API.
+
+Inputs
+- `flexlb.evt.status.>` — an ordered JetStream consumer that starts from the last report of
+  every worker (DeliverLastPerSubject), so a restarted router rebuilds its worker view from
+  one heartbeat interval of history. A report's time is min(producer time, receive time),
+  so a dead worker's last report does not look fresh after a restart.
+- `flexlb.evt.req.>` — worker lifecycle events, a durable pull consumer named after the
+  router id: a restarted router resumes where it stopped and releases ledger entries for
+  requests that finished while it was down.
+- `flexlb.tok.<router>.*` — token chunks (core NATS), relayed to clients.
+
+Outputs
+- one `DispatchBatch` per batch, JetStream-published with the batch id as `Nats-Msg-Id`
+  (the server dedupes a retried publish; workers dedupe a redelivery);
+- router events (admitted, rejected, batch dispatched, router-side failures) on
+  `flexlb.evt.router.<router>`, published without waiting for acks (they are a record,
+  not a command).
+
+Per batch, the hot path costs one Redis script call (reserve), one acked JetStream publish
+and one event publish; per request, one event publish (admitted) and one Redis script call
+when its terminal event arrives (release).
+
+Undecodable messages on any subject are counted and republished to `flexlb.dlq.<router>`
+with the reason; consumers keep running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas import messages as m
+from schemas.errors import ErrorBody, error_code
+from schemas.subjects import (
+    ALL_STATUS,
+    ALL_WORKER_EVENTS,
+    EVENTS_STREAM,
+    HDR_MSG_ID,
+    all_tokens_subject,
+    cancel_subject,
+    dispatch_subject,
+    router_events_consumer,
+    router_events_subject,
+    token_subject,
+)
+from schemas.tokens import block_hashes
+from services.core.batcher import FixedWindowParams
+from services.core.policies import build_policy
+from services.core.scheduler import Admitted, FormedBatch, QueuedRequest, Rejected, Scheduler, SchedulerConfig
+from services.settings import RouterSettings
+from services.shell.bus import connect, dead_letter, ensure_streams
+from services.shell.ledger import Ledger, LedgerEntry, kv_field, prefill_field
+from services.shell.metrics import RouterMetrics
+
+log = logging.getLogger("flexlb.router")
+
+EXPECTED_DECODE_CAP_TOKENS = 1000  # expected KV = prompt + min(max_tokens, 1000), as FlexLB
+
+
+@dataclass(frozen=True)
+class Terminal:
+    """The end of a request's stream, as the client sees it."""
+
+    outcome: str  # finished | failed | cancelled | timed_out | rejected
+    code: str | None = None
+    message: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_ns: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokensGenerated | Terminal
+    next_index: int = 0  # index of the next output token we expect
+    num_buffered: int = 0  # token chunks queued and not yet read by the client
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    batch_id: str = ""
+    done: bool = False  # the client has been given its terminal outcome
+    first_token_ns: int = 0
+    grace_task: asyncio.Task | None = None
+
+
+class RouterService:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.router_id = settings.router_id
+        self.boot_id = secrets.token_hex(4)
+        self.rng = random.Random(settings.seed)
+        self.metrics = RouterMetrics()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_prompt_tokens=settings.max_prompt_tokens,
+                max_queue_per_worker=settings.max_queue_per_worker,
+                max_inflight_requests=settings.max_inflight_requests,
+                worker_timeout_ms=settings.worker_timeout_ms,
+                batcher=FixedWindowParams(wait_ms=settings.batch_wait_ms, batch_size_max=settings.batch_size_max),
+            ),
+            prefill_policy=build_policy("prefill", settings.prefill_policy),
+            decode_policy=build_policy("decode", settings.decode_policy),
+            id_prefix=f"{self.router_id}-{self.boot_id}",
+        )
+        if settings.batcher != "fixed-window":
+            raise ValueError(f"unknown batcher {settings.batcher!r}; known: fixed-window")
+        self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)
+        self.handles: dict[str, RequestHandle] = {}  # request id -> handle, until the client is answered
+        self.batch_pending: dict[str, set[str]] = {}  # batch id -> member request ids without terminal event
+        self.request_batch: dict[str, str] = {}  # request id -> batch id
+        self.epoch = 1  # fencing epoch (issue 5 takes it from the Redis lease)
+        self.wakeup = asyncio.Event()
+        self.nc = None
+        self.js = None
+        self.redis = None
+        self.ledger: Ledger | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.started_ns = 0
+        self.running = False
+        self.bus_state = "disconnected"
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.started_ns = time.time_ns()
+        self.nc = await connect(self.settings.nats_url, f"flexlb-router-{self.router_id}", self._on_bus_state)
+        self.bus_state = "connected"
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js)
+        self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
+        self.running = True
+        await self.nc.subscribe(all_tokens_subject(self.router_id), cb=self._on_token_msg)
+        await self.js.subscribe(
+            ALL_STATUS, cb=self._on_status_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+        )
+        self.events_sub = await self.js.pull_subscribe(
+            ALL_WORKER_EVENTS,
+            durable=router_events_consumer(self.router_id),
+            stream=EVENTS_STREAM.name,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=20000),
+        )
+        self.tasks = [
+            asyncio.create_task(self._events_loop(), name="events"),
+            asyncio.create_task(self._batch_loop(), name="batches"),
+        ]
+        log.info("router %s (boot %s) started", self.router_id, self.boot_id)
+
+    async def stop(self) -> None:
+        self.running = False
+        self.wakeup.set()
+        for item in self.scheduler.drain_queues():
+            self._finish_router(item.payload, "failed", "no_worker", "router shutting down before dispatch")
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.nc is not None:
+            try:
+                await asyncio.wait_for(self.nc.drain(), 3.0)
+            except Exception as exc:  # bus gone at shutdown: close without draining, say so
+                log.warning("nats drain on stop failed (%s); closing", exc.__class__.__name__)
+                await self.nc.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def _on_bus_state(self, state: str) -> None:
+        self.bus_state = state
+
+    # ------------------------------------------------------------------ health
+    async def readiness(self) -> tuple[bool, str]:
+        if self.nc is None or not self.nc.is_connected:
+            return False, "nats not connected"
+        try:
+            await asyncio.wait_for(self.redis.ping(), 1.0)
+        except Exception as exc:  # any failure of the ping is a "not ready" with its reason
+            return False, f"redis not answering: {exc.__class__.__name__}: {exc}"
+        return self.scheduler.view.readiness(time.time_ns(), self.scheduler.timeout_ns)
+
+    # ------------------------------------------------------------------ events out
+    async def _emit(self, payload: Any) -> None:
+        env = self.envelopes.wrap(payload, time.time_ns())
+        try:
+            await self.nc.publish(router_events_subject(self.router_id), m.encode(env))
+        except Exception as exc:  # the record is lost only if the bus is gone; say so loudly
+            self.metrics.consumer_errors.labels("emit").inc()
+            log.error("could not publish %s: %s", type(payload).__name__, exc)
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        return "cmpl-" + secrets.token_hex(12)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> RequestHandle | Rejected:
+        """Admit (or reject) a parsed request; on admission it is queued for batching."""
+        now = time.time_ns()
+        if request_id in self.handles:
+            return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
+        handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now)
+        block_size = next((w.block_size_tokens for w in self.scheduler.view.workers.values()), 16)
+        decision = self.scheduler.admit(
+            request_id, len(prompt_token_ids), max_tokens, now, self.rng,
+            tuple(block_hashes(prompt_token_ids, block_size)), payload=handle,
+        )
+        if isinstance(decision, Rejected):
+            return await self.reject(request_id, decision.code, decision.message)
+        assert isinstance(decision, Admitted)
+        handle.prefill_worker_id = decision.request.prefill_worker_id
+        handle.decode_worker_id = decision.request.decode_worker_id
+        self.handles[request_id] = handle
+        self.metrics.inflight.set(len(self.scheduler.inflight))
+        await self._emit(
+            m.RequestAdmitted(
+                request_id=request_id, router_id=self.router_id, prefill_worker_id=handle.prefill_worker_id,
+                decode_worker_id=handle.decode_worker_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
+                policy=decision.policy, reason=decision.prefill_pick.reason,
+            )
+        )
+        self.wakeup.set()
+        return handle
+
+    async def reject(self, request_id: str, code: str, message: str) -> Rejected:
+        self.metrics.requests.labels("rejected", code).inc()
+        await self._emit(m.RequestRejected(request_id=request_id, router_id=self.router_id, code=code, message=message))
+        return Rejected(code, message)
+
+    async def cancel(self, handle: RequestHandle, reason: str) -> None:
+        """Client gone or timed out: stop the work. The worker reports the terminal event."""
+        if handle.done:
+            return
+        removed = [
+            i for b in self.scheduler.batchers.values() for i in b.remove(lambda it: it.request_id == handle.request_id)
+        ]
+        if removed:  # never dispatched: the router owns the terminal event
+            self.scheduler.on_terminal(handle.request_id)
+            self._finish_router(handle, "cancelled", "cancelled", reason)
+            await self._emit(m.RequestCancelled(request_id=handle.request_id, worker_id=self.router_id, reason=reason))
+            return
+        handle.done = True
+        self.handles.pop(handle.request_id, None)
+        for worker in {handle.prefill_worker_id, handle.decode_worker_id}:
+            if worker:
+                cmd = m.CancelRequest(request_id=handle.request_id, worker_id=worker, reason=reason)
+                await self.nc.publish(cancel_subject(worker), m.encode(self.envelopes.wrap(cmd, time.time_ns())))
+
+    def _finish_router(self, handle: RequestHandle | None, outcome: str, code: str | None, message: str) -> None:
+        """Give the client its terminal outcome (once)."""
+        if handle is None:
+            return
+        if handle.done:
+            self.metrics.duplicate_terminal.inc()
+            return
+        handle.done = True
+        self.handles.pop(handle.request_id, None)
+        if handle.grace_task is not None:
+            handle.grace_task.cancel()
+        handle.queue.put_nowait(Terminal(outcome, code, message))
+
+    # ------------------------------------------------------------------ batching and dispatch
+    async def _batch_loop(self) -> None:
+        while self.running:
+            due = self.scheduler.next_due_ns()
+            self.wakeup.clear()
+            if due is None:
+                await self.wakeup.wait()
+            else:
+                delay_s = (due - time.time_ns()) / 1e9
+                if delay_s > 0:
+                    try:
+                        await asyncio.wait_for(self.wakeup.wait(), delay_s)
+                    except asyncio.TimeoutError:
+                        pass  # the earliest batch window elapsed: poll below
+            for batch in self.scheduler.tick(time.time_ns()):
+                try:
+                    await self._dispatch(batch)
+                except Exception:  # one failed dispatch must not stop the others
+                    log.exception("dispatch of %s failed", batch.batch_id)
+
+    async def _dispatch(self, batch: FormedBatch) -> None:
+        now = time.time_ns()
+        requests: list[m.BatchRequest] = []
+        entries = [
+            LedgerEntry(batch.worker_id, prefill_field(batch.batch_id), {
+                "kind": "prefill", "batch_id": batch.batch_id, "request_ids": [i.request_id for i in batch.items],
+                "num_prompt_tokens": batch.num_prompt_tokens, "created_ms": now // 1_000_000,
+            })
+        ]
+        for item in batch.items:
+            handle: RequestHandle = item.payload
+            handle.batch_id = batch.batch_id
+            self.request_batch[item.request_id] = batch.batch_id
+            requests.append(m.BatchRequest(
+                request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
+                decode_worker_id=item.decode_worker_id, token_subject=token_subject(self.router_id, item.request_id),
+            ))
+            entries.append(LedgerEntry(item.decode_worker_id, kv_field(item.request_id), {
+                "kind": "decode", "request_id": item.request_id, "batch_id": batch.batch_id,
+                "hard_kv_tokens": item.num_prompt_tokens,
+                "expected_kv_tokens": item.num_prompt_tokens + min(item.max_tokens, EXPECTED_DECODE_CAP_TOKENS),
+                "created_ms": now // 1_000_000,
+            }))
+        self.batch_pending[batch.batch_id] = {i.request_id for i in batch.items}
+        cmd = m.DispatchBatch(
+            batch_id=batch.batch_id, router_id=self.router_id, worker_id=batch.worker_id, epoch=self.epoch, requests=requests
+        )
+        try:
+            await self.ledger.reserve(entries, now // 1_000_000)
+            await self.js.publish(
+                dispatch_subject(batch.worker_id), m.encode(self.envelopes.wrap(cmd, now)),
+                headers={HDR_MSG_ID: batch.batch_id}, timeout=5,
+            )
+        except Exception as exc:  # roll back the reservation and fail the batch visibly
+            self.metrics.dispatch_failures.inc()
+            log.error("dispatch of batch %s to %s failed: %s", batch.batch_id, batch.worker_id, exc)
+            try:
+                await self.ledger.release([e.field for e in entries])
+            except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
+                log.error("rollback of batch %s reservations failed: %s", batch.batch_id, rel_exc)
+            self.batch_pending.pop(batch.batch_id, None)
+            for item in batch.items:
+                self.request_batch.pop(item.request_id, None)
+                self.scheduler.on_terminal(item.request_id)
+                self.metrics.requests.labels("failed", "dispatch_failed").inc()
+                self._finish_router(item.payload, "failed", "dispatch_failed", f"dispatch to {batch.worker_id} failed: {exc}")
+                await self._emit(m.RequestFailed(
+                    request_id=item.request_id, worker_id=self.router_id, code="dispatch_failed",
+                    message=str(exc), retryable=True,
+                ))
+            return
+        self.metrics.batches.labels(batch.reason).inc()
+        self.metrics.batch_size.observe(len(batch.items))
+        await self._emit(m.BatchDispatched(
+            batch_id=batch.batch_id, router_id=self.router_id, worker_id=batch.worker_id, epoch=self.epoch,
+            request_ids=[i.request_id for i in batch.items], num_prompt_tokens=batch.num_prompt_tokens, reason=batch.reason,
+        ))
+
+    # ------------------------------------------------------------------ inputs
+    async def _undecodable(self, source: str, msg, exc: Exception) -> None:
+        self.metrics.undecodable.labels(source).inc()
+        log.warning("undecodable message on %s: %s", msg.subject, exc)
+        try:
+            await dead_letter(self.nc, self.router_id, msg.subject, msg.data, str(exc))
+        except Exception as dlq_exc:  # the bus is down: the message is lost; say so
+            log.error("could not dead-letter a message from %s: %s", msg.subject, dlq_exc)
+
+    async def _on_status_msg(self, msg) -> None:
+        try:
+            env = m.decode(msg.data)
+            if not isinstance(env.payload, (m.WorkerStatusReported, m.WorkerRegistered)):
+                raise m.DecodeError(f"unexpected {type(env.payload).__name__} on a status subject")
+        except m.DecodeError as exc:
+            await self._undecodable("status", msg, exc)
+            return
+        self.scheduler.on_worker_event(env.payload, min(env.time_ns, time.time_ns()))
+
+    async def _on_token_msg(self, msg) -> None:
+        try:
+            env = m.decode(msg.data)
+            if not isinstance(env.payload, m.TokensGenerated):
+                raise m.DecodeError(f"unexpected {type(env.payload).__name__} on a token subject")
+        except m.DecodeError as exc:
+            await self._undecodable("tokens", msg, exc)
+            return
+        chunk: m.TokensGenerated = env.payload
+        handle = self.handles.get(chunk.request_id)
+        if handle is None or handle.done:
+            self.metrics.orphan_tokens.inc()
+            return
+        if chunk.start_index != handle.next_index:
+            self._fail_client(handle, "worker_failed", f"token stream gap: expected index {handle.next_index}, got {chunk.start_index}")
+            return
+        if handle.num_buffered >= self.settings.token_buffer_max:
+            self.metrics.stream_overflow.inc()
+            self._fail_client(handle, "stream_overflow", f"token buffer of {self.settings.token_buffer_max} chunks is full")
+            return
+        if handle.next_index == 0:
+            handle.first_token_ns = time.time_ns()
+            self.metrics.ttft.observe((handle.first_token_ns - handle.arrival_ns) / 1e9)
+        handle.next_index += len(chunk.token_ids)
+        handle.num_buffered += 1
+        handle.queue.put_nowait(chunk)
+        if chunk.finish_reason is not None:
+            handle.done = True
+            self.handles.pop(handle.request_id, None)
+            if handle.grace_task is not None:
+                handle.grace_task.cancel()
+            handle.queue.put_nowait(Terminal("finished", finish_reason=chunk.finish_reason))
+
+    def _fail_client(self, handle: RequestHandle, code: str, message: str) -> None:
+        """The client's stream is broken: tell the client now, stop the work on the worker."""
+        self._finish_router(handle, "failed", code, message)
+        for worker in {handle.prefill_worker_id, handle.decode_worker_id}:
+            cmd = m.CancelRequest(request_id=handle.request_id, worker_id=worker, reason=f"{code}: {message}")
+            asyncio.get_running_loop().create_task(
+                self.nc.publish(cancel_subject(worker), m.encode(self.envelopes.wrap(cmd, time.time_ns())))
+            )
+
+    async def _events_loop(self) -> None:
+        while self.running:
+            try:
+                msgs = await self.events_sub.fetch(batch=256, timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # bus outage: wait it out, retry
+                self.metrics.consumer_errors.labels("events").inc()
+                log.warning("events fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self._on_worker_event_msg(msg)
+                    await msg.ack()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # one bad event must not stop the loop; it is redelivered
+                    self.metrics.consumer_errors.labels("events").inc()
+                    log.exception("handling event on %s failed", msg.subject)
+
+    async def _on_worker_event_msg(self, msg) -> None:
+        try:
+            env = m.decode(msg.data)
+        except m.DecodeError as exc:
+            await self._undecodable("events", msg, exc)
+            return
+        ev = env.payload
+        if isinstance(ev, m.WorkerRegistered):
+            self.scheduler.on_worker_event(ev, min(env.time_ns, time.time_ns()))
+        elif isinstance(ev, m.PrefillCompleted):
+            n = await self.ledger.release([prefill_field(ev.batch_id)])
+            self.metrics.ledger_releases.labels("prefill_completed").inc(n)
+        elif isinstance(ev, (m.RequestFinished, m.RequestFailed, m.RequestCancelled, m.RequestTimedOut)):
+            await self._on_worker_terminal(ev)
+
+    async def _on_worker_terminal(self, ev) -> None:
+        request_id = ev.request_id
+        fields = [kv_field(request_id)]
+        batch_id = self.request_batch.pop(request_id, None)
+        if batch_id is not None:
+            pending = self.batch_pending.get(batch_id)
+            if pending is not None:
+                pending.discard(request_id)
+                if not pending:
+                    del self.batch_pending[batch_id]
+                    fields.append(prefill_field(batch_id))
+        n = await self.ledger.release(fields)
+        self.metrics.ledger_releases.labels("terminal").inc(n)
+        if not self.scheduler.on_terminal(request_id):
+            return  # another router's request, or one we forgot across a restart
+        self.metrics.inflight.set(len(self.scheduler.inflight))
+        outcome = {m.RequestFinished: "finished", m.RequestFailed: "failed", m.RequestCancelled: "cancelled", m.RequestTimedOut: "timed_out"}[type(ev)]
+        code = getattr(ev, "code", None) or ("timed_out" if outcome == "timed_out" else ("cancelled" if outcome == "cancelled" else ""))
+        self.metrics.requests.labels(outcome, code).inc()
+        handle = self.handles.get(request_id)
+        if handle is None or handle.done:
+            return
+        if isinstance(ev, m.RequestFinished):
+            if handle.next_index < ev.num_output_tokens:
+                # Tokens travel on core NATS and may still be in flight: give them a grace period.
+                handle.grace_task = asyncio.get_running_loop().create_task(self._grace(handle, ev.num_output_tokens))
+            return
+        message = getattr(ev, "message", "") or getattr(ev, "reason", "") or getattr(ev, "phase", "")
+        self._finish_router(handle, outcome, code or outcome, message)
+
+    async def _grace(self, handle: RequestHandle, expected: int) -> None:
+        await asyncio.sleep(self.settings.finish_grace_ms / 1000)
+        if not handle.done:
+            self._finish_router(
+                handle, "failed", "worker_failed",
+                f"worker finished with {expected} tokens but only {handle.next_index} reached the router",
+            )
+
+    # ------------------------------------------------------------------ admin views
+    def workers_view(self) -> list[dict[str, Any]]:
+        now = time.time_ns()
+        out = []
+        for w in sorted(self.scheduler.view.workers.values(), key=lambda w: w.worker_id):
+            live = w.is_live(now, self.scheduler.timeout_ns)
+            out.append({
+                "id": w.worker_id, "role": w.role, "state": w.state if live or w.state != "ready" else "stale",
+                "live": live, "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
+                "last_heartbeat_ns": w.last_heartbeat_ns,
+                "last_heartbeat_age_ms": round((now - w.last_heartbeat_ns) / 1e6, 1),
+                "num_kv_blocks": w.num_kv_blocks, "num_free_kv_blocks": w.num_free_kv_blocks,
+                "num_running_requests": w.num_running_requests, "num_queued_batches": w.num_queued_batches,
+                "num_queued_at_router": len(self.scheduler.batchers[w.worker_id]) if w.worker_id in self.scheduler.batchers else 0,
+                "num_restarts": w.num_restarts,
+            })
+        return out
+
+
+def error_for(code: str, message: str) -> tuple[int, bytes]:
+    import msgspec
+
+    return error_code(code).http_status, msgspec.json.encode(ErrorBody.of(code, message))

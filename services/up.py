@@ -1,0 +1,145 @@
+"""`flexlb up`: the whole stack on one machine, no containers.
+
+Starts, in order: `nats-server` with JetStream (data in `--data-dir` or a temporary
+directory) and `redis-server` (no persistence) on free or given loopback ports — unless
+`FLEXLB_NATS_URL` / `FLEXLB_REDIS_URL` name servers to use instead — then the simulated
+workers (`--workers N` colocated, or `--prefill N --decode M` disaggregated) and the
+router. It waits until the router's `/readyz` says ready, prints the URLs, writes them and
+every started pid to `--state-file` (JSON), and runs until SIGINT/SIGTERM, when it stops
+every child (router first, servers last) and exits 0. A child that dies is reported on
+stderr; the rest keep running (an operator restarts what is missing, or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from services.infra import InfraError, ManagedServer, start_nats, start_redis
+from services.settings import RouterSettings
+
+READY_TIMEOUT_S = 90.0
+
+
+def _child(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env)
+
+
+def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        for name, p in procs.items():
+            if p.poll() is not None:
+                raise InfraError(f"{name} exited with status {p.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    return "ready"
+        except urllib.error.HTTPError as exc:
+            last = exc.read().decode(errors="replace")
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise InfraError(f"router not ready after {timeout_s}s: {last}")
+
+
+def run_up(args, settings: RouterSettings) -> int:
+    if (args.prefill > 0) != (args.decode > 0):
+        raise ValueError("--prefill and --decode go together (disaggregated mode needs both roles)")
+    if args.prefill == 0 and args.workers < 1:
+        raise ValueError("--workers must be >= 1")
+    servers: list[ManagedServer] = []
+    children: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        nats_url = os.environ.get("FLEXLB_NATS_URL")
+        if not nats_url:
+            data_dir = args.data_dir or tempfile.mkdtemp(prefix="flexlb-nats-")
+            servers.append(start_nats(data_dir, args.nats_port))
+            nats_url = servers[-1].url
+        redis_url = os.environ.get("FLEXLB_REDIS_URL")
+        if not redis_url:
+            servers.append(start_redis(args.redis_port))
+            redis_url = servers[-1].url
+        env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url)
+        worker_flags: list[str] = []
+        for flag in ("time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
+                     "max_seq_len_tokens", "profile"):
+            value = getattr(args, flag)
+            if value is not None:
+                worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
+        if args.prefill:
+            fleet = [(f"p{i}", "prefill") for i in range(args.prefill)] + [(f"d{i}", "decode") for i in range(args.decode)]
+        else:
+            fleet = [(f"w{i}", "pd_fusion") for i in range(args.workers)]
+        for worker_id, role in fleet:
+            children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags], env)
+        router_flags = ["router", "--host", settings.host, "--port", str(settings.port), "--router-id", settings.router_id,
+                        "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
+                        "--batcher", settings.batcher, "--batch-wait-ms", str(settings.batch_wait_ms),
+                        "--batch-size-max", str(settings.batch_size_max), "--cluster", settings.cluster,
+                        "--log-level", settings.log_level]
+        children["router"] = _child(router_flags, env)
+        router_url = f"http://{settings.host}:{settings.port}"
+        _wait_ready(router_url, children, READY_TIMEOUT_S)
+        state = {
+            "router_url": router_url,
+            "nats_url": nats_url,
+            "redis_url": redis_url,
+            "workers": [{"id": w, "role": r} for w, r in fleet],
+            "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
+            "up_pid": os.getpid(),
+        }
+        if args.state_file:
+            tmp = args.state_file + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(state, fh, indent=2)
+            os.replace(tmp, args.state_file)
+        print(f"FlexLB is up: {router_url}  (workers: {', '.join(f'{w}/{r}' for w, r in fleet)})", flush=True)
+        print(f"  completions: curl -N {router_url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'", flush=True)
+        print(f"  admin: {router_url}/admin/workers  {router_url}/admin/ledger   nats: {nats_url}   redis: {redis_url}",
+              flush=True)
+        reported: set[str] = set()
+        while not stopping:
+            for name, p in children.items():
+                if p.poll() is not None and name not in reported:
+                    reported.add(name)
+                    print(f"flexlb up: {name} (pid {p.pid}) exited with status {p.returncode}", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+        return 0
+    except InfraError as exc:
+        print(f"flexlb up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        order = ["router"] + [n for n in children if n != "router"]
+        for name in order:
+            p = children.get(name)
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for name in order:
+            p = children.get(name)
+            if p is None:
+                continue
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for s in reversed(servers):
+            s.stop()

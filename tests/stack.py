@@ -1,0 +1,97 @@
+"""Helpers for integration tests: read the event log, run streamed completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import string
+from collections import Counter
+
+import httpx
+import nats
+
+from schemas import messages as m
+from schemas.subjects import EVENTS_STREAM
+from workers.engines.sim import sim_token_id
+
+
+async def read_event_log(nats_url: str, stream: str = EVENTS_STREAM.name) -> list[m.Envelope]:
+    """Every message in a stream, decoded, in stream order (direct gets by sequence)."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                raw = await js.get_msg(stream, seq)
+            except nats.js.errors.NotFoundError:
+                continue  # deleted message (work-queue ack, or purge)
+            out.append(m.decode(raw.data))
+        return out
+    finally:
+        await nc.close()
+
+
+def terminal_counts(envs: list[m.Envelope]) -> Counter:
+    return Counter(e.payload.request_id for e in envs if isinstance(e.payload, m.TERMINAL_TYPES))
+
+
+def expected_text(request_id: str, max_tokens: int) -> str:
+    return "".join(chr(sim_token_id(request_id, i)) for i in range(max_tokens))
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """One streamed completion; returns request id, texts, finish reason, whether [DONE] came."""
+    out = {"request_id": None, "texts": [], "finish_reason": None, "done": False, "errors": [], "status": None}
+    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as resp:
+        out["status"] = resp.status_code
+        out["request_id"] = resp.headers.get("x-request-id")
+        if resp.status_code != 200:
+            out["errors"].append((await resp.aread()).decode())
+            return out
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                out["done"] = True
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                out["errors"].append(obj["error"])
+                continue
+            choice = obj["choices"][0]
+            out["texts"].append(choice["text"])
+            if choice["finish_reason"]:
+                out["finish_reason"] = choice["finish_reason"]
+    return out
+
+
+def make_bodies(n: int, seed: int, max_prompt_chars: int = 400) -> list[dict]:
+    rng = random.Random(seed)
+    bodies = []
+    for _ in range(n):
+        length = rng.randint(8, max_prompt_chars)
+        prompt = "".join(rng.choice(string.ascii_letters + " ") for _ in range(length))
+        bodies.append({"prompt": prompt, "max_tokens": rng.randint(4, 40)})
+    return bodies
+
+
+async def run_concurrent_streams(url: str, bodies: list[dict]) -> list[dict]:
+    limits = httpx.Limits(max_connections=len(bodies) + 10, max_keepalive_connections=len(bodies) + 10)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
+        return await asyncio.gather(*(stream_completion(client, url, b) for b in bodies))
+
+
+async def wait_async(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = None
+    while loop.time() < deadline:
+        last = await predicate()
+        if last:
+            return last
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")

@@ -1,0 +1,123 @@
+"""The walking skeleton end to end: `flexlb up` -> router -> workers -> streamed tokens.
+
+Real processes, real nats-server and redis-server (started by `flexlb up` itself).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import redis
+
+from tests.stack import (
+    expected_text,
+    make_bodies,
+    read_event_log,
+    run_concurrent_streams,
+    terminal_counts,
+    wait_async,
+)
+
+from schemas import messages as m
+
+N_CONCURRENT = 200
+
+
+@pytest.mark.parametrize(
+    "fleet",
+    [["--workers", "2"], ["--prefill", "1", "--decode", "1"]],
+    ids=["colocated-pd_fusion", "disaggregated-1p1d"],
+)
+async def test_200_concurrent_streams_complete_exactly_once_and_leave_no_ledger(flexlb_up, fleet):
+    proc, state = flexlb_up("--time-scale", "0.01", *fleet)
+    url = state["router_url"]
+    bodies = make_bodies(N_CONCURRENT, seed=7)
+
+    results = await run_concurrent_streams(url, bodies)
+
+    # Every stream completed, with every generated token, in order.
+    for body, res in zip(bodies, results):
+        assert res["status"] == 200 and not res["errors"], res
+        assert res["done"] and res["finish_reason"] == "length", res
+        assert "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"])
+    ids = {r["request_id"] for r in results}
+    assert len(ids) == N_CONCURRENT
+
+    # Exactly one terminal event per request in the event log.
+    async def all_terminal():
+        envs = await read_event_log(state["nats_url"])
+        counts = terminal_counts(envs)
+        return envs if all(counts.get(i, 0) >= 1 for i in ids) else None
+
+    envs = await wait_async(all_terminal, 30, "a terminal event for every request")
+    counts = terminal_counts(envs)
+    assert {i: counts[i] for i in ids} == {i: 1 for i in ids}
+    finished = {e.payload.request_id: e.payload for e in envs if isinstance(e.payload, m.RequestFinished)}
+    for body, res in zip(bodies, results):
+        assert finished[res["request_id"]].num_output_tokens == body["max_tokens"]
+    # Requests were batched: fewer batches than requests.
+    batches = [e.payload for e in envs if isinstance(e.payload, m.BatchDispatched)]
+    assert sum(len(b.request_ids) for b in batches) == N_CONCURRENT
+    assert len(batches) < N_CONCURRENT
+
+    # The Redis ledger drains to empty (both through the admin API and in Redis itself).
+    async def ledger_empty():
+        async with httpx.AsyncClient() as c:
+            return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0
+
+    await wait_async(ledger_empty, 30, "an empty ledger")
+    r = redis.Redis.from_url(state["redis_url"])
+    assert sum(r.hlen(k) for k in r.scan_iter("flexlb:*:ledger:*")) == 0
+    assert proc.stop() == 0  # SIGTERM: every child stopped, exit 0
+
+
+async def test_non_stream_completion_is_openai_shaped_with_usage(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--workers", "1")
+    async with httpx.AsyncClient(timeout=60) as c:
+        resp = await c.post(state["router_url"] + "/v1/completions", json={"prompt": "Hello, world", "max_tokens": 12})
+        models = (await c.get(state["router_url"] + "/v1/models")).json()
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == models["data"][0]["id"]
+    assert body["choices"][0]["text"] == expected_text(body["id"], 12)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len("Hello, world".encode()), "completion_tokens": 12, "total_tokens": 24}
+
+
+BAD_BODIES = [
+    ("missing-prompt", b'{"max_tokens": 4}', 400, "invalid_request"),
+    ("negative-max-tokens", b'{"prompt": "hi", "max_tokens": -1}', 400, "invalid_request"),
+    ("zero-max-tokens", b'{"prompt": "hi", "max_tokens": 0}', 400, "invalid_request"),
+    ("huge-max-tokens", b'{"prompt": "hi", "max_tokens": 100000000}', 400, "invalid_request"),
+    ("prompt-wrong-type", b'{"prompt": 42}', 400, "invalid_request"),
+    ("max-tokens-wrong-type", b'{"prompt": "hi", "max_tokens": "many"}', 400, "invalid_request"),
+    ("stream-wrong-type", b'{"prompt": "hi", "stream": "yes"}', 400, "invalid_request"),
+    ("negative-token-id", b'{"prompt": [1, -2, 3]}', 400, "invalid_request"),
+    ("empty-prompt", b'{"prompt": ""}', 400, "invalid_request"),
+    ("not-an-object", b'[1, 2, 3]', 400, "invalid_request"),
+    ("invalid-json", b'{"prompt": "hi",', 400, "invalid_request"),
+    ("empty-body", b"", 400, "invalid_request"),
+    ("unknown-model", b'{"prompt": "hi", "model": "gpt-9"}', 400, "invalid_request"),
+    ("bad-request-id", b'{"prompt": "hi", "request_id": "a.b c"}', 400, "invalid_request"),
+    ("10MB-prompt", b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}', 413, "too_large"),
+    ("prompt-over-token-limit", b'{"prompt": "' + b"a" * 40000 + b'"}', 413, "too_large"),
+]
+
+
+async def test_invalid_bodies_get_4xx_with_a_code_and_the_router_keeps_serving(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--workers", "1")
+    url = state["router_url"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        for name, data, status, code in BAD_BODIES:
+            resp = await c.post(url + "/v1/completions", content=data, headers={"Content-Type": "application/json"})
+            assert resp.status_code == status, (name, resp.text[:300])
+            err = resp.json()["error"]
+            assert err["code"] == code, (name, err)
+            assert isinstance(err["message"], str) and err["message"]
+            assert isinstance(err["retryable"], bool)
+        assert (await c.get(url + "/no/such/path")).json()["error"]["code"] == "not_found"
+        ok = await c.post(url + "/v1/completions", json={"prompt": "still here?", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        metrics = (await c.get(url + "/metrics")).text
+    assert 'flexlb_requests_total{code="invalid_request",outcome="rejected"}' in metrics

@@ -1,0 +1,475 @@
+"""The simulated engine: timing profile, scheduling, token stream, KV blocks and prefix cache."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from schemas.errors import ERROR_CODES
+from schemas.messages import ROLES
+from schemas.tokens import block_hashes
+from workers.engines.sim import (
+    EngineBatch,
+    EngineRequest,
+    SimEngine,
+    StepResult,
+    TimingProfile,
+    load_profile,
+    sim_token_id,
+)
+
+PROFILE = load_profile(None)
+
+
+# --------------------------------------------------------------------------- builders
+def make_prompt(num_tokens: int, seed: int = 0) -> list[int]:
+    """Prompts with the same seed share their leading tokens (hence their leading blocks)."""
+    return [(seed * 37 + i) % 256 for i in range(num_tokens)]
+
+
+def make_request(request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4, seed: int = 0) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=make_prompt(num_prompt_tokens, seed),
+                         max_tokens=max_tokens)
+
+
+def make_batch(batch_id: str, *requests: EngineRequest) -> EngineBatch:
+    return EngineBatch(batch_id=batch_id, requests=list(requests))
+
+
+def make_engine(role: str = "pd_fusion", num_kv_blocks: int = 64, block_size_tokens: int = 4,
+                max_seq_len_tokens: int = 1024) -> SimEngine:
+    return SimEngine(profile=PROFILE, role=role, num_kv_blocks=num_kv_blocks,
+                     block_size_tokens=block_size_tokens, max_seq_len_tokens=max_seq_len_tokens)
+
+
+def run_to_idle(engine: SimEngine, max_steps: int = 10_000) -> list[StepResult]:
+    steps = []
+    while (step := engine.step()) is not None:
+        engine.check_invariants()
+        steps.append(step)
+        assert len(steps) < max_steps, "engine never went idle"
+    return steps
+
+
+def tokens_by_request(steps: list[StepResult]) -> dict[str, list[tuple[int, int]]]:
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for step in steps:
+        for t in step.tokens:
+            out[t.request_id].append((t.index, t.token_id))
+    return out
+
+
+def expected_tokens(request_id: str, max_tokens: int) -> list[tuple[int, int]]:
+    return [(i, sim_token_id(request_id, i)) for i in range(max_tokens)]
+
+
+def assert_all_blocks_released(engine: SimEngine) -> None:
+    engine.check_invariants()
+    assert engine.num_used_kv_blocks == 0
+    assert engine.num_free_kv_blocks + engine.num_cached_kv_blocks == engine.num_kv_blocks
+
+
+# --------------------------------------------------------------------------- profile
+def test_default_profile_is_the_fitted_llama2_70b_h100_tp8():
+    assert PROFILE.name == "llama2-70b-h100-tp8"
+    assert "Splitwise" in PROFILE.source
+    assert (PROFILE.prefill_base_ms, PROFILE.decode_base_ms) == (26.45, 29.57)
+
+
+@pytest.mark.parametrize(
+    "prompt_and_cached,expected_ms",
+    [
+        ([(1000, 0)], 26.45 + 64.14 + 3.635),
+        ([(1000, 500)], 26.45 + 0.06414 * 500 + 3.635e-6 * 750_000),
+        ([(100, 0), (200, 0)], 26.45 + 0.06414 * 300 + 3.635e-6 * 50_000),
+    ],
+    ids=["one-1000-token-prompt", "half-cached", "two-prompts"],
+)
+def test_prefill_ms_by_hand(prompt_and_cached, expected_ms):
+    assert PROFILE.prefill_ms(prompt_and_cached) == pytest.approx(expected_ms)
+
+
+@pytest.mark.parametrize(
+    "batch_size,num_context_tokens,expected_ms",
+    [(1, 1000, 29.57 + 0.198 + 0.22), (32, 64_000, 29.57 + 6.336 + 14.08)],
+    ids=["one-seq", "32-seqs"],
+)
+def test_decode_step_ms_by_hand(batch_size, num_context_tokens, expected_ms):
+    assert PROFILE.decode_step_ms(batch_size, num_context_tokens) == pytest.approx(expected_ms)
+
+
+def test_profile_loads_from_a_path(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**_profile_dict(), "name": "other"}))
+    assert load_profile(str(path)) == TimingProfile(**{**_profile_dict(), "name": "other"})
+
+
+def _profile_dict() -> dict:
+    return {f: getattr(PROFILE, f) for f in PROFILE.__struct_fields__}
+
+
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        ("{not json", "malformed"),
+        (json.dumps({k: v for k, v in _profile_dict().items() if k != "decode_base_ms"}), "decode_base_ms"),
+        (json.dumps({**_profile_dict(), "decode_base_sec": 1.0}), "decode_base_sec"),
+        (json.dumps({**_profile_dict(), "prefill_per_token_ms": -1.0}), "prefill_per_token_ms"),
+        (None, "cannot read"),
+    ],
+    ids=["not-json", "missing-field", "unknown-field", "negative-coefficient", "missing-file"],
+)
+def test_bad_profile_file_raises_value_error_naming_file_and_problem(tmp_path, content, fragment):
+    path = tmp_path / "bad-profile.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError) as info:
+        load_profile(str(path))
+    assert "bad-profile.json" in str(info.value)
+    assert fragment.lower() in str(info.value).lower()
+
+
+# --------------------------------------------------------------------------- token ids
+def test_sim_token_id_is_stable_lowercase_words():
+    ids = [sim_token_id("r1", i) for i in range(60)]
+    assert ids[:3] == [99, 120, 103]  # pinned: the same in every process and Python version
+    for i, token_id in enumerate(ids):
+        assert token_id == 32 if i % 6 == 5 else 97 <= token_id <= 122
+    assert ids != [sim_token_id("r2", i) for i in range(60)]
+
+
+# --------------------------------------------------------------------------- pd_fusion
+def test_pd_fusion_batch_prefills_once_then_decodes_every_token_in_order():
+    engine = make_engine()
+    requests = [make_request("a", 10, 1, seed=1), make_request("b", 7, 2, seed=2), make_request("c", 20, 5, seed=3)]
+    engine.submit_batch(make_batch("b1", *requests))
+    assert engine.running_request_ids() == ["a", "b", "c"] and engine.num_queued_batches == 1
+
+    steps = run_to_idle(engine)
+
+    prefill, decodes = steps[0], steps[1:]
+    assert (prefill.kind, prefill.batch_id, prefill.prefill_request_ids) == ("prefill", "b1", ["a", "b", "c"])
+    assert prefill.duration_ms == pytest.approx(PROFILE.prefill_ms([(10, 0), (7, 0), (20, 0)]))
+    assert (prefill.num_prompt_tokens, prefill.num_cached_tokens) == (37, 0)
+    assert [f.request_id for f in prefill.finished] == ["a"]  # max_tokens 1: done at prefill
+    assert [s.kind for s in decodes] == ["decode"] * 4
+    # first decode step: b and c running, each with prompt + 1 generated token of context
+    assert decodes[0].duration_ms == pytest.approx(PROFILE.decode_step_ms(2, (7 + 1) + (20 + 1)))
+    assert decodes[1].duration_ms == pytest.approx(PROFILE.decode_step_ms(1, 20 + 2))
+    got = tokens_by_request(steps)
+    for request in requests:
+        assert got[request.request_id] == expected_tokens(request.request_id, request.max_tokens)
+    finished = [f for s in steps for f in s.finished]
+    assert sorted((f.request_id, f.num_output_tokens, f.num_prompt_tokens) for f in finished) == [
+        ("a", 1, 10), ("b", 2, 7), ("c", 5, 20)]
+    assert all(f.finish_reason == "length" for f in finished)
+    assert engine.step() is None and engine.running_request_ids() == []
+    assert_all_blocks_released(engine)
+
+
+@pytest.mark.parametrize(
+    "num_prompt_tokens,block_size_tokens,expected_cached_tokens",
+    [(10, 4, 8), (8, 4, 4), (4, 4, 0), (3, 4, 0), (33, 16, 32), (32, 16, 16)],
+    ids=["partial-last-block", "whole-prompt-hit-cut", "one-block-cut-to-zero", "no-full-block",
+         "bs16-partial", "bs16-whole-cut"],
+)
+def test_identical_prompt_hits_the_prefix_cache(num_prompt_tokens, block_size_tokens, expected_cached_tokens):
+    engine = make_engine(block_size_tokens=block_size_tokens)
+    engine.submit_batch(make_batch("b1", make_request("first", num_prompt_tokens, 2)))
+    first = run_to_idle(engine)[0]
+    assert first.blocks_stored == block_hashes(make_prompt(num_prompt_tokens), block_size_tokens)
+    engine.submit_batch(make_batch("b2", make_request("second", num_prompt_tokens, 2)))
+    second = run_to_idle(engine)
+
+    assert second[0].num_cached_tokens == expected_cached_tokens
+    assert second[-1].finished[0].num_cached_tokens == expected_cached_tokens
+    assert second[0].duration_ms == pytest.approx(
+        PROFILE.prefill_ms([(num_prompt_tokens, expected_cached_tokens)]))
+    if expected_cached_tokens:
+        assert second[0].duration_ms < first.duration_ms
+    assert second[0].blocks_stored == []  # everything was cached already
+    assert_all_blocks_released(engine)
+
+
+def test_running_requests_share_hit_blocks():
+    engine = make_engine(num_kv_blocks=8, block_size_tokens=4)  # a and b fit only by sharing
+    engine.submit_batch(make_batch("b1", make_request("a", 16, 8)))  # 6 blocks
+    engine.step()
+    engine.submit_batch(make_batch("b2", make_request("b", 17, 7)))  # 6 blocks, first 4 shared
+    second = engine.step()
+    assert (second.kind, second.num_cached_tokens) == ("prefill", 16)
+    assert engine.num_used_kv_blocks == 6 + 2
+    engine.check_invariants()
+    run_to_idle(engine)
+    assert_all_blocks_released(engine)
+
+
+def test_lru_eviction_takes_the_least_recently_used_blocks_tail_first():
+    engine = make_engine(num_kv_blocks=4, block_size_tokens=4)
+    a, b, c = (make_request(r, 8, 4, seed=i) for i, r in enumerate("abc"))  # 3 blocks each, 2 prompt blocks
+    hashes_a, hashes_b = block_hashes(a.prompt_token_ids, 4), block_hashes(b.prompt_token_ids, 4)
+    engine.submit_batch(make_batch("b1", a))
+    run_to_idle(engine)
+    assert (engine.num_cached_kv_blocks, engine.num_free_kv_blocks) == (2, 2)
+
+    engine.submit_batch(make_batch("b2", b))
+    assert engine.step().blocks_removed == [hashes_a[1]]  # a's tail goes first, its head stays
+    run_to_idle(engine)
+    assert set(engine.all_cached_block_hashes()) == {hashes_a[0], *hashes_b}
+
+    engine.submit_batch(make_batch("b3", c))
+    step = engine.step()
+    assert step.blocks_removed == [hashes_a[0], hashes_b[1]]  # a was used before b
+    assert engine.num_free_kv_blocks == 0
+    engine.check_invariants()
+    run_to_idle(engine)
+    assert_all_blocks_released(engine)
+
+
+def test_a_batch_that_does_not_fit_waits_until_blocks_free_up():
+    engine = make_engine(num_kv_blocks=8, block_size_tokens=4)
+    engine.submit_batch(make_batch("big", make_request("long", 8, 16, seed=1)))  # 6 blocks
+    engine.step()
+    engine.submit_batch(make_batch("next", make_request("later", 8, 4, seed=2)))  # 3 blocks
+    steps = run_to_idle(engine)
+    kinds = [s.kind for s in steps]
+    assert kinds == ["decode"] * 15 + ["prefill"] + ["decode"] * 3
+    assert steps[14].finished[0].request_id == "long"
+    assert steps[15].batch_id == "next"
+
+
+@pytest.mark.parametrize(
+    "bad_request,code",
+    [
+        (make_request("bad", 8, 0), "invalid_request"),
+        (EngineRequest(request_id="bad", prompt_token_ids=[], max_tokens=4), "invalid_request"),
+        (make_request("bad", 30, 10), "too_large"),  # 40 tokens > max_seq_len_tokens 32
+        (make_request("bad", 20, 8), "too_large"),  # 7 blocks > num_kv_blocks 6
+    ],
+    ids=["zero-max-tokens", "empty-prompt", "longer-than-max-seq-len", "more-blocks-than-engine"],
+)
+def test_a_request_that_can_never_run_fails_without_blocking_the_queue(bad_request, code):
+    engine = make_engine(num_kv_blocks=6, block_size_tokens=4, max_seq_len_tokens=32)
+    engine.submit_batch(make_batch("b1", bad_request, make_request("good", 8, 2)))
+    assert engine.running_request_ids() == ["good"]
+    step = engine.step()
+    assert [(f.request_id, f.code) for f in step.failed] == [("bad", code)]
+    assert code in ERROR_CODES and step.failed[0].message
+    assert (step.kind, step.prefill_request_ids) == ("prefill", ["good"])
+    assert tokens_by_request(run_to_idle(engine)).keys() == {"good"}
+
+
+def test_requests_beyond_what_the_engine_holds_together_fail_as_dispatch_failed():
+    engine = make_engine(num_kv_blocks=6, block_size_tokens=4)
+    engine.submit_batch(make_batch("b1", *[make_request(r, 8, 4, seed=i) for i, r in enumerate("xyz")]))
+    step = engine.step()
+    assert [(f.request_id, f.code) for f in step.failed] == [("z", "dispatch_failed")]
+    assert step.prefill_request_ids == ["x", "y"]
+
+
+def test_failures_alone_are_reported_in_a_zero_duration_report_step():
+    engine = make_engine(max_seq_len_tokens=16)
+    engine.submit_batch(make_batch("b1", make_request("bad", 16, 1)))
+    assert engine.num_queued_batches == 0
+    step = engine.step()
+    assert (step.kind, step.duration_ms, [f.code for f in step.failed]) == ("report", 0.0, ["too_large"])
+    assert engine.step() is None
+
+
+@pytest.mark.parametrize("when", ["queued", "running"])
+def test_cancel_removes_the_request_and_frees_its_blocks(when):
+    engine = make_engine(num_kv_blocks=32, block_size_tokens=4)
+    engine.submit_batch(make_batch("b1", make_request("keep", 8, 6, seed=1), make_request("drop", 8, 6, seed=2)))
+    if when == "running":
+        engine.step()
+        engine.step()
+    assert engine.cancel("drop") is True
+    assert engine.cancel("drop") is False and engine.cancel("never-seen") is False
+    engine.check_invariants()
+    assert engine.running_request_ids() == ["keep"]
+    steps = run_to_idle(engine)
+    assert "drop" not in tokens_by_request(steps)
+    assert [f.request_id for s in steps for f in s.finished] == ["keep"]
+    assert_all_blocks_released(engine)
+
+
+def test_cancelling_every_request_of_a_queued_batch_drops_the_batch():
+    engine = make_engine()
+    engine.submit_batch(make_batch("b1", make_request("only")))
+    assert engine.cancel("only") and engine.num_queued_batches == 0
+    assert engine.step() is None
+
+
+# --------------------------------------------------------------------------- prefill / decode roles
+def test_prefill_role_hands_off_after_prefill_and_keeps_only_the_prompt_cached():
+    engine = make_engine(role="prefill", num_kv_blocks=32, block_size_tokens=4)
+    engine.submit_batch(make_batch("b1", make_request("a", 10, 1, seed=1), make_request("b", 8, 50, seed=2)))
+    step = engine.step()
+    assert step.kind == "prefill" and step.tokens == [] and step.finished == []
+    assert [(h.request_id, h.batch_id, h.first_token_id, h.num_cached_tokens) for h in step.handoffs] == [
+        ("a", "b1", sim_token_id("a", 0), 0), ("b", "b1", sim_token_id("b", 0), 0)]
+    assert engine.num_running_requests == 0 and engine.running_request_ids() == []
+    assert engine.num_cached_kv_blocks == 2 + 2  # full prompt blocks only
+    assert_all_blocks_released(engine)
+    assert engine.step() is None
+
+
+def test_prefill_role_reserves_only_the_prompt_blocks():
+    engine = make_engine(role="prefill", num_kv_blocks=2, block_size_tokens=4, max_seq_len_tokens=1024)
+    engine.submit_batch(make_batch("b1", make_request("r", 8, 500)))  # 127 blocks with its output
+    step = engine.step()
+    assert ([h.request_id for h in step.handoffs], step.failed) == (["r"], [])
+    assert_all_blocks_released(engine)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_decode_role_emits_exactly_max_tokens_beginning_with_the_first_token(max_tokens):
+    engine = make_engine(role="decode")
+    engine.submit_decode(make_request("r", 9, max_tokens), first_token_id=111, num_cached_tokens=4)
+    steps = run_to_idle(engine)
+    assert all(s.kind == "decode" for s in steps)
+    assert tokens_by_request(steps)["r"] == [(0, 111)] + expected_tokens("r", max_tokens)[1:]
+    assert len(steps) == max(1, max_tokens - 1)  # index 0 and 1 come in the admission step
+    finished = [f for s in steps for f in s.finished]
+    assert [(f.request_id, f.num_output_tokens, f.num_cached_tokens) for f in finished] == [("r", max_tokens, 4)]
+    if max_tokens == 1:
+        assert steps[0].duration_ms == 0.0  # nothing to compute
+    else:
+        assert steps[0].duration_ms == pytest.approx(PROFILE.decode_step_ms(1, 9 + 1))
+    assert_all_blocks_released(engine)
+
+
+def test_decode_role_admits_fifo_when_blocks_free_up():
+    engine = make_engine(role="decode", num_kv_blocks=4, block_size_tokens=4)
+    engine.submit_decode(make_request("first", 8, 4, seed=1), first_token_id=100, num_cached_tokens=0)
+    engine.submit_decode(make_request("second", 8, 4, seed=2), first_token_id=101, num_cached_tokens=0)
+    steps = run_to_idle(engine)
+    starts = {t.request_id: i for i, s in enumerate(steps) for t in s.tokens if t.index == 0}
+    ends = {f.request_id: i for i, s in enumerate(steps) for f in s.finished}
+    assert starts["second"] > ends["first"]
+
+
+def test_block_events_are_the_net_change_of_a_step():
+    # a max_tokens == 1 hand-off finishes at admission; the next admission in the same step
+    # evicts the tail block it just stored, so that block is in neither list
+    engine = make_engine(role="decode", num_kv_blocks=4, block_size_tokens=4)
+    short, long = make_request("short", 8, 1, seed=1), make_request("long", 8, 4, seed=2)
+    for request in (short, long):
+        engine.submit_decode(request, first_token_id=100, num_cached_tokens=0)
+    step = engine.step()
+    hashes_short, hashes_long = block_hashes(short.prompt_token_ids, 4), block_hashes(long.prompt_token_ids, 4)
+    assert (step.blocks_stored, step.blocks_removed) == ([hashes_short[0], *hashes_long], [])
+    assert set(engine.all_cached_block_hashes()) == set(step.blocks_stored)
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "role,call",
+    [
+        ("decode", lambda e: e.submit_batch(make_batch("b", make_request("r")))),
+        ("pd_fusion", lambda e: e.submit_decode(make_request("r"), first_token_id=1, num_cached_tokens=0)),
+        ("pd_fusion", lambda e: e.submit_batch(make_batch("b"))),
+        ("pd_fusion", lambda e: e.submit_batch(make_batch("b", make_request("r"), make_request("r")))),
+        ("pd_fusion", lambda e: [e.submit_batch(make_batch(b, make_request("r"))) for b in ("b1", "b2")]),
+    ],
+    ids=["batch-on-decode", "decode-on-pd-fusion", "empty-batch", "duplicate-in-batch", "duplicate-live"],
+)
+def test_caller_bugs_raise_value_error(role, call):
+    engine = make_engine(role=role)
+    with pytest.raises(ValueError):
+        call(engine)
+
+
+def test_unknown_role_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown worker role"):
+        make_engine(role="vit")
+
+
+# --------------------------------------------------------------------------- property
+_request_spec = st.tuples(st.integers(0, 2), st.integers(0, 24), st.integers(0, 8))  # seed, prompt, max
+_operation = st.one_of(
+    st.tuples(st.just("submit"), st.lists(_request_spec, min_size=1, max_size=3)),
+    st.tuples(st.just("cancel"), st.integers(0, 20)),
+    st.tuples(st.just("step"), st.none()),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(role=st.sampled_from(ROLES), num_kv_blocks=st.integers(4, 16), operations=st.lists(_operation, max_size=60))
+def test_random_workloads_keep_the_block_invariant_and_end_every_request_once(role, num_kv_blocks, operations):
+    engine = make_engine(role=role, num_kv_blocks=num_kv_blocks, block_size_tokens=4, max_seq_len_tokens=28)
+    submitted: dict[str, EngineRequest] = {}
+    outcomes: dict[str, list[str]] = defaultdict(list)
+    steps: list[StepResult] = []
+
+    cached_mirror: set[int] = set()  # what a consumer of blocks_stored / blocks_removed sees
+
+    def record(step: StepResult | None) -> None:
+        if step is None:
+            return
+        steps.append(step)
+        assert not set(step.blocks_stored) & set(step.blocks_removed)
+        cached_mirror.difference_update(step.blocks_removed)
+        cached_mirror.update(step.blocks_stored)
+        for label, happened in [("eviction", step.blocks_removed), ("prefix hit", step.num_cached_tokens)]:
+            if happened:
+                event(label)
+        assert cached_mirror == set(engine.all_cached_block_hashes())
+        for kind, items in [("finished", step.finished), ("failed", step.failed), ("handoff", step.handoffs)]:
+            for item in items:
+                outcomes[item.request_id].append(kind)
+
+    for op, arg in operations:
+        if op == "submit":
+            requests = [make_request(f"r{len(submitted) + i}", n, m, seed) for i, (seed, n, m) in enumerate(arg)]
+            submitted.update((r.request_id, r) for r in requests)
+            if role == "decode":
+                for r in requests:
+                    engine.submit_decode(r, first_token_id=sim_token_id(r.request_id, 0), num_cached_tokens=0)
+            else:
+                engine.submit_batch(make_batch(f"b{len(submitted)}", *requests))
+        elif op == "cancel" and arg < len(submitted):
+            if engine.cancel(f"r{arg}"):
+                outcomes[f"r{arg}"].append("cancelled")
+        elif op == "step":
+            record(engine.step())
+        engine.check_invariants()
+    for _ in range(10_000):
+        step = engine.step()
+        if step is None:
+            break
+        record(step)
+        engine.check_invariants()
+    else:
+        pytest.fail("engine never went idle")
+
+    assert_all_blocks_released(engine)
+    assert engine.running_request_ids() == []
+    assert {rid: len(o) for rid, o in outcomes.items()} == {rid: 1 for rid in submitted}
+    got = tokens_by_request(steps)
+    for rid, [outcome] in outcomes.items():
+        event(f"outcome {outcome}")
+        request = submitted[rid]
+        if outcome == "finished":
+            assert got[rid] == expected_tokens(rid, request.max_tokens)
+        elif outcome == "cancelled":
+            assert got[rid] == expected_tokens(rid, len(got[rid]))
+        else:
+            assert rid not in got
+        if outcome == "handoff":
+            assert role == "prefill"
+    for failure in (f for step in steps for f in step.failed):
+        request = submitted[failure.request_id]
+        num_prompt_tokens = len(request.prompt_token_ids)
+        blocks_needed = -(-(num_prompt_tokens + (0 if role == "prefill" else request.max_tokens)) // 4)
+        can_never_run = {
+            "invalid_request": request.max_tokens < 1 or num_prompt_tokens == 0,
+            "too_large": num_prompt_tokens + request.max_tokens > 28 or blocks_needed > num_kv_blocks,
+            "dispatch_failed": role != "decode",  # a batch too big to run as one unit
+        }
+        assert can_never_run[failure.code], failure
+        event(f"failure {failure.code}")

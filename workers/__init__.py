@@ -1,0 +1,1 @@
+"""FlexLB engine workers: the agent loop and the engines it drives (imports only `schemas`)."""

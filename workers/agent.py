@@ -1,0 +1,387 @@
+"""The engine worker: pulls commands from JetStream, runs them on an engine, reports.
+
+Loops (one asyncio task each):
+- commands: pull `DispatchBatch` (roles pd_fusion, prefill) or `StartDecode` (role decode)
+  from this worker's durable work-queue consumer; dedupe by batch id (a redelivery after a
+  lost ack is acked and ignored); refuse a command whose fencing epoch is older than the
+  newest seen (each of its requests fails with `dispatch_failed`, retryable); ack.
+- engine: `engine.step()`, sleep `duration_ms × time_scale`, then publish the step:
+  `BatchStarted` (before the sleep), token chunks on each request's token subject (the
+  last chunk carries `finish_reason`), `PrefillCompleted` with the measured ms,
+  `StartDecode` hand-offs to the decode worker (PD mode), and terminal events.
+- heartbeat: `WorkerStatusReported` every `heartbeat_interval_ms` on
+  `flexlb.evt.status.<worker>`; it lists the running request ids (authoritative).
+- cancel: core-NATS `CancelRequest` -> the engine drops the request -> `RequestCancelled`.
+
+Undecodable commands are counted (also in the heartbeat), dead-lettered to
+`flexlb.dlq.<worker>` with the reason, and acked so they do not block the queue.
+On SIGTERM the worker fails what it still holds (`worker_failed`, retryable) so no
+request hangs, reports `stopping`, and exits.
+
+Imports: `schemas` and the engines only (never `services`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.errors import BadRequestError
+
+from schemas import messages as m
+from schemas.subjects import (
+    ALL_STREAMS,
+    DISPATCH_STREAM,
+    HDR_DLQ_REASON,
+    HDR_DLQ_SUBJECT,
+    HDR_MSG_ID,
+    cancel_subject,
+    decode_consumer,
+    decode_subject,
+    dispatch_consumer,
+    dispatch_subject,
+    dlq_subject,
+    status_subject,
+    validate_token,
+    worker_events_subject,
+)
+from schemas.tokens import decode_tokens
+from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, StepResult, load_profile
+
+log = logging.getLogger("flexlb.worker")
+
+SEEN_BATCHES_MAX = 100_000  # batch ids remembered for dedupe
+SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    worker_id: str
+    role: str = "pd_fusion"
+    engine: str = "sim"
+    nats_url: str = "nats://127.0.0.1:4222"
+    time_scale: float = 1.0  # engine time multiplier: 0 = instant, 0.01 = 100x faster than the profile
+    heartbeat_interval_ms: int = 200
+    num_kv_blocks: int = 16384  # KV capacity (blocks of block_size_tokens)
+    block_size_tokens: int = 16
+    max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch
+    max_seq_len_tokens: int = 40960  # longest prompt + output
+    profile: str | None = None  # timing profile JSON; default: llama2-70b H100 TP8 (Splitwise fit)
+
+    def validate(self) -> "WorkerConfig":
+        validate_token("worker_id", self.worker_id)
+        self.role = m.parse_role(self.role)
+        if self.engine != "sim":
+            raise ValueError(f"engine {self.engine!r} is not available; known: sim")
+        if self.time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        return self
+
+
+@dataclass
+class ReqMeta:
+    token_subject: str
+    decode_worker_id: str
+    prompt_token_ids: list[int]  # kept only for the PD hand-off
+    max_tokens: int
+
+
+class WorkerAgent:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.cfg = config
+        self.boot_id = secrets.token_hex(4)
+        self.host = socket.gethostname()
+        self.engine = SimEngine(
+            profile=load_profile(config.profile), role=config.role, num_kv_blocks=config.num_kv_blocks,
+            block_size_tokens=config.block_size_tokens, max_seq_len_tokens=config.max_seq_len_tokens,
+        )
+        self.envelopes = m.EnvelopeFactory(config.worker_id, self.boot_id)
+        self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
+        self.seen_batches: OrderedDict[str, None] = OrderedDict()
+        self.max_epoch = 0
+        self.work = asyncio.Event()
+        self.state = "ready"
+        self.num_batches_executed = 0
+        self.num_requests_finished = 0
+        self.num_undecodable = 0
+        self.num_stale_refused = 0
+        self.last_step_ms = 0.0
+        self.nc = None
+        self.js = None
+
+    # ------------------------------------------------------------------ plumbing
+    def _env(self, payload) -> bytes:
+        return m.encode(self.envelopes.wrap(payload, time.time_ns()))
+
+    async def _event(self, payload) -> None:
+        await self.nc.publish(worker_events_subject(self.cfg.worker_id), self._env(payload))
+
+    async def _ensure_streams(self) -> None:
+        for spec in ALL_STREAMS:
+            config = StreamConfig.from_response(spec.api_config())
+            try:
+                await self.js.add_stream(config)
+            except BadRequestError:
+                await self.js.update_stream(config)
+
+    def status(self) -> m.WorkerStatusReported:
+        e = self.engine
+        return m.WorkerStatusReported(
+            worker_id=self.cfg.worker_id, role=self.cfg.role, boot_id=self.boot_id, state=self.state,
+            engine=self.cfg.engine, pid=os.getpid(), host=self.host, block_size_tokens=self.cfg.block_size_tokens,
+            num_kv_blocks=self.cfg.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks,
+            num_cached_kv_blocks=e.num_cached_kv_blocks, max_batch_tokens=self.cfg.max_batch_tokens,
+            max_seq_len_tokens=self.cfg.max_seq_len_tokens, num_running_requests=e.num_running_requests,
+            num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(),
+            num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
+            num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
+            last_step_ms=self.last_step_ms, heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
+        )
+
+    # ------------------------------------------------------------------ run
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        num_errors = 0
+
+        async def error_cb(exc: Exception) -> None:
+            nonlocal num_errors
+            num_errors += 1
+            if num_errors == 1 or num_errors % 40 == 0:  # a 10 s outage logs a line, not 40 tracebacks
+                log.warning("nats error (%d so far): %s", num_errors, exc)
+
+        self.nc = await nats.connect(
+            cfg.nats_url, name=f"flexlb-worker-{cfg.worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+            connect_timeout=5, error_cb=error_cb,
+        )
+        self.js = self.nc.jetstream()
+        await self._ensure_streams()
+        await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
+        if cfg.role == "decode":
+            subject, durable = decode_subject(cfg.worker_id), decode_consumer(cfg.worker_id)
+        else:
+            subject, durable = dispatch_subject(cfg.worker_id), dispatch_consumer(cfg.worker_id)
+        psub = await self.js.pull_subscribe(
+            subject, durable=durable, stream=DISPATCH_STREAM.name,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=10000),
+        )
+        registered = m.WorkerRegistered(
+            worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id, engine=cfg.engine, pid=os.getpid(),
+            host=self.host, block_size_tokens=cfg.block_size_tokens, num_kv_blocks=cfg.num_kv_blocks,
+            max_batch_tokens=cfg.max_batch_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
+            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        )
+        await self.js.publish(worker_events_subject(cfg.worker_id), self._env(registered))
+        await self.nc.publish(status_subject(cfg.worker_id), self._env(self.status()))
+        log.info("worker %s (%s, boot %s) ready", cfg.worker_id, cfg.role, self.boot_id)
+        tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._command_loop(psub), name="commands"),
+            asyncio.create_task(self._engine_loop(), name="engine"),
+        ]
+        await stop.wait()
+        self.state = "stopping"
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self._say_goodbye(), SHUTDOWN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.error("bus unreachable at shutdown: %d requests not reported failed", len(self.meta))
+        await self.nc.close()
+
+    async def _say_goodbye(self) -> None:
+        await self._fail_everything("worker stopping")
+        await self.nc.publish(status_subject(self.cfg.worker_id), self._env(self.status()))
+        await self.nc.flush()
+
+    async def _fail_everything(self, reason: str) -> None:
+        for request_id in list(self.meta):
+            self.engine.cancel(request_id)
+            self.meta.pop(request_id, None)
+            await self._event(m.RequestFailed(
+                request_id=request_id, worker_id=self.cfg.worker_id, code="worker_failed", message=reason, retryable=True,
+            ))
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.cfg.heartbeat_interval_ms / 1000
+        while True:
+            try:
+                await self.nc.publish(status_subject(self.cfg.worker_id), self._env(self.status()))
+            except Exception as exc:  # bus outage: keep beating, the next one may get through
+                log.warning("heartbeat publish failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    async def _command_loop(self, psub) -> None:
+        while True:
+            try:
+                msgs = await psub.fetch(batch=64, timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # bus outage: wait it out
+                log.warning("command fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self._on_command(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a command we cannot execute: dead-letter it, keep going
+                    log.exception("command on %s failed", msg.subject)
+                    await self._dead_letter(msg, "command handler raised")
+                await msg.ack()
+
+    async def _dead_letter(self, msg, reason: str) -> None:
+        self.num_undecodable += 1
+        await self.nc.publish(
+            dlq_subject(self.cfg.worker_id), msg.data,
+            headers={HDR_DLQ_REASON: reason[:512], HDR_DLQ_SUBJECT: msg.subject},
+        )
+
+    async def _on_command(self, msg) -> None:
+        try:
+            cmd = m.decode(msg.data).payload
+        except m.DecodeError as exc:
+            log.warning("undecodable command on %s: %s", msg.subject, exc)
+            await self._dead_letter(msg, str(exc))
+            return
+        if isinstance(cmd, m.DispatchBatch) and self.cfg.role != "decode":
+            if cmd.batch_id in self.seen_batches:
+                return  # redelivery of a batch we already took
+            self.seen_batches[cmd.batch_id] = None
+            if len(self.seen_batches) > SEEN_BATCHES_MAX:
+                self.seen_batches.popitem(last=False)
+            if cmd.epoch < self.max_epoch:
+                self.num_stale_refused += 1
+                for r in cmd.requests:
+                    await self._event(m.RequestFailed(
+                        request_id=r.request_id, worker_id=self.cfg.worker_id, code="dispatch_failed", retryable=True,
+                        message=f"stale fencing epoch {cmd.epoch} < {self.max_epoch}",
+                    ))
+                return
+            self.max_epoch = cmd.epoch
+            for r in cmd.requests:
+                keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
+                self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens)
+            self.engine.submit_batch(EngineBatch(batch_id=cmd.batch_id, requests=[
+                EngineRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, max_tokens=r.max_tokens)
+                for r in cmd.requests
+            ]))
+        elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
+            key = f"{cmd.batch_id}:{cmd.request_id}"
+            if key in self.seen_batches:
+                return
+            self.seen_batches[key] = None
+            self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens)
+            self.engine.submit_decode(
+                EngineRequest(request_id=cmd.request_id, prompt_token_ids=cmd.prompt_token_ids, max_tokens=cmd.max_tokens),
+                first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
+            )
+        else:
+            await self._dead_letter(msg, f"{type(cmd).__name__} is not a command for a {self.cfg.role} worker")
+            return
+        self.work.set()
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            cmd = m.decode(msg.data).payload
+            if not isinstance(cmd, m.CancelRequest):
+                raise m.DecodeError(f"unexpected {type(cmd).__name__} on a cancel subject")
+        except m.DecodeError as exc:
+            await self._dead_letter(msg, str(exc))
+            return
+        if self.engine.cancel(cmd.request_id):
+            self.meta.pop(cmd.request_id, None)
+            await self._event(m.RequestCancelled(request_id=cmd.request_id, worker_id=self.cfg.worker_id, reason=cmd.reason))
+
+    async def _engine_loop(self) -> None:
+        scale = self.cfg.time_scale
+        while True:
+            self.work.clear()
+            step = self.engine.step()
+            if step is None:
+                await self.work.wait()
+                continue
+            if step.kind == "prefill" and step.batch_id:
+                await self._event(m.BatchStarted(
+                    batch_id=step.batch_id, worker_id=self.cfg.worker_id, request_ids=list(step.prefill_request_ids)
+                ))
+            t0 = time.monotonic()
+            await asyncio.sleep(step.duration_ms * scale / 1000)
+            measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
+            self.last_step_ms = measured_ms
+            try:
+                await self._publish_step(step, measured_ms)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep the engine going; the lost outputs surface as client errors
+                log.exception("publishing a step's outputs failed")
+
+    async def _publish_step(self, step: StepResult, measured_ms: float) -> None:
+        wid = self.cfg.worker_id
+        finished = {f.request_id: f for f in step.finished}
+        chunks: dict[str, list] = {}
+        for t in step.tokens:
+            chunks.setdefault(t.request_id, []).append(t)
+        for request_id, toks in chunks.items():
+            meta = self.meta.get(request_id)
+            if meta is None:
+                continue  # cancelled meanwhile
+            ids = [t.token_id for t in toks]
+            fin = finished.get(request_id)
+            await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
+                request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
+                text=decode_tokens(ids), finish_reason=fin.finish_reason if fin else None,
+            )))
+        if step.kind == "prefill" and step.batch_id:
+            self.num_batches_executed += 1
+            await self._event(m.PrefillCompleted(
+                batch_id=step.batch_id, worker_id=wid, request_ids=list(step.prefill_request_ids),
+                measured_ms=round(measured_ms, 3), num_prompt_tokens=step.num_prompt_tokens,
+                num_cached_tokens=step.num_cached_tokens,
+            ))
+        for h in step.handoffs:
+            meta = self.meta.pop(h.request_id, None)
+            if meta is None:
+                continue
+            cmd = m.StartDecode(
+                request_id=h.request_id, prefill_worker_id=wid, decode_worker_id=meta.decode_worker_id,
+                batch_id=h.batch_id, prompt_token_ids=meta.prompt_token_ids, max_tokens=meta.max_tokens,
+                token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
+            )
+            try:
+                await self.js.publish(
+                    decode_subject(meta.decode_worker_id), self._env(cmd),
+                    headers={HDR_MSG_ID: f"{h.batch_id}:{h.request_id}"}, timeout=5,
+                )
+            except Exception as exc:  # the hand-off is lost: fail the request visibly
+                log.error("hand-off of %s to %s failed: %s", h.request_id, meta.decode_worker_id, exc)
+                await self._event(m.RequestFailed(
+                    request_id=h.request_id, worker_id=wid, code="worker_failed", retryable=True,
+                    message=f"hand-off to decode worker {meta.decode_worker_id} failed: {exc}",
+                ))
+        for f in step.finished:
+            if self.meta.pop(f.request_id, None) is None:
+                continue
+            self.num_requests_finished += 1
+            await self._event(m.RequestFinished(
+                request_id=f.request_id, worker_id=wid, finish_reason=f.finish_reason, num_prompt_tokens=f.num_prompt_tokens,
+                num_output_tokens=f.num_output_tokens, num_cached_tokens=f.num_cached_tokens,
+            ))
+        for f in step.failed:
+            if self.meta.pop(f.request_id, None) is None:
+                continue
+            await self._event(m.RequestFailed(request_id=f.request_id, worker_id=wid, code=f.code, message=f.message))
