@@ -139,7 +139,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         ok, reason = await service.readiness()
         if not ok:
             return _error("not_ready", reason)
-        return {"status": "ready", "reason": reason}
+        return {"status": "ready", "reason": reason, "view_ready_after_ms": service.view_ready_after_ms}
 
     @app.get("/metrics")
     async def metrics():

@@ -128,6 +128,7 @@ class RouterService:
         self.started_ns = 0
         self.running = False
         self.bus_state = "disconnected"
+        self.view_ready_after_ms: float | None = None  # start -> first complete worker view
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -358,7 +359,11 @@ class RouterService:
         except m.DecodeError as exc:
             await self._undecodable("status", msg, exc)
             return
-        self.scheduler.on_worker_event(env.payload, min(env.time_ns, time.time_ns()))
+        now = time.time_ns()
+        self.scheduler.on_worker_event(env.payload, min(env.time_ns, now))
+        if self.view_ready_after_ms is None and self.scheduler.view.readiness(now, self.scheduler.timeout_ns)[0]:
+            self.view_ready_after_ms = round((now - self.started_ns) / 1e6, 1)
+            log.info("worker view complete %.1f ms after start", self.view_ready_after_ms)
 
     async def _on_token_msg(self, msg) -> None:
         try:

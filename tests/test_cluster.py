@@ -1,0 +1,152 @@
+"""Router and workers as separate processes on the session's real NATS and Redis servers:
+poison messages, and a router killed and restarted while workers run."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import nats
+import pytest
+
+from schemas import messages as m
+from schemas.subjects import (
+    DLQ_STREAM,
+    HDR_DLQ_REASON,
+    HDR_DLQ_SUBJECT,
+    STATUS_STREAM,
+    dispatch_subject,
+    dlq_subject,
+    status_subject,
+    token_subject,
+    worker_events_subject,
+)
+from services.infra import free_port
+from tests.conftest import wait_for
+from tests.stack import expected_text, wait_async
+
+
+def _ids(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+def start_stack(spawn, nats_url, redis_url, num_workers=1, router_id=None, port=None, cluster=None):
+    env = {"FLEXLB_NATS_URL": nats_url, "FLEXLB_REDIS_URL": redis_url}
+    workers = [_ids("w") for _ in range(num_workers)]
+    for w in workers:
+        spawn("worker", "--id", w, "--time-scale", "0.01", env=env, name=w)
+    router_id = router_id or _ids("router")
+    port = port or free_port()
+    cluster = cluster or _ids("c")
+    router = spawn("router", "--router-id", router_id, "--port", str(port), "--cluster", cluster, env=env, name=router_id)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        if router.popen.poll() is not None:
+            raise AssertionError(f"router exited:\n{router.tail()}")
+        try:
+            r = httpx.get(url + "/readyz", timeout=2)
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    readiness = wait_for(ready, 60, "router ready")
+    return {"url": url, "router": router, "router_id": router_id, "workers": workers, "env": env,
+            "cluster": cluster, "port": port, "readiness": readiness}
+
+
+def complete(url: str, prompt: str = "ping", max_tokens: int = 5) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == expected_text(body["id"], max_tokens)
+    return body
+
+
+async def test_undecodable_messages_are_counted_dead_lettered_and_consumers_keep_running(spawn, nats_url, redis_url):
+    stack = start_stack(spawn, nats_url, redis_url)
+    router_id, worker_id = stack["router_id"], stack["workers"][0]
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    wrong_kind = m.encode(m.EnvelopeFactory("x", "b").wrap(m.CancelRequest(request_id="r", worker_id="w"), 1))
+    await nc.publish(status_subject("poison-w"), b"\x00\x01 not an envelope")
+    await nc.publish(status_subject("poison-w2"), wrong_kind)  # decodes, but is no status report
+    await nc.publish(worker_events_subject("poison-w"), b'{"event_id": 1')
+    await nc.publish(token_subject(router_id, "no-such-request"), b"junk")
+    await js.publish(dispatch_subject(worker_id), b"junk command")
+    await nc.flush()
+
+    async def dead_letters():
+        info = await js.stream_info(DLQ_STREAM.name, subjects_filter=">")
+        return info.state.subjects or {}
+
+    async def ours():
+        subjects = await dead_letters()
+        return subjects if subjects.get(dlq_subject(router_id), 0) >= 4 and subjects.get(dlq_subject(worker_id), 0) >= 1 else None
+
+    await wait_async(ours, 30, "dead letters from the router and the worker")
+    last = await js.get_last_msg(DLQ_STREAM.name, dlq_subject(worker_id))
+    assert last.headers[HDR_DLQ_SUBJECT] == dispatch_subject(worker_id)
+    assert "malformed" in last.headers[HDR_DLQ_REASON].lower()
+    last = await js.get_last_msg(DLQ_STREAM.name, dlq_subject(router_id))
+    assert last.headers[HDR_DLQ_REASON]
+
+    # Counted: in the router's metrics and in the worker's heartbeat.
+    metrics = httpx.get(stack["url"] + "/metrics").text
+    for source in ("status", "events", "tokens"):
+        line = next(ln for ln in metrics.splitlines() if ln.startswith(f'flexlb_undecodable_messages_total{{source="{source}"}}'))
+        assert float(line.split()[-1]) >= 1, line
+
+    async def worker_counted():
+        raw = await js.get_last_msg(STATUS_STREAM.name, status_subject(worker_id))
+        return m.decode(raw.data).payload.num_undecodable_messages >= 1
+
+    await wait_async(worker_counted, 10, "the worker's heartbeat to count the poison command")
+    await nc.close()
+    # Every consumer kept running: the whole path still serves.
+    for i in range(3):
+        complete(stack["url"], f"after poison {i}")
+
+
+async def test_killed_router_restarts_rebuilds_its_worker_view_and_serves(spawn, nats_url, redis_url):
+    stack = start_stack(spawn, nats_url, redis_url, num_workers=2)
+    complete(stack["url"], "before the crash")
+    stack["router"].popen.kill()  # kill -9
+    stack["router"].popen.wait(10)
+
+    env = stack["env"]
+    router = spawn("router", "--router-id", stack["router_id"], "--port", str(stack["port"]), "--cluster", stack["cluster"],
+                   env=env, name="router-restarted")
+
+    def ready():
+        if router.popen.poll() is not None:
+            raise AssertionError(f"restarted router exited:\n{router.tail()}")
+        try:
+            r = httpx.get(stack["url"] + "/readyz", timeout=2)
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    readiness = wait_for(ready, 60, "restarted router ready")
+    # The view is rebuilt from the workers' last heartbeats, well within 2 s of the router's start.
+    assert readiness["view_ready_after_ms"] is not None and readiness["view_ready_after_ms"] < 2000, readiness
+    workers = httpx.get(stack["url"] + "/admin/workers").json()["workers"]
+    assert {w["id"] for w in workers if w["live"]} >= set(stack["workers"])
+    for w in workers:
+        assert {"id", "role", "state", "pid", "host", "last_heartbeat_ns"} <= set(w)
+    for i in range(4):
+        complete(stack["url"], f"after the restart {i}")
+
+    async def ledger_empty():
+        return httpx.get(stack["url"] + "/admin/ledger").json()["num_entries"] == 0
+
+    await wait_async(ledger_empty, 20, "an empty ledger after the restart")
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "0x"), ("--batch-size-max", "0"), ("--prefill-policy", "best-ever")])
+def test_bad_router_configuration_exits_2_naming_the_setting(spawn, flag, value):
+    proc = spawn("router", flag, value, name="bad-router")
+    code = proc.popen.wait(30)
+    assert code == 2
+    out = proc.tail()
+    assert flag.lstrip("-").replace("-", "_") in out or flag in out or value in out, out

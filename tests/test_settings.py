@@ -1,0 +1,52 @@
+"""Typed settings: env < flags, loud validation naming the setting, unknown vars warned."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from services.cli import build_parser, router_settings, worker_config
+from services.settings import RouterSettings, SettingsError, load
+
+
+def test_environment_then_flags_override_defaults():
+    s = load(RouterSettings, {"FLEXLB_PORT": "9001", "FLEXLB_BATCH_WAIT_MS": "2.5"}, {"port": 9002})
+    assert s.port == 9002 and s.batch_wait_ms == 2.5 and s.router_id == "router-0"
+
+
+@pytest.mark.parametrize(
+    "env,fragment",
+    [
+        ({"FLEXLB_PORT": "eighty"}, "FLEXLB_PORT"),
+        ({"FLEXLB_BATCH_SIZE_MAX": "0"}, "batch_size_max"),
+        ({"FLEXLB_ROUTER_ID": "a.b"}, "router_id"),
+        ({"FLEXLB_LOG_LEVEL": "chatty"}, "log_level"),
+    ],
+)
+def test_bad_values_fail_naming_the_setting(env, fragment):
+    with pytest.raises(SettingsError, match=fragment):
+        load(RouterSettings, env)
+
+
+def test_unknown_flexlb_variable_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="flexlb.settings"):
+        load(RouterSettings, {"FLEXLB_PROT": "1"})
+    assert "FLEXLB_PROT" in caplog.text
+
+
+def test_worker_variables_are_not_unknown_to_the_router(caplog):
+    args = build_parser().parse_args(["router"])
+    with caplog.at_level(logging.WARNING, logger="flexlb.settings"):
+        router_settings(args, {"FLEXLB_TIME_SCALE": "0.5", "FLEXLB_NATS_URL": "nats://x:1"})
+    assert caplog.text == ""
+
+
+def test_worker_config_from_flags_and_env():
+    args = build_parser().parse_args(["worker", "--id", "w7", "--role", "ROLE_TYPE_DECODE"])
+    cfg = worker_config(args, {"FLEXLB_TIME_SCALE": "0.25"})
+    assert (cfg.worker_id, cfg.role, cfg.time_scale) == ("w7", "decode", 0.25)
+    with pytest.raises(ValueError, match="time_scale"):
+        worker_config(build_parser().parse_args(["worker", "--id", "w7", "--time-scale", "-1"]), {})
+    with pytest.raises(ValueError, match="worker_id"):
+        worker_config(build_parser().parse_args(["worker", "--id", "w.7"]), {})
