@@ -9,8 +9,10 @@ it starts `flexlb up --time-scale 0` as a subprocess (simulated workers that tak
 so every millisecond measured is control plane: HTTP parse, admission, the batching window,
 the ledger reservation in Redis, the JetStream dispatch, the worker's pull, the token relay
 over core NATS, the response or SSE), waits for its state file and /readyz, then for each
-concurrency level C runs a warm-up and a closed loop of C clients (one keep-alive
-httpx.AsyncClient) that issue a fixed number of requests, bounded by a wall-clock cap too.
+concurrency level C runs a warm-up and a closed loop of C clients (each a keep-alive
+httpx.AsyncClient with one connection) that issue a fixed number of requests, bounded by a
+wall-clock cap too (`--rev HEAD` runs the stack from a `git archive` of a commit instead of
+the working tree).
 After each level it waits until the router holds no inflight request, and reads deltas of:
 the router's /metrics (batch-size histogram, batch close reasons, router-side TTFT), Redis
 INFO commandstats (calls per request), JetStream stream sequences (dispatch messages per
@@ -18,7 +20,9 @@ batch, events per request) and the CPU time of every process of the stack and of
 generator (from /proc). At the end it sends SIGTERM to `flexlb up` and checks it exits 0.
 
 The load generator runs on the same machine as the stack and competes with it for CPU;
-the report says how many cores there are and how much CPU each side used.
+the report says how many cores there are and how much CPU each side used, and marks a level
+during which other processes kept the machine busy (`perturbed`; it is rerun up to
+`--retries` times).
 Exit status: 0 when every level ran without errors and the stack stopped cleanly, 1 otherwise.
 """
 
@@ -76,19 +80,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def proc_cpu_s(pid: int) -> float | None:
-    """user + system CPU seconds of a process (Linux /proc), None if it is gone."""
+def proc_cpu_s(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds of a process (Linux /proc), None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK  # utime, stime (fields 14, 15)
     except (OSError, IndexError, ValueError):
         return None
 
 
-def self_cpu_s() -> float:
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine spent busy (all cores, /proc/stat), to spot foreign load."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+        return (sum(f[:8]) - f[3] - f[4]) / CLK_TCK  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def self_cpu_s() -> tuple[float, float]:
     t = os.times()
-    return t.user + t.system
+    return t.user, t.system
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -113,6 +127,36 @@ def labelled(metrics: dict[str, float], name: str) -> dict[str, float]:
     """{'label text': value} of every sample of a metric family with labels."""
     prefix = name + "{"
     return {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
+
+
+def histogram_quantile_le(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float | None:
+    """Upper bound of the bucket that holds quantile q (0..1) of a histogram's delta."""
+    bounds = []
+    for key in after:
+        if key.startswith(name + '_bucket{le="'):
+            le = key[len(name) + 12:-2]
+            bounds.append((float("inf") if le == "+Inf" else float(le), key))
+    bounds.sort()
+    total = metric_delta(before, after, name + "_count")
+    if not total:
+        return None
+    for le, key in bounds:
+        if metric_delta(before, after, key) >= q * total:
+            return le
+    return None
+
+
+def export_rev(rev: str, dest: Path) -> str:
+    """Extract `git archive <rev>` of this repository into dest; return the commit id."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", rev + "^{commit}"], cwd=REPO, capture_output=True,
+                            text=True, timeout=30, check=True).stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "archive", commit], cwd=REPO, stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True, timeout=60)
+    archive.stdout.close()
+    if archive.wait(60) != 0:
+        raise RuntimeError(f"git archive {commit} failed")
+    return commit
 
 
 def machine_facts() -> dict[str, Any]:
@@ -165,8 +209,9 @@ def machine_facts() -> dict[str, Any]:
 class Stack:
     """`flexlb up` as a subprocess in its own session: started, probed, stopped."""
 
-    def __init__(self, args: argparse.Namespace, batch_wait_ms: float, workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, batch_wait_ms: float, workdir: Path, source: Path | None) -> None:
         self.args = args
+        self.source = source  # a `git archive` of --rev, or None: this working tree
         self.batch_wait_ms = batch_wait_ms
         self.port = free_port()
         self.state_file = workdir / f"state-{batch_wait_ms:g}.json"
@@ -177,14 +222,17 @@ class Stack:
 
     def argv(self) -> list[str]:
         exe = shutil.which("flexlb")
-        base = [exe] if exe else [sys.executable, "-m", "services.cli"]
+        base = [exe] if exe and self.source is None else [sys.executable, "-m", "services.cli"]
         return [*base, "up", "--time-scale", "0", "--workers", str(self.args.workers), "--port", str(self.port),
                 "--batch-wait-ms", f"{self.batch_wait_ms:g}", "--state-file", str(self.state_file)]
 
     def start(self) -> None:
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        env = dict(os.environ)
+        if self.source is not None:  # the snapshot's packages shadow the editable install
+            env["PYTHONPATH"] = os.pathsep.join([str(self.source), *filter(None, [env.get("PYTHONPATH")])])
+        self.proc = subprocess.Popen(self.argv(), cwd=self.source or REPO, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + self.args.startup_timeout_s
         while not self.state_file.exists():
             if self.proc.poll() is not None:
@@ -283,14 +331,15 @@ class Probe:
         out["worker_events"] = sum(n for s, n in subjects.items() if s.startswith("flexlb.evt.req."))
         return out
 
-    def cpu(self) -> dict[str, float | None]:
+    def cpu(self) -> dict[str, tuple[float, float] | None]:
         out = {name: proc_cpu_s(pid) for name, pid in self.stack.pids().items()}
         out["loadgen"] = self_cpu_s()
         return out
 
     async def snapshot(self, client: httpx.AsyncClient) -> dict[str, Any]:
         return {"metrics": await self.metrics(client), "redis": await self.redis_calls(),
-                "streams": await self.stream_seqs(), "cpu": self.cpu()}
+                "streams": await self.stream_seqs(), "cpu": self.cpu(), "wall": time.monotonic(),
+                "machine_busy": machine_busy_s()}
 
     async def settle(self, client: httpx.AsyncClient, timeout_s: float) -> bool:
         """Wait until the router holds no inflight request (every terminal event handled)."""
@@ -374,23 +423,32 @@ async def one_request(client: httpx.AsyncClient, url: str, body: bytes, stream: 
             res.error(f"exc_{exc.__class__.__name__}")
 
 
-async def closed_loop(client: httpx.AsyncClient, url: str, bodies: list[bytes], concurrency: int, total: int,
-                      cap_s: float, stream: bool, res: Results | None) -> tuple[int, float]:
-    """C clients, each issuing its next request when the previous one ends; stops after
-    `total` requests or when `cap_s` has passed (no new request starts after that)."""
+async def closed_loop(clients: list[httpx.AsyncClient], url: str, bodies: list[bytes], total: int, cap_s: float,
+                      stream: bool, res: Results | None) -> tuple[int, float]:
+    """One virtual user per client, each issuing its next request when the previous one
+    ends; stops after `total` requests or when `cap_s` has passed (no new request starts
+    after that; one in flight ends by its own timeout at worst)."""
     issued = 0
     t_start = time.perf_counter()
     deadline = t_start + cap_s
 
-    async def client_loop() -> None:
+    async def user(client: httpx.AsyncClient) -> None:
         nonlocal issued
         while issued < total and time.perf_counter() < deadline:
             body = bodies[issued % len(bodies)]
             issued += 1
             await one_request(client, url, body, stream, res)
 
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    await asyncio.gather(*(user(c) for c in clients))
     return issued, time.perf_counter() - t_start
+
+
+def user_clients(n: int, timeout_s: float) -> list[httpx.AsyncClient]:
+    """One keep-alive AsyncClient (one connection) per virtual user. One client shared by
+    C users would scan its whole pool on every request and release (httpcore), which made
+    the load generator's CPU grow with C and steal the stack's cores."""
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    return [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s)) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------- one level
@@ -418,72 +476,352 @@ def batch_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, 
             "size_histogram": hist, "close_reasons": reasons}
 
 
+def expected_in_script_calls(num_batches: int, num_requests: int) -> dict[str, int]:
+    """What the ledger scripts run inside Redis for B batches and N requests, when every one
+    finished: reserve writes pf:<batch> + kv:<request> (HSETNX, HSET index, ZADD); releases
+    look up pf once at PrefillCompleted and again with the batch's last terminal event, and
+    kv once per request (HGET), and remove what they find (HDEL x2, ZREM)."""
+    b, n = num_batches, num_requests
+    return {"hsetnx": b + n, "hset": b + n, "zadd": b + n, "hget": 2 * b + n, "hdel": 2 * (b + n), "zrem": b + n}
+
+
+def unexplained_redis_calls(calls: dict[str, int], num_batches: int, num_requests: int) -> dict[str, int]:
+    expected = expected_in_script_calls(num_batches, num_requests)
+    expected["evalsha"] = calls.get("evalsha", 0)
+    expected["eval"] = calls.get("eval", 0)
+    out = {k: v - expected.get(k, 0) for k, v in calls.items()}
+    out.update({k: -v for k, v in expected.items() if k not in calls and v})
+    return {k: v for k, v in out.items() if v}
+
+
 async def run_level(stack: Stack, probe: Probe, args: argparse.Namespace, concurrency: int,
                     bodies: list[bytes]) -> dict[str, Any]:
     url = stack.url + "/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    timeout = httpx.Timeout(args.request_timeout_s)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
-            httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as admin:
-        warm = max(args.warmup, 2 * concurrency)
-        await closed_loop(client, url, bodies, concurrency, warm, args.level_cap_s, args.stream, None)
-        settled_before = await probe.settle(admin, args.settle_timeout_s)
-        before = await probe.snapshot(admin)
-        res = Results()
-        issued, elapsed = await asyncio.wait_for(
-            closed_loop(client, url, bodies, concurrency, args.requests_per_level, args.level_cap_s, args.stream, res),
-            args.level_cap_s + args.request_timeout_s + 10,
-        )
-        settled_after = await probe.settle(admin, args.settle_timeout_s)
-        after = await probe.snapshot(admin)
+    clients = user_clients(concurrency, args.request_timeout_s)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0)) as admin:
+            warm = max(args.warmup, 2 * concurrency)
+            await closed_loop(clients, url, bodies, warm, args.level_cap_s, args.stream, None)
+            settled_before = await probe.settle(admin, args.settle_timeout_s)
+            before = await probe.snapshot(admin)
+            res = Results()
+            issued, elapsed = await asyncio.wait_for(
+                closed_loop(clients, url, bodies, args.requests_per_level, args.level_cap_s, args.stream, res),
+                args.level_cap_s + args.request_timeout_s + 10,
+            )
+            settled_after = await probe.settle(admin, args.settle_timeout_s)
+            after = await probe.snapshot(admin)
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
     n_ok = len(res.latency_s)
-    n_err = sum(res.errors.values())
     bm, am = before["metrics"], after["metrics"]
     batches = batch_stats(bm, am)
     nb = batches["batches"] or 0
     router_ttft_n = metric_delta(bm, am, "flexlb_ttft_seconds_count")
     router_ttft_mean_ms = metric_delta(bm, am, "flexlb_ttft_seconds_sum") / router_ttft_n * 1000 if router_ttft_n else None
+    ttft_q = {f"p{int(q * 100)}_le_ms": histogram_quantile_le(bm, am, "flexlb_ttft_seconds", q) for q in (0.5, 0.99)}
     redis_delta = {k: after["redis"].get(k, 0) - before["redis"].get(k, 0) for k in after["redis"]}
-    redis_delta = {k: v for k, v in redis_delta.items() if v and k != "info"}  # INFO is this probe's own call
+    redis_delta = {k: v for k, v in sorted(redis_delta.items()) if v and k != "info"}  # INFO: this probe's own
     script_calls = redis_delta.get("evalsha", 0) + redis_delta.get("eval", 0)
-    terminal_releases = redis_delta  # noqa: F841 (kept readable below)
     rel_b, rel_a = labelled(bm, "flexlb_ledger_releases_total"), labelled(am, "flexlb_ledger_releases_total")
     releases = {k.split('"')[1]: int(rel_a[k] - rel_b.get(k, 0.0)) for k in rel_a}
     s_b, s_a = before["streams"], after["streams"]
     dispatch_msgs = s_a["FLEXLB_DISPATCH"] - s_b["FLEXLB_DISPATCH"]
     cpu_b, cpu_a = before["cpu"], after["cpu"]
-    cpu_s = {k: round(cpu_a[k] - cpu_b[k], 3) for k in cpu_a if cpu_a.get(k) is not None and cpu_b.get(k) is not None}
-    n_done = issued if issued else 1
-    per_req = lambda x: round(x / n_done, 3)  # noqa: E731
+    both = [k for k in cpu_a if cpu_a.get(k) is not None and cpu_b.get(k) is not None]
+    cpu_s = {k: round(sum(cpu_a[k]) - sum(cpu_b[k]), 3) for k in both}
+    cpu_sys_s = {k: round(cpu_a[k][1] - cpu_b[k][1], 3) for k in both}
+    wall = after["wall"] - before["wall"]
+    n_req = max(issued, 1)
     level = {
         "concurrency": concurrency,
         "requests": issued,
         "ok": n_ok,
-        "errors": dict(sorted(res.errors.items())),
+        "errors": res.errors and dict(sorted(res.errors.items())),
         "capped": issued < args.requests_per_level,
         "duration_s": round(elapsed, 3),
         "requests_per_s": round(n_ok / elapsed, 1) if elapsed > 0 else None,
         "latency_ms": summarize_ms(res.latency_s),
-        "router_ttft_mean_ms": round(router_ttft_mean_ms, 3) if router_ttft_mean_ms is not None else None,
+        # The router's own view: admission (after HTTP parse) to the first token chunk.
+        "router_ttft_ms": {"mean": round(router_ttft_mean_ms, 3) if router_ttft_mean_ms is not None else None,
+                           **{k: (v * 1000 if v not in (None, float("inf")) else v) for k, v in ttft_q.items()}},
         "batching": batches,
-        "redis_calls": redis_delta,
-        "redis_script_calls_per_request": per_req(script_calls),
-        "redis_script_calls_per_batch_plus_request": (
-            {"per_batch": round((script_calls - releases.get("terminal", 0) * 0 - issued) / nb, 3) if nb else None}
-        ),
+        "redis": {
+            "calls": redis_delta,
+            "script_calls": script_calls,
+            "script_calls_per_request": round(script_calls / n_req, 3),
+            # Read off the code: reserve per batch, release per PrefillCompleted (per batch),
+            # release per terminal event (per request).
+            "expected_script_calls": 2 * nb + issued,
+            # Commands the ledger scripts run inside Redis (INFO counts them too); anything
+            # left over is a client round trip the model does not know about.
+            "unexplained_calls": unexplained_redis_calls(redis_delta, nb, issued),
+        },
         "ledger_fields_released": releases,
         "jetstream": {
             "dispatch_msgs": dispatch_msgs,
             "dispatch_msgs_per_batch": round(dispatch_msgs / nb, 3) if nb else None,
-            "router_events_per_request": per_req(s_a["router_events"] - s_b["router_events"]),
-            "worker_events_per_request": per_req(s_a["worker_events"] - s_b["worker_events"]),
+            "router_events_per_request": round((s_a["router_events"] - s_b["router_events"]) / n_req, 3),
+            "worker_events_per_request": round((s_a["worker_events"] - s_b["worker_events"]) / n_req, 3),
         },
         "cpu_s": cpu_s,
-        "cpu_ms_per_request": {k: round(v * 1000 / n_done, 3) for k, v in cpu_s.items()},
-        "cores_busy": round(sum(cpu_s.values()) / (after["_wall"] - before["_wall"]), 2) if "_wall" in after else None,
+        "cpu_sys_s": cpu_sys_s,
+        "cpu_ms_per_request": {k: round(v * 1000 / n_req, 3) for k, v in cpu_s.items()},
+        "cores_busy": round(sum(cpu_s.values()) / wall, 2) if wall > 0 else None,
+        # Busy cores of the whole machine minus those of the stack and this process: others' load.
+        "foreign_cores_busy": (round((after["machine_busy"] - before["machine_busy"] - sum(cpu_s.values())) / wall, 2)
+                               if wall > 0 and after["machine_busy"] is not None and before["machine_busy"] is not None
+                               else None),
         "settled": settled_before and settled_after,
     }
     if args.stream:
         level["ttft_ms"] = summarize_ms(res.ttft_s)
     return level
+
+
+# --------------------------------------------------------------------------- report
+def fmt(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    stream = result["flags"]["stream"]
+    cols = ["window ms", "C", "ok", "errors", "req/s", "p50 ms", "p90 ms", "p99 ms"]
+    if stream:
+        cols += ["TTFT p50", "TTFT p99"]
+    cols += ["router TTFT mean", "mean batch", "batch sizes", "redis calls/req",
+             "CPU ms/req router / loadgen / all", "cores busy"]
+    rows = []
+    for run in result["runs"]:
+        for lv in run["levels"]:
+            lat, cpu, b = lv["latency_ms"], lv["cpu_ms_per_request"], lv["batching"]
+            row = [fmt(run["batch_wait_ms"], 0), str(lv["concurrency"]), str(lv["ok"]),
+                   " ".join(f"{k}:{v}" for k, v in lv["errors"].items()) or "0",
+                   fmt(lv["requests_per_s"], 0), fmt(lat["p50"], 1), fmt(lat["p90"], 1), fmt(lat["p99"], 1)]
+            if stream:
+                row += [fmt(lv["ttft_ms"]["p50"], 1), fmt(lv["ttft_ms"]["p99"], 1)]
+            row += [fmt(lv["router_ttft_ms"]["mean"], 1), fmt(b["mean_size"], 2),
+                    " ".join(f"{k}:{v}" for k, v in b["size_histogram"].items()),
+                    fmt(lv["redis"]["script_calls_per_request"], 2),
+                    f"{fmt(cpu.get('router'), 2)} / {fmt(cpu.get('loadgen'), 2)} / {fmt(sum(cpu.values()), 2)}",
+                    fmt(lv["cores_busy"], 2)]
+            rows.append(row)
+    return cols, rows
+
+
+def print_report(result: dict[str, Any]) -> None:
+    cols, rows = table_rows(result)
+    m, f = result["machine"], result["flags"]
+    title = (f"FlexLB control-plane overhead: {m['cores']} cores, Python {m['python']}, {f['workers']} sim workers "
+             f"(time-scale 0), max_tokens {f['max_tokens']}, prompt {f['prompt_chars']} chars, "
+             f"{'stream' if f['stream'] else 'non-stream'}; the load generator shares the cores")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is optional: plain text then
+        Table = None  # noqa: N806
+    if Table is not None:
+        table = Table(title=title, title_justify="left")
+        for c in cols:
+            table.add_column(c, justify="left" if c in ("errors", "batch sizes") else "right")
+        for r in rows:
+            table.add_row(*r)
+        Console(width=max(200, shutil.get_terminal_size().columns)).print(table)
+    else:
+        print(title)
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+        for r in rows:
+            print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    for run in result["runs"]:
+        idle = run.get("idle", {}).get("idle_cpu_ms_per_s", {})
+        checks = []
+        for lv in run["levels"]:
+            js = lv["jetstream"]
+            checks.append(f"C={lv['concurrency']}: dispatch msgs/batch {js['dispatch_msgs_per_batch']}, redis script "
+                          f"calls {lv['redis']['script_calls']} (model {lv['redis']['expected_script_calls']}), "
+                          f"unexplained redis calls {lv['redis']['unexplained_calls'] or 0}")
+        print(f"window {run['batch_wait_ms']:g} ms: flexlb up exit status {run['stack_exit_code']}; idle stack CPU "
+              f"{sum(idle.values()):.0f} ms/s ({', '.join(f'{k} {v:g}' for k, v in idle.items())})")
+        for c in checks:
+            print("  " + c)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The table as GitHub markdown (for bench/README.md)."""
+    cols, rows = table_rows(result)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,8,32,128", help="comma-separated client counts (default 1,8,32,128)")
+    p.add_argument("--requests-per-level", type=int, default=1500, help="measured requests per level (default 1500)")
+    p.add_argument("--warmup", type=int, default=30, help="warm-up requests per level, at least 2x C (default 30)")
+    p.add_argument("--workers", type=int, default=2, help="simulated pd_fusion workers (default 2)")
+    p.add_argument("--max-tokens", type=int, default=1, help="max_tokens of every request (default 1)")
+    p.add_argument("--prompt-chars", type=int, default=128, help="prompt length in characters = tokens (default 128)")
+    p.add_argument("--stream", action="store_true", help="SSE streaming: time to first token and to [DONE]")
+    p.add_argument("--batch-wait-ms", default="10,0",
+                   help="router batching windows to compare, one stack each (default 10,0; 10 is the router default)")
+    p.add_argument("--level-cap-s", type=float, default=30.0, help="wall-clock cap of one level's loop (default 30)")
+    p.add_argument("--request-timeout-s", type=float, default=30.0, help="client timeout of one request (default 30)")
+    p.add_argument("--settle-timeout-s", type=float, default=15.0, help="wait for inflight == 0 after a level")
+    p.add_argument("--startup-timeout-s", type=float, default=120.0, help="wait for the state file and /readyz")
+    p.add_argument("--stop-timeout-s", type=float, default=30.0, help="wait for flexlb up to exit after SIGTERM")
+    p.add_argument("--idle-s", type=float, default=2.0, help="idle CPU baseline before the levels (default 2 s)")
+    p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
+    p.add_argument("--foreign-max", type=float, default=0.15,
+                   help="a level during which other processes used more cores than this is marked perturbed")
+    p.add_argument("--retries", type=int, default=2, help="reruns of a perturbed level (default 2)")
+    p.add_argument("--quiet-wait-s", type=float, default=30.0,
+                   help="before a level, wait at most this long for other processes to go quiet (default 30)")
+    p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    p.add_argument("--rev", help="run the stack from `git archive REV` of this repo (e.g. HEAD) instead of the "
+                                 "working tree, so edits in progress do not change what is measured")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"), help="JSON report path")
+    args = p.parse_args(argv)
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+        args.windows = [float(x) for x in args.batch_wait_ms.split(",") if x.strip()]
+    except ValueError:
+        p.error("--concurrency and --batch-wait-ms take comma-separated numbers")
+    if not args.levels or min(args.levels) < 1 or not args.windows or min(args.windows) < 0:
+        p.error("concurrency levels must be >= 1 and windows >= 0")
+    if args.requests_per_level < 1 or args.workers < 1 or args.max_tokens < 1 or args.prompt_chars < 1:
+        p.error("--requests-per-level, --workers, --max-tokens and --prompt-chars must be >= 1")
+    return args
+
+
+async def run_window(stack: Stack, args: argparse.Namespace, bodies: list[bytes]) -> list[dict[str, Any]]:
+    probe = Probe(stack)
+    await probe.open()
+    levels = []
+    try:
+        levels.append(await idle_baseline(probe, args.idle_s))
+        for c in args.levels:
+            for attempt in range(1, args.retries + 2):
+                await wait_quiet(probe, args)
+                print(f"  window {stack.batch_wait_ms:g} ms, concurrency {c} ...", file=sys.stderr, flush=True)
+                lv = await run_level(stack, probe, args, c, bodies)
+                lv["attempt"] = attempt
+                foreign = lv["foreign_cores_busy"] or 0.0
+                lv["perturbed"] = foreign > args.foreign_max
+                if not lv["perturbed"]:
+                    break
+                print(f"    other processes kept {foreign} cores busy during this level"
+                      f"{': running it again' if attempt <= args.retries else ''}", file=sys.stderr, flush=True)
+            print(f"    {lv['ok']} ok, {sum(lv['errors'].values())} errors, {lv['requests_per_s']} req/s, "
+                  f"p50 {lv['latency_ms']['p50']} ms, mean batch {lv['batching']['mean_size']}", file=sys.stderr, flush=True)
+            levels.append(lv)
+    finally:
+        await probe.close()
+    return levels
+
+
+async def wait_quiet(probe: Probe, args: argparse.Namespace) -> None:
+    """Wait (at most --quiet-wait-s) until processes outside the stack use < --foreign-max cores."""
+    deadline = time.monotonic() + args.quiet_wait_s
+    while True:
+        b_cpu, b_m, t0 = probe.cpu(), machine_busy_s(), time.monotonic()
+        await asyncio.sleep(0.5)
+        a_cpu, a_m, wall = probe.cpu(), machine_busy_s(), time.monotonic() - t0
+        if a_m is None or b_m is None:
+            return
+        ours = sum(sum(a_cpu[k]) - sum(b_cpu[k]) for k in a_cpu if a_cpu.get(k) and b_cpu.get(k))
+        if (a_m - b_m - ours) / wall < args.foreign_max or time.monotonic() > deadline:
+            return
+
+
+async def idle_baseline(probe: Probe, seconds: float) -> dict[str, Any]:
+    """CPU the stack burns with no traffic (heartbeats, polls): the floor under every level."""
+    before, t0 = probe.cpu(), time.monotonic()
+    await asyncio.sleep(seconds)
+    after, wall = probe.cpu(), time.monotonic() - t0
+    cpu = {k: round((sum(after[k]) - sum(before[k])) / wall * 1000, 1) for k in after
+           if after.get(k) is not None and before.get(k) is not None and k != "loadgen"}
+    return {"idle_cpu_ms_per_s": cpu, "idle_seconds": round(wall, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))  # services.infra (binary versions) when run from elsewhere
+    t0 = time.monotonic()
+    result: dict[str, Any] = {
+        "benchmark": "flexlb control-plane overhead (bench/overhead.py)",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_facts(),
+        "flags": {k: getattr(args, k) for k in (
+            "levels", "requests_per_level", "warmup", "workers", "max_tokens", "prompt_chars", "stream", "windows",
+            "level_cap_s", "request_timeout_s", "seed", "rev")},
+        "notes": [
+            "time-scale 0: the simulated engine takes no time; latency is control-plane overhead only",
+            "the load generator (httpx, one asyncio loop) shares the machine's cores with the whole stack",
+            "closed loop: each of C clients sends its next request when the previous one ends",
+            "latency_ms: to the full response (non-stream) or to [DONE] (stream); ttft_ms: to the first token chunk",
+        ],
+        "runs": [],
+    }
+    source = None
+    workdir = Path(tempfile.mkdtemp(prefix="flexlb-bench-"))
+    if args.rev:
+        source = workdir / "src"
+        result["source"] = {"rev": args.rev, "commit": export_rev(args.rev, source)}
+    else:
+        result["source"] = {"working_tree": str(REPO), "commit": result["machine"].get("git_commit"),
+                            "dirty_files": result["machine"].get("git_dirty_files")}
+    bodies = make_bodies(max(256, args.requests_per_level // 4), args.prompt_chars, args.max_tokens, args.stream, args.seed)
+    failed = False
+    for window in args.windows:
+        stack = Stack(args, window, workdir, source)
+        run: dict[str, Any] = {"batch_wait_ms": window, "levels": []}
+        print(f"starting flexlb up (batch window {window:g} ms): {' '.join(stack.argv())}", file=sys.stderr, flush=True)
+        try:
+            stack.start()
+            print(f"  router {stack.url} pids {stack.pids()}", file=sys.stderr, flush=True)
+            levels = asyncio.run(run_window(stack, args, bodies))
+            run["idle"] = levels[0]
+            run["levels"] = levels[1:]
+        except Exception as exc:  # report what ran, then fail
+            failed = True
+            run["error"] = f"{exc.__class__.__name__}: {exc}"
+            print(f"bench failed: {run['error']}\n--- flexlb up log ---\n{stack.log_tail()}", file=sys.stderr)
+        finally:
+            code = stack.stop()
+            run["stack_exit_code"] = code
+            if code != 0:
+                failed = True
+                print(f"flexlb up exited with {code} after SIGTERM (expected 0)\n{stack.log_tail()}", file=sys.stderr)
+        result["runs"].append(run)
+        if any(lv["errors"] or not lv["settled"] for lv in run["levels"]):
+            failed = True
+        for lv in run["levels"]:
+            if lv.get("perturbed"):
+                print(f"warning: window {window:g} ms, C={lv['concurrency']}: other processes used "
+                      f"{lv['foreign_cores_busy']} cores during the level; its numbers are perturbed", file=sys.stderr)
+    result["total_wall_s"] = round(time.monotonic() - t0, 1)
+    result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    if any(run["levels"] for run in result["runs"]):
+        print_report(result)
+    if args.markdown:
+        print(markdown_table(result))
+    print(f"wrote {out} ({result['total_wall_s']} s)")
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,9 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     request_id: str | None = None  # optional client-chosen id (also the X-Request-Id header)
     user: str | None = None
+    priority: int | None = None  # 1-100, default 50: scales the SLO targets (lower number = looser)
+    slo_ttft_ms: float | None = None  # override the TTFT target
+    slo_tpot_ms: float | None = None  # override the time-per-output-token target
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):

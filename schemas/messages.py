@@ -98,6 +98,35 @@ class RequestAdmitted(_Event, tag="request.admitted"):
     max_tokens: int
     policy: str = ""  # the routing policy that picked the workers
     reason: str = ""  # why these workers (human readable, from the decision)
+    predicted_ttft_ms: float = 0.0  # at admission: wait + queue + prefill on the chosen worker
+    slo_ttft_ms: float = 0.0  # the request's TTFT target (0: none)
+    slo_tpot_ms: float = 0.0  # the request's time-per-output-token target (0: none)
+    priority: int = 50
+    best_effort: bool = False  # admitted although the SLO looked unattainable
+    num_cached_tokens: int = 0  # predicted prefix-cache hit on the prefill worker
+
+
+class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker as a routing policy saw it."""
+
+    worker_id: str
+    score: float  # lower is better for cost policies; see `components`
+    components: dict[str, float] = {}  # e.g. prefill_ms, wait_ms, queue_ms, cached_tokens
+    filtered_by: str | None = None  # the filter that removed it, or None if it stayed eligible
+
+
+class RouteDecided(_Event, tag="route.decided"):
+    """A routing decision as data: who was considered, how each scored, why the pick."""
+
+    request_id: str
+    router_id: str
+    decision_seq: int  # the router's decision counter; with `seed`, enough to re-draw
+    seed: int  # seed of the random.Random this decision drew from
+    stage: str  # "prefill" | "decode"
+    policy: str
+    picked_worker_id: str | None
+    reason: str
+    candidates: list[CandidateScore] = []
 
 
 class RequestRejected(_Event, tag="request.rejected"):
@@ -186,6 +215,41 @@ class RequestTimedOut(_Event, tag="request.timed_out"):
     phase: str = ""  # "queued" | "prefill" | "decode"
 
 
+# --------------------------------------------------------------------------- KV cache
+class KvBlocksStored(_Event, tag="kv.blocks_stored"):
+    """Blocks entered the worker's prefix cache. `kv_seq` counts KV events per worker boot,
+    from 1, without gaps: a reader that sees a gap asks for a snapshot."""
+
+    worker_id: str
+    boot_id: str
+    kv_seq: int
+    block_hashes: list[int]
+    block_size_tokens: int = 16
+
+
+class KvBlocksRemoved(_Event, tag="kv.blocks_removed"):
+    worker_id: str
+    boot_id: str
+    kv_seq: int
+    block_hashes: list[int]
+
+
+class KvAllCleared(_Event, tag="kv.all_cleared"):
+    worker_id: str
+    boot_id: str
+    kv_seq: int
+
+
+class KvSnapshot(_Event, tag="kv.snapshot"):
+    """Every block the worker's cache holds, consistent with its KV events up to `kv_seq`."""
+
+    worker_id: str
+    boot_id: str
+    kv_seq: int
+    block_hashes: list[int]
+    block_size_tokens: int = 16
+
+
 # --------------------------------------------------------------------------- commands
 class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One request inside a DispatchBatch command."""
@@ -229,10 +293,19 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     reason: str = ""
 
 
+class RequestKvSnapshot(_Event, tag="cmd.request_kv_snapshot"):
+    """Ask a worker to publish a `KvSnapshot` (after a gap in its KV events, or a restart)."""
+
+    worker_id: str
+    requester: str
+    reason: str = ""
+
+
 Payload = Union[
     WorkerRegistered,
     WorkerStatusReported,
     RequestAdmitted,
+    RouteDecided,
     RequestRejected,
     BatchDispatched,
     BatchStarted,
@@ -242,9 +315,14 @@ Payload = Union[
     RequestFailed,
     RequestCancelled,
     RequestTimedOut,
+    KvBlocksStored,
+    KvBlocksRemoved,
+    KvAllCleared,
+    KvSnapshot,
     DispatchBatch,
     StartDecode,
     CancelRequest,
+    RequestKvSnapshot,
 ]
 
 PAYLOAD_TYPES: tuple[type, ...] = Payload.__args__  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@
 | batch dispatch commands      | flexlb.cmd.dispatch.<worker>      | work-queue stream FLEXLB_DISPATCH      |
 | PD decode hand-off           | flexlb.cmd.decode.<worker>        | work-queue stream FLEXLB_DISPATCH      |
 | cancel                       | flexlb.cmd.cancel.<worker>        | core NATS, best effort                 |
+| KV snapshot request          | flexlb.cmd.kvsnapshot.<worker>    | core NATS; the snapshot is a KV event  |
 | tokens                       | flexlb.tok.<router>.<request>     | core NATS                              |
 | dead letters                 | flexlb.dlq.<component>            | stream FLEXLB_DLQ                      |
 
@@ -66,6 +67,13 @@ def decode_subject(worker_id: str) -> str:
 
 def cancel_subject(worker_id: str) -> str:
     return f"{PREFIX}.cmd.cancel.{worker_id}"
+
+
+def kv_snapshot_request_subject(worker_id: str) -> str:
+    return f"{PREFIX}.cmd.kvsnapshot.{worker_id}"
+
+
+ALL_KV_EVENTS = f"{PREFIX}.evt.kv.>"
 
 
 def token_subject(router_id: str, request_id: str) -> str:

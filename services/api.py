@@ -91,7 +91,26 @@ def parse_completion(body: bytes, settings) -> tuple[CompletionRequest, list[int
             validate_token("request_id", req.request_id)
         except ValueError as exc:
             raise BadRequest("invalid_request", str(exc)) from None
+    if req.priority is not None and not 1 <= req.priority <= 100:
+        raise BadRequest("invalid_request", f"priority must be in 1..100, got {req.priority}")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(req, name)
+        if value is not None and not (value > 0 and value < 1e9):
+            raise BadRequest("invalid_request", f"{name} must be a positive number of ms, got {value}")
     return req, tokens
+
+
+def _header_ms(request: Request, name: str) -> float | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest("invalid_request", f"header {name} must be a number of ms, got {raw!r}") from None
+    if not (value > 0 and value < 1e9):
+        raise BadRequest("invalid_request", f"header {name} must be positive, got {raw!r}")
+    return value
 
 
 def _chunk_json(request_id: str, created: int, model: str, text: str, finish_reason: str | None) -> bytes:
@@ -158,6 +177,13 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         entries = await service.ledger.entries()
         return {"entries": entries, "num_entries": len(entries)}
 
+    @app.get("/admin/requests/{request_id}")
+    async def admin_request(request_id: str):
+        record = service.records.get(request_id)
+        if record is None:
+            return _error("not_found", f"no live or recent request {request_id} (the last {len(service.records.records)} are kept)")
+        return record
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         request_id = request.headers.get("x-request-id") or None
@@ -167,13 +193,15 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
             request_id = req.request_id or request_id
             if request_id is not None:
                 validate_token("request_id", request_id)
+            slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(request, "x-flexlb-slo-ttft-ms")
+            slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(request, "x-flexlb-slo-tpot-ms")
         except (BadRequest, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
             await service.reject(request_id or service.new_request_id(), code, message)
             return _error(code, message)
         request_id = request_id or service.new_request_id()
-        outcome = await service.submit(request_id, tokens, req.max_tokens)
+        outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot)
         if isinstance(outcome, Rejected):
             return _error(outcome.code, outcome.message)
         handle: RequestHandle = outcome

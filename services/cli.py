@@ -15,7 +15,8 @@ import sys
 
 from services.settings import RouterSettings, SettingsError, known_env_vars, load
 
-POLICY_HELP = "prefill: round-robin | random; decode: round-robin | random"
+PREFILL_HELP = "cost-based (default) | cache-aware | least-loaded | power-of-two | round-robin | random"
+DECODE_HELP = "kv-aware (default) | least-loaded | round-robin | random"
 
 
 def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> None:
@@ -26,11 +27,18 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
         p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--router-id", help="router id, stable across restarts (default router-0)")
     p.add_argument("--cluster", help="cluster name: the Redis key prefix")
-    p.add_argument("--prefill-policy", help=POLICY_HELP)
-    p.add_argument("--decode-policy", help=POLICY_HELP)
-    p.add_argument("--batcher", help="fixed-window")
+    p.add_argument("--prefill-policy", help=PREFILL_HELP)
+    p.add_argument("--prefill-policy-params", help="JSON object of the prefill policy's parameters")
+    p.add_argument("--decode-policy", help=DECODE_HELP)
+    p.add_argument("--decode-policy-params", help="JSON object of the decode policy's parameters")
+    p.add_argument("--batcher", help="fixed-window (default) | slo-budget")
+    p.add_argument("--batcher-params", help="JSON object of the batcher's parameters")
     p.add_argument("--batch-wait-ms", type=float, help="fixed-window: longest wait of a batch's head (ms)")
     p.add_argument("--batch-size-max", type=int, help="fixed-window: most requests per batch")
+    p.add_argument("--prefix-index", help="exact (workers' KV events, default) | approximate (learned from decisions)")
+    p.add_argument("--slo-mode", help="best-effort (default) | reject: refuse requests whose SLO looks unattainable")
+    p.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 32768)")
+    p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
     p.add_argument("--log-level", help="debug | info | warning | error")
 
 

@@ -33,11 +33,18 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"  # HTTP listen address
     port: int = 8000
     model_name: str = "flexlb-sim"  # what /v1/models lists and completions accept
-    prefill_policy: str = "round-robin"
-    decode_policy: str = "round-robin"
-    batcher: str = "fixed-window"
-    batch_wait_ms: float = 10.0  # fixed-window: head waits at most this long
-    batch_size_max: int = 8  # fixed-window: dispatch at once when the queue holds this many
+    prefill_policy: str = "cost-based"  # see services/core/policies.py
+    prefill_policy_params: dict[str, Any] = {}  # JSON object of the policy's parameters
+    decode_policy: str = "kv-aware"
+    decode_policy_params: dict[str, Any] = {}
+    batcher: str = "fixed-window"  # fixed-window | slo-budget (services/core/batcher.py)
+    batcher_params: dict[str, Any] = {}  # JSON object of the batcher's parameters
+    batch_wait_ms: float | None = None  # fixed-window shortcut for batcher_params.wait_ms
+    batch_size_max: int | None = None  # fixed-window shortcut for batcher_params.batch_size_max
+    prefix_index: str = "exact"  # exact (workers' KV events) | approximate (learned from decisions)
+    slo_mode: str = "best-effort"  # best-effort | reject (slo_unattainable at arrival)
+    predictor_learning: bool = True  # refine prefill-time coefficients from measured batches
+    prefill_coefficients: dict[str, Any] = {}  # prior of the predictor (default: Splitwise fit)
     max_prompt_tokens: int = 32768  # larger prompts: too_large
     max_output_tokens: int = 8192  # larger max_tokens: invalid_request
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: too_large
@@ -58,18 +65,57 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
         positive = [
-            "port", "batch_size_max", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
+            "port", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
             "max_queue_per_worker", "max_inflight_requests", "worker_timeout_ms", "token_buffer_max",
             "ledger_ttl_s", "request_timeout_s",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting {name} must be > 0, got {getattr(self, name)!r}")
-        if self.batch_wait_ms < 0:
+        if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise SettingsError(f"setting batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
+        if self.batch_size_max is not None and self.batch_size_max < 1:
+            raise SettingsError(f"setting batch_size_max must be >= 1, got {self.batch_size_max!r}")
+        if self.prefix_index not in ("exact", "approximate"):
+            raise SettingsError(f"setting prefix_index must be exact or approximate, got {self.prefix_index!r}")
+        if self.slo_mode not in ("best-effort", "reject"):
+            raise SettingsError(f"setting slo_mode must be best-effort or reject, got {self.slo_mode!r}")
+        try:
+            self.scheduler_config().validate()
+        except ValueError as exc:
+            raise SettingsError(f"scheduling settings: {exc}") from None
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise SettingsError(f"setting log_level must be debug|info|warning|error, got {self.log_level!r}")
         return self
+
+
+    def batcher_params_effective(self) -> dict[str, Any]:
+        params = dict(self.batcher_params)
+        if self.batcher == "fixed-window":
+            if self.batch_wait_ms is not None:
+                params["wait_ms"] = self.batch_wait_ms
+            if self.batch_size_max is not None:
+                params["batch_size_max"] = self.batch_size_max
+        return params
+
+    def scheduler_config(self):
+        from services.core.predictor import PrefillCoefficients, PredictorParams
+        from services.core.scheduler import SchedulerConfig
+        from services.core.slo import SloParams
+
+        try:
+            coefficients = msgspec.convert(self.prefill_coefficients, PrefillCoefficients)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"prefill_coefficients: {exc}") from None
+        return SchedulerConfig(
+            max_prompt_tokens=self.max_prompt_tokens, max_queue_per_worker=self.max_queue_per_worker,
+            max_inflight_requests=self.max_inflight_requests, worker_timeout_ms=self.worker_timeout_ms,
+            prefill_policy=self.prefill_policy, prefill_policy_params=dict(self.prefill_policy_params),
+            decode_policy=self.decode_policy, decode_policy_params=dict(self.decode_policy_params),
+            batcher=self.batcher, batcher_params=self.batcher_params_effective(),
+            predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),
+            slo=SloParams(mode=self.slo_mode), prefix_index=self.prefix_index, seed=self.seed,
+        )
 
 
 def known_env_vars(*classes: type) -> set[str]:
@@ -107,6 +153,12 @@ def load(
             raise SettingsError(f"unknown setting {key!r}")
         raw[key] = value
         origin[key] = f"--{key.replace('_', '-')}"
+    for key in list(raw):
+        if cls.__annotations__.get(key, "").startswith("dict") and isinstance(raw[key], str):
+            try:
+                raw[key] = msgspec.json.decode(raw[key])
+            except msgspec.DecodeError as exc:
+                raise SettingsError(f"{origin[key]} must be a JSON object: {exc}") from None
     try:
         obj = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as exc:

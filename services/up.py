@@ -91,9 +91,12 @@ def run_up(args, settings: RouterSettings) -> int:
             children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags], env)
         router_flags = ["router", "--host", settings.host, "--port", str(settings.port), "--router-id", settings.router_id,
                         "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
-                        "--batcher", settings.batcher, "--batch-wait-ms", str(settings.batch_wait_ms),
-                        "--batch-size-max", str(settings.batch_size_max), "--cluster", settings.cluster,
-                        "--log-level", settings.log_level]
+                        "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
+                        "--decode-policy-params", json.dumps(settings.decode_policy_params),
+                        "--batcher", settings.batcher, "--batcher-params", json.dumps(settings.batcher_params_effective()),
+                        "--prefix-index", settings.prefix_index, "--slo-mode", settings.slo_mode,
+                        "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
+                        "--cluster", settings.cluster, "--log-level", settings.log_level]
         children["router"] = _child(router_flags, env)
         router_url = f"http://{settings.host}:{settings.port}"
         _wait_ready(router_url, children, READY_TIMEOUT_S)

@@ -140,7 +140,10 @@ async def test_killed_router_restarts_rebuilds_its_worker_view_and_serves(spawn,
     async def ledger_empty():
         return httpx.get(stack["url"] + "/admin/ledger").json()["num_entries"] == 0
 
-    await wait_async(ledger_empty, 20, "an empty ledger after the restart")
+    try:
+        await wait_async(ledger_empty, 20, "an empty ledger after the restart")
+    except AssertionError:
+        raise AssertionError(httpx.get(stack["url"] + "/admin/ledger").json())
 
 
 @pytest.mark.parametrize("flag,value", [("--port", "0x"), ("--batch-size-max", "0"), ("--prefill-policy", "best-ever")])

@@ -1,145 +1,109 @@
-"""The pure core with a fake clock and a seeded RNG: view, policies, batcher, admission."""
+"""The scheduler (pure core) with a fake clock: admission, routing, batching, learning."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from schemas.messages import WorkerRegistered, WorkerStatusReported
-from services.core.batcher import FixedWindowBatcher, FixedWindowParams
-from services.core.policies import UnknownPolicyError, build_policy
-from services.core.scheduler import Admitted, QueuedRequest, Rejected, Scheduler, SchedulerConfig
+from schemas.messages import KvBlocksStored, WorkerRegistered, WorkerStatusReported
+from services.core.scheduler import AdmitRequest, Admitted, Rejected, Scheduler, SchedulerConfig, decision_seed
+from services.core.slo import SloParams
 
 MS = 1_000_000
 
 
 def status(worker_id: str, role: str = "pd_fusion", boot: str = "b0", state: str = "ready", **kw) -> WorkerStatusReported:
-    defaults = dict(block_size_tokens=16, num_kv_blocks=1000, num_free_kv_blocks=1000, max_batch_tokens=4096,
+    defaults = dict(block_size_tokens=16, num_kv_blocks=10_000, num_free_kv_blocks=10_000, max_batch_tokens=65536,
                     max_seq_len_tokens=8192)
     defaults.update(kw)
     return WorkerStatusReported(worker_id=worker_id, role=role, boot_id=boot, state=state, **defaults)
 
 
-def make_scheduler(workers=("w0", "w1"), role="pd_fusion", now=0, prefill="round-robin", decode="round-robin", **cfg):
-    s = Scheduler(SchedulerConfig(**cfg), build_policy("prefill", prefill), build_policy("decode", decode), id_prefix="r-boot")
+def make_scheduler(workers=("w0", "w1"), role="pd_fusion", now=0, **cfg) -> Scheduler:
+    cfg.setdefault("prefill_policy", "round-robin")
+    cfg.setdefault("decode_policy", "round-robin")
+    cfg.setdefault("batcher_params", {"wait_ms": 5, "batch_size_max": 8})
+    s = Scheduler(SchedulerConfig(**cfg), id_prefix="r-boot")
     for w in workers:
         s.on_worker_event(status(w, role), now)
     return s
 
 
-def item(rid: str, tokens: int, t_ns: int) -> QueuedRequest:
-    return QueuedRequest(rid, tokens, 8, t_ns, "w0", "w0")
+def req(rid: str, n: int = 10, max_tokens: int = 4, hashes=(), **kw) -> AdmitRequest:
+    return AdmitRequest(request_id=rid, num_prompt_tokens=n, max_tokens=max_tokens, block_hashes=tuple(hashes), **kw)
 
 
-# ------------------------------------------------------------------ batcher
-def test_window_closes_when_the_head_has_waited_wait_ms():
-    b = FixedWindowBatcher(FixedWindowParams(wait_ms=10, batch_size_max=8), max_batch_tokens=10_000)
-    b.add(item("a", 10, 0))
-    b.add(item("b", 10, 3 * MS))
-    assert b.poll(9 * MS) == []
-    assert b.next_due_ns() == 10 * MS
-    [closed] = b.poll(10 * MS)
-    assert [i.request_id for i in closed.items] == ["a", "b"] and closed.reason == "window"
-    assert len(b) == 0 and b.next_due_ns() is None
-
-
-def test_a_full_queue_closes_at_once_and_the_rest_waits():
-    b = FixedWindowBatcher(FixedWindowParams(wait_ms=1000, batch_size_max=3), max_batch_tokens=10_000)
-    for i in range(5):
-        b.add(item(f"r{i}", 10, i))
-    assert b.next_due_ns() == 0  # due now
-    [closed] = b.poll(5)
-    assert [i.request_id for i in closed.items] == ["r0", "r1", "r2"] and closed.reason == "full"
-    assert len(b) == 2 and b.next_due_ns() == 3 + 1000 * MS
-
-
-def test_token_capacity_bounds_a_batch_but_the_head_always_goes():
-    b = FixedWindowBatcher(FixedWindowParams(wait_ms=0, batch_size_max=8), max_batch_tokens=100)
-    for rid, n in [("big", 500), ("x", 60), ("y", 50), ("z", 30)]:
-        b.add(item(rid, n, 0))
-    batches = b.poll(0)
-    assert [[i.request_id for i in c.items] for c in batches] == [["big"], ["x"], ["y", "z"]]
-
-
-def test_drain_returns_every_queued_item_so_none_is_lost():
-    b = FixedWindowBatcher(FixedWindowParams(wait_ms=50, batch_size_max=8), max_batch_tokens=100)
-    for i in range(4):
-        b.add(item(f"r{i}", 1, 0))
-    assert [i.request_id for i in b.drain()] == ["r0", "r1", "r2", "r3"]
-    assert len(b) == 0
-
-
-def test_batcher_parameters_are_validated():
-    with pytest.raises(ValueError):
-        FixedWindowParams(wait_ms=-1)
-    with pytest.raises(ValueError):
-        FixedWindowParams(batch_size_max=0)
-
-
-# ------------------------------------------------------------------ policies and admission
 def test_round_robin_alternates_over_live_workers():
     s = make_scheduler(("w0", "w1", "w2"))
-    rng = random.Random(1)
-    picks = [s.admit(f"r{i}", 10, 4, 0, rng).prefill_pick.worker_id for i in range(6)]
+    picks = [s.admit(req(f"r{i}"), 0).request.prefill_worker_id for i in range(6)]
     assert picks == ["w0", "w1", "w2", "w0", "w1", "w2"]
 
 
 def test_a_rejected_request_does_not_advance_the_policy():
     s = make_scheduler(("w0", "w1"), max_prompt_tokens=100)
-    rng = random.Random(1)
-    assert s.admit("a", 10, 4, 0, rng).prefill_pick.worker_id == "w0"
-    assert isinstance(s.admit("big", 1000, 4, 0, rng), Rejected)
-    assert s.admit("b", 10, 4, 0, rng).prefill_pick.worker_id == "w1"
+    assert s.admit(req("a"), 0).request.prefill_worker_id == "w0"
+    assert isinstance(s.admit(req("big", n=1000), 0), Rejected)
+    assert s.admit(req("b"), 0).request.prefill_worker_id == "w1"
 
 
-def test_random_policy_is_reproducible_from_the_seed():
+def test_decisions_are_reproducible_from_the_seed_and_sequence():
     def run(seed):
-        s = make_scheduler(("w0", "w1", "w2"), prefill="random")
-        rng = random.Random(seed)
-        return [s.admit(f"r{i}", 10, 4, 0, rng).prefill_pick.worker_id for i in range(20)]
+        s = make_scheduler(("w0", "w1", "w2"), prefill_policy="random", seed=seed)
+        out = [s.admit(req(f"r{i}"), 0) for i in range(20)]
+        return [(a.request.prefill_worker_id, [d.seed for d in a.decisions]) for a in out]
 
     assert run(5) == run(5)
-    assert set(run(5)) == {"w0", "w1", "w2"}
+    assert run(5) != run(6)
+    assert {w for w, _ in run(5)} == {"w0", "w1", "w2"}
+    assert decision_seed(5, 1) != decision_seed(5, 2)
 
 
 @pytest.mark.parametrize(
-    "setup,args,code",
+    "setup,request_,code",
     [
-        (dict(workers=()), ("r", 10, 4), "no_worker"),
-        (dict(max_prompt_tokens=100), ("r", 101, 4), "too_large"),
-        (dict(), ("r", 8000, 500), "too_large"),  # beyond every worker's max sequence length
-        (dict(max_inflight_requests=0), ("r", 10, 4), "queue_full"),
+        (dict(workers=()), req("r"), "no_worker"),
+        (dict(max_prompt_tokens=100), req("r", n=101), "too_large"),
+        (dict(), req("r", n=8000, max_tokens=500), "too_large"),  # beyond every worker's max sequence length
+        (dict(max_inflight_requests=1), None, "queue_full"),  # second request over the global cap
+        (dict(slo=SloParams(mode="reject")), req("r", n=100, slo_ttft_ms=1.0), "slo_unattainable"),
     ],
-    ids=["no-worker", "prompt-over-limit", "over-max-seq-len", "global-cap"],
+    ids=["no-worker", "prompt-over-limit", "over-max-seq-len", "global-cap", "slo-unattainable"],
 )
-def test_admission_rejects_with_a_code(setup, args, code):
+def test_admission_rejects_with_a_code(setup, request_, code):
     s = make_scheduler(**setup)
-    decision = s.admit(*args, now_ns=0, rng=random.Random(0))
+    if request_ is None:
+        assert isinstance(s.admit(req("first"), 0), Admitted)
+        request_ = req("second")
+    decision = s.admit(request_, 0)
     assert isinstance(decision, Rejected) and decision.code == code, decision
 
 
-def test_duplicate_inflight_request_id_is_rejected():
+def test_an_unattainable_slo_is_admitted_as_best_effort_by_default():
     s = make_scheduler()
-    assert isinstance(s.admit("r", 10, 4, 0, random.Random(0)), Admitted)
-    d = s.admit("r", 10, 4, 0, random.Random(0))
+    a = s.admit(req("r", n=100, slo_ttft_ms=1.0), 0)
+    assert isinstance(a, Admitted) and a.best_effort and a.predicted_ttft_ms > 1.0
+    b = s.admit(req("q", n=100), 0)
+    assert not b.best_effort and b.slo_ttft_ms == 150.0  # <=256 tokens, priority 50
+
+
+def test_duplicate_inflight_request_id_is_rejected_and_terminal_forgets_it():
+    s = make_scheduler()
+    assert isinstance(s.admit(req("r"), 0), Admitted)
+    d = s.admit(req("r"), 0)
     assert isinstance(d, Rejected) and d.code == "duplicate_request"
     assert s.on_terminal("r") and not s.on_terminal("r")
 
 
 def test_per_worker_queue_bound_gives_queue_full():
     s = make_scheduler(("w0",), max_queue_per_worker=2)
-    rng = random.Random(0)
-    assert all(isinstance(s.admit(f"r{i}", 10, 4, 0, rng), Admitted) for i in range(2))
-    d = s.admit("r9", 10, 4, 0, rng)
+    assert all(isinstance(s.admit(req(f"r{i}"), 0), Admitted) for i in range(2))
+    d = s.admit(req("r9"), 0)
     assert isinstance(d, Rejected) and d.code == "queue_full"
 
 
 def test_a_silent_worker_stops_receiving_work_and_readiness_says_why():
     s = make_scheduler(("w0", "w1"), worker_timeout_ms=1000)
     s.on_worker_event(status("w1"), 900 * MS)  # w1 keeps reporting, w0 went silent at t=0
-    d = s.admit("r", 10, 4, 1500 * MS, random.Random(0))
-    assert d.prefill_pick.worker_id == "w1"
+    assert s.admit(req("r"), 1500 * MS).request.prefill_worker_id == "w1"
     assert s.view.readiness(1500 * MS, s.timeout_ns) == (True, "ok")
     assert s.view.readiness(3000 * MS, s.timeout_ns) == (False, "no live worker for role pd_fusion")
 
@@ -147,42 +111,85 @@ def test_a_silent_worker_stops_receiving_work_and_readiness_says_why():
 def test_draining_worker_gets_no_new_work():
     s = make_scheduler(("w0", "w1"))
     s.on_worker_event(status("w0", state="draining"), 0)
-    rng = random.Random(0)
-    assert {s.admit(f"r{i}", 10, 4, 0, rng).prefill_pick.worker_id for i in range(4)} == {"w1"}
+    assert {s.admit(req(f"r{i}"), 0).request.prefill_worker_id for i in range(4)} == {"w1"}
 
 
-def test_disaggregated_mode_picks_a_prefill_and_a_decode_worker():
+def test_disaggregated_mode_picks_decode_first_then_prefill():
     s = make_scheduler(("p0", "p1"), role="prefill")
     for w in ("d0", "d1"):
         s.on_worker_event(status(w, "decode"), 0)
-    rng = random.Random(0)
-    picks = [(d.prefill_pick.worker_id, d.decode_pick.worker_id) for d in (s.admit(f"r{i}", 10, 4, 0, rng) for i in range(4))]
-    assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+    out = [s.admit(req(f"r{i}"), 0) for i in range(4)]
+    assert [(a.request.prefill_worker_id, a.request.decode_worker_id) for a in out] == [
+        ("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")
+    ]
+    assert [d.stage for d in out[0].decisions] == ["decode", "prefill"]
     assert s.view.roles_in_use() == {"prefill", "decode"}
-    assert s.view.readiness(0, s.timeout_ns) == (True, "ok")
 
 
-def test_pd_mode_without_decode_workers_is_not_ready():
+def test_pd_mode_without_decode_workers_is_not_ready_and_rejects():
     s = make_scheduler(("p0",), role="prefill")
     assert s.view.readiness(0, s.timeout_ns) == (False, "no live worker for role decode")
-    assert s.admit("r", 10, 4, 0, random.Random(0)).code == "no_worker"
+    assert s.admit(req("r"), 0).code == "no_worker"
 
 
-def test_tick_closes_due_batches_with_unique_ids_per_worker():
-    s = make_scheduler(("w0", "w1"), batcher=FixedWindowParams(wait_ms=5, batch_size_max=8))
-    rng = random.Random(0)
+def test_tick_closes_due_batches_with_unique_ids_and_tracks_them_inflight():
+    s = make_scheduler(("w0", "w1"))
     for i in range(4):
-        s.admit(f"r{i}", 10, 4, 0, rng)
-    assert s.tick(4 * MS) == []
-    assert s.next_due_ns() == 5 * MS
-    batches = s.tick(5 * MS)
+        s.admit(req(f"r{i}"), 0)
+    assert s.tick(4 * MS).batches == []
+    assert s.next_due_ns(4 * MS) == 5 * MS
+    batches = s.tick(5 * MS).batches
     assert sorted((b.worker_id, [i.request_id for i in b.items]) for b in batches) == [
         ("w0", ["r0", "r2"]), ("w1", ["r1", "r3"])
     ]
     assert len({b.batch_id for b in batches}) == 2 and all(b.batch_id.startswith("r-boot-") for b in batches)
+    assert s.ledger.num_inflight_batches("w0") == 1 and s.ledger.num_pending_requests("w0") == 4  # 2 batch + 2 KV
 
 
-def test_a_restarted_worker_is_counted_and_keeps_its_place():
+def test_queued_past_the_enqueue_deadline_times_out():
+    s = make_scheduler(("w0",), batcher_params={"wait_ms": 10, "max_inflight_batches": 1, "enqueue_deadline_ms": 100})
+    s.admit(req("a"), 0)
+    assert len(s.tick(10 * MS).batches) == 1  # a goes; the worker now has 1 inflight batch
+    s.admit(req("b"), 20 * MS)
+    assert s.tick(50 * MS).batches == []  # backpressure holds b
+    res = s.tick(121 * MS)
+    assert [(f.item.request_id, f.code) for f in res.failures] == [("b", "queue_timeout")]
+    assert "b" not in s.inflight
+
+
+def test_wait_estimate_learns_from_batch_started_and_prefill_completed():
+    s = make_scheduler(("w0",))
+    s.admit(req("a", n=1000), 0)
+    [b] = s.tick(5 * MS).batches
+    assert s.ledger.wait_ms("w0", 6 * MS) == pytest.approx(b.predicted_ms)
+    s.on_batch_started("w0", b.batch_id, 10 * MS)
+    assert s.ledger.wait_ms("w0", 40 * MS) == pytest.approx(b.predicted_ms - 30)
+    before = s.predictors["w0"].num_observations
+    assert s.on_prefill_completed("w0", b.batch_id, measured_ms=200.0, num_cached_tokens=0) is not None
+    assert s.predictors["w0"].num_observations == before + 1
+    assert s.ledger.wait_ms("w0", 40 * MS) == 0
+
+
+def test_cost_based_follows_the_prefix_cache_reported_by_kv_events():
+    s = make_scheduler(("w0", "w1", "w2"), prefill_policy="cost-based")
+    hashes = list(range(100, 164))  # a 1,024-token prompt in 16-token blocks
+    s.on_kv_event(KvBlocksStored(worker_id="w2", boot_id="b0", kv_seq=1, block_hashes=hashes))
+    a = s.admit(req("r", n=1024, hashes=hashes), 0)
+    assert a.request.prefill_worker_id == "w2"
+    assert a.request.num_cached_tokens == 1024 - 16  # full hit: the last block is recomputed
+    card = {c["worker_id"] if isinstance(c, dict) else c.worker_id: c for c in a.prefill_pick.scores}
+    assert card["w2"].score < card["w0"].score
+
+
+def test_kv_aware_decode_skips_a_worker_without_room():
+    s = make_scheduler(("p0",), role="prefill", decode_policy="kv-aware")
+    s.on_worker_event(status("d0", "decode", num_free_kv_blocks=1), 0)
+    s.on_worker_event(status("d1", "decode"), 0)
+    for i in range(10):
+        assert s.admit(req(f"r{i}", n=200), 0).request.decode_worker_id == "d1"
+
+
+def test_a_restarted_worker_is_counted():
     s = make_scheduler(("w0",))
     s.on_worker_event(status("w0", boot="b1"), 10)
     assert s.view.workers["w0"].num_restarts == 1
@@ -192,16 +199,20 @@ def test_a_restarted_worker_is_counted_and_keeps_its_place():
     assert s.view.workers["w0"].num_restarts == 2
 
 
-def test_drain_queues_empties_batchers_and_inflight():
+def test_drain_queues_empties_batchers_inflight_and_reservations():
     s = make_scheduler()
-    rng = random.Random(0)
     for i in range(3):
-        s.admit(f"r{i}", 10, 4, 0, rng)
+        s.admit(req(f"r{i}"), 0)
     drained = s.drain_queues()
     assert sorted(i.request_id for i in drained) == ["r0", "r1", "r2"]
-    assert s.inflight == set() and s.next_due_ns() is None
+    assert s.inflight == set() and s.next_due_ns(0) is None
+    assert all(s.ledger.num_pending_requests(w) == 0 for w in ("w0", "w1"))
 
 
-def test_unknown_policy_names_fail_with_the_known_ones():
-    with pytest.raises(UnknownPolicyError, match="known: random, round-robin"):
-        build_policy("prefill", "best-ever")
+def test_bad_configuration_fails_at_construction():
+    with pytest.raises(ValueError, match="unknown prefill policy"):
+        make_scheduler(prefill_policy="best-ever")
+    with pytest.raises(ValueError):
+        make_scheduler(batcher="magic")
+    with pytest.raises(ValueError, match="prefix_index"):
+        make_scheduler(prefix_index="fuzzy")

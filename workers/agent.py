@@ -50,6 +50,8 @@ from schemas.subjects import (
     dispatch_consumer,
     dispatch_subject,
     dlq_subject,
+    kv_events_subject,
+    kv_snapshot_request_subject,
     status_subject,
     validate_token,
     worker_events_subject,
@@ -117,6 +119,7 @@ class WorkerAgent:
         self.num_undecodable = 0
         self.num_stale_refused = 0
         self.last_step_ms = 0.0
+        self.kv_seq = 0  # per-boot sequence of KV events, gap-free
         self.nc = None
         self.js = None
 
@@ -167,6 +170,7 @@ class WorkerAgent:
         self.js = self.nc.jetstream()
         await self._ensure_streams()
         await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
+        await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
         if cfg.role == "decode":
             subject, durable = decode_subject(cfg.worker_id), decode_consumer(cfg.worker_id)
         else:
@@ -307,6 +311,34 @@ class WorkerAgent:
             self.meta.pop(cmd.request_id, None)
             await self._event(m.RequestCancelled(request_id=cmd.request_id, worker_id=self.cfg.worker_id, reason=cmd.reason))
 
+    async def _on_snapshot_request(self, msg) -> None:
+        try:
+            cmd = m.decode(msg.data).payload
+            if not isinstance(cmd, m.RequestKvSnapshot):
+                raise m.DecodeError(f"unexpected {type(cmd).__name__} on a snapshot-request subject")
+        except m.DecodeError as exc:
+            await self._dead_letter(msg, str(exc))
+            return
+        # Consistent with every KV event published so far (kv_seq does not advance).
+        await self.nc.publish(kv_events_subject(self.cfg.worker_id), self._env(m.KvSnapshot(
+            worker_id=self.cfg.worker_id, boot_id=self.boot_id, kv_seq=self.kv_seq,
+            block_hashes=self.engine.all_cached_block_hashes(), block_size_tokens=self.cfg.block_size_tokens,
+        )))
+
+    async def _publish_kv(self, step: StepResult) -> None:
+        wid = self.cfg.worker_id
+        if step.blocks_removed:
+            self.kv_seq += 1
+            await self.nc.publish(kv_events_subject(wid), self._env(m.KvBlocksRemoved(
+                worker_id=wid, boot_id=self.boot_id, kv_seq=self.kv_seq, block_hashes=list(step.blocks_removed),
+            )))
+        if step.blocks_stored:
+            self.kv_seq += 1
+            await self.nc.publish(kv_events_subject(wid), self._env(m.KvBlocksStored(
+                worker_id=wid, boot_id=self.boot_id, kv_seq=self.kv_seq, block_hashes=list(step.blocks_stored),
+                block_size_tokens=self.cfg.block_size_tokens,
+            )))
+
     async def _engine_loop(self) -> None:
         scale = self.cfg.time_scale
         while True:
@@ -332,6 +364,7 @@ class WorkerAgent:
 
     async def _publish_step(self, step: StepResult, measured_ms: float) -> None:
         wid = self.cfg.worker_id
+        await self._publish_kv(step)
         finished = {f.request_id: f for f in step.finished}
         chunks: dict[str, list] = {}
         for t in step.tokens:

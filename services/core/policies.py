@@ -1,25 +1,78 @@
-"""Routing policies as plugins: filters narrow the candidates, a policy picks one.
+"""Routing policies as plugins: each picks one worker from candidates the scheduler scored.
 
-Contract: `select(ctx) -> Pick | None` is a pure choice that never mutates the policy;
-`record(pick)` is called by the caller once the pick is committed (choosing and recording
-are two steps, so a rolled-back pick leaves no trace). `ctx.rng` is the only randomness.
+Contract
+- The scheduler builds one `Candidate` per live worker of the right role, with every input
+  a policy may use already computed (prefix hit, predicted prefill, waits, pending, KV).
+  It never passes a dead or draining worker.
+- `select(ctx) -> Pick` is a pure choice: it does not mutate the policy. It returns the
+  pick (or None with a reason) and the score card of every candidate, including which
+  filter removed it — the decision is data (`route.decided`).
+- `record(pick)` is called once the pick is committed; only stateful policies (round-robin)
+  change there. A rejected request leaves no trace.
+- `ctx.rng` is the only randomness: a `random.Random` seeded per decision by the caller.
 
-Registry: `build_policy(kind, name, params)` constructs from an explicit table; unknown
-names fail at start with the list of known ones. Issue 4 adds cost-based, cache-aware,
-least-loaded, power-of-two and kv-aware here.
+Registry: `build_policy(stage, name, params)` from an explicit table; parameters are typed
+msgspec Structs that reject unknown keys; every error names the policy and the field.
 
-Policies in this module:
-- `round-robin`: the candidates sorted by id, the next one after the last recorded pick.
-- `random`: uniform over the candidates, from ctx.rng.
+Prefill policies (stage "prefill"; colocated pd_fusion workers use these too)
+- `cost-based` (FlexLB): score = predicted prefill of this request given the worker's
+  prefix hit + predicted wait of its inflight batches + predicted wait in its batcher queue.
+  Filters, in order: pending above the hysteresis gate (closes at `pending_gate_high` 64,
+  reopens at 64 − 15% = 55; the scheduler keeps the gate state); optional SLO filter
+  (wait + prefill > SLO − `slo_margin_ms` 100); hotspot (pending > `hotspot_factor` 3 ×
+  average); imbalance (wait > `imbalance_factor` 3 × average). If nothing survives: the
+  least-waiting worker. Pick: uniform among scores within max(`tie_rel` 10% × min,
+  `tie_abs_ms` 20 ms) of the minimum.
+- `cache-aware` (SGLang router): if the load is imbalanced — max pending − min pending >
+  `balance_abs_threshold` (32) and max pending > `balance_rel_threshold` (1.5) × min
+  pending — the shortest queue; else the best prefix-match ratio if it is above
+  `cache_threshold` (0.5), else the worker with the smallest cache (to spread new prefixes).
+- `least-loaded`: fewest pending requests (ties: lowest predicted wait, then id).
+- `power-of-two`: two distinct candidates drawn at random, the one with fewer pending.
+- `round-robin`: next worker id after the last committed pick.
+- `random`: uniform.
+
+Decode policies (stage "decode", disaggregated mode)
+- `kv-aware` (FlexLB): expected KV = prompt + min(max_tokens, `expected_output_cap` 1000).
+  Filters: available KV < prompt tokens; KV usage ≥ `max_kv_usage` (0.9, with the same
+  hysteresis as the gate, 15%); load > 3× average; KV used > 3× average. Nothing left →
+  no pick (`no_worker`, no fallback). Pick: weighted random, weight = exp(−`kv_weight_per_token`
+  (0.001) × (kv_used − min kv_used)): a worker with 500 tokens used is picked e^1 ≈ 2.7×
+  as often as one with 1,500.
+- `least-loaded`, `round-robin`, `random` as above (load = running + reserved requests).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
+
+import msgspec
 
 from services.core.view import WorkerInfo
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker as the scheduler scored it for this request."""
+
+    worker: WorkerInfo
+    num_cached_tokens: int = 0  # predicted prefix-cache hit of this request on this worker
+    prefill_ms: float = 0.0  # predicted prefill of this request alone, given the hit
+    wait_ms: float = 0.0  # predicted wait for the worker's inflight batches
+    queue_ms: float = 0.0  # predicted wait in the worker's batcher queue
+    num_pending: int = 0  # requests we reserved there (inflight) + queued in its batcher
+    num_cache_blocks: int = 0  # blocks the prefix index says it holds (its "tree size")
+    kv_total_tokens: int = 0
+    kv_used_tokens: int = 0  # reported used + Σ expected reservations not yet visible
+    kv_available_tokens: int = 0  # reported free − Σ hard reservations not yet visible
+    gated: bool = False  # pending above the hysteresis gate (prefill) / KV usage gate (decode)
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
 
 
 @dataclass(frozen=True)
@@ -27,67 +80,367 @@ class RouteContext:
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
-    candidates: list[WorkerInfo]  # already filtered to live workers of the right role
+    candidates: list[Candidate]
     now_ns: int
     rng: random.Random
-    block_hashes: tuple[int, ...] = ()
+    num_prompt_blocks: int = 0  # full blocks of the prompt (for match ratios)
+    slo_ttft_ms: float = 0.0  # 0: no SLO
+
+
+@dataclass(frozen=True)
+class Score:
+    worker_id: str
+    score: float
+    components: dict[str, float] = field(default_factory=dict)
+    filtered_by: str | None = None
 
 
 @dataclass(frozen=True)
 class Pick:
-    worker_id: str
+    worker_id: str | None  # None: nothing could be picked (see reason)
     reason: str
-    scores: dict[str, float] = field(default_factory=dict)  # candidate id -> score, for explain
+    scores: list[Score] = field(default_factory=list)
 
 
 class RoutingPolicy(Protocol):
     name: str
 
-    def select(self, ctx: RouteContext) -> Pick | None: ...
+    def select(self, ctx: RouteContext) -> Pick: ...
 
     def record(self, pick: Pick) -> None: ...
+
+
+class _Params(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    def validate(self) -> "_Params":
+        return self
+
+
+def _avg(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _components(c: Candidate) -> dict[str, float]:
+    return {
+        "prefill_ms": round(c.prefill_ms, 3), "wait_ms": round(c.wait_ms, 3), "queue_ms": round(c.queue_ms, 3),
+        "cached_tokens": float(c.num_cached_tokens), "pending": float(c.num_pending),
+    }
+
+
+def _none(reason: str, scores: list[Score]) -> Pick:
+    return Pick(None, reason, scores)
+
+
+# ------------------------------------------------------------------ cost-based
+class CostBasedParams(_Params):
+    pending_gate_high: int = 64  # a worker with this many pending requests stops taking more
+    pending_gate_hysteresis: float = 0.15  # ... until pending falls to high × (1 − this)
+    slo_filter: bool = False  # drop workers whose wait + prefill exceeds the SLO − margin
+    slo_margin_ms: float = 100.0
+    default_slo_ms: float = 500.0  # SLO for the filter when the request has none
+    hotspot_factor: float = 3.0  # pending > factor × average: filtered
+    imbalance_factor: float = 3.0  # wait > factor × average: filtered
+    tie_rel: float = 0.10  # tie window: max(tie_rel × min score, tie_abs_ms)
+    tie_abs_ms: float = 20.0
+
+    def validate(self) -> "CostBasedParams":
+        if self.pending_gate_high < 1:
+            raise ValueError("cost-based: pending_gate_high must be >= 1")
+        if not 0 <= self.pending_gate_hysteresis < 1:
+            raise ValueError("cost-based: pending_gate_hysteresis must be in [0, 1)")
+        for name in ("hotspot_factor", "imbalance_factor"):
+            if getattr(self, name) <= 1:
+                raise ValueError(f"cost-based: {name} must be > 1")
+        if self.tie_rel < 0 or self.tie_abs_ms < 0 or self.slo_margin_ms < 0 or self.default_slo_ms <= 0:
+            raise ValueError("cost-based: tie_rel, tie_abs_ms, slo_margin_ms must be >= 0 and default_slo_ms > 0")
+        return self
+
+
+class CostBased:
+    name = "cost-based"
+
+    def __init__(self, params: CostBasedParams) -> None:
+        self.params = params
+
+    def select(self, ctx: RouteContext) -> Pick:
+        p = self.params
+        cands = ctx.candidates
+        if not cands:
+            return _none("no live candidate", [])
+        filtered: dict[str, str] = {}
+        for c in cands:
+            if c.gated:
+                filtered[c.worker_id] = "pending_gate"
+        if p.slo_filter:
+            budget = (ctx.slo_ttft_ms or p.default_slo_ms) - p.slo_margin_ms
+            for c in cands:
+                if c.worker_id not in filtered and c.wait_ms + c.queue_ms + c.prefill_ms > budget:
+                    filtered[c.worker_id] = "slo"
+        avg_pending = _avg([c.num_pending for c in cands])
+        avg_wait = _avg([c.wait_ms + c.queue_ms for c in cands])
+        for c in cands:
+            if c.worker_id in filtered:
+                continue
+            if avg_pending > 0 and c.num_pending > p.hotspot_factor * avg_pending:
+                filtered[c.worker_id] = "hotspot"
+            elif avg_wait > 0 and c.wait_ms + c.queue_ms > p.imbalance_factor * avg_wait:
+                filtered[c.worker_id] = "imbalance"
+        scores = [
+            Score(c.worker_id, c.prefill_ms + c.wait_ms + c.queue_ms, _components(c), filtered.get(c.worker_id))
+            for c in cands
+        ]
+        eligible = [s for s in scores if s.filtered_by is None]
+        if not eligible:
+            # FlexLB's fallback: the least-waiting worker. Its score card is marked as the
+            # fallback (filter lifted) so a pick is never a worker the card shows as filtered.
+            fallback = min(cands, key=lambda c: (c.wait_ms + c.queue_ms, c.worker_id))
+            scores = [
+                Score(sc.worker_id, sc.score, {**sc.components, "fallback_from": 1.0}, None)
+                if sc.worker_id == fallback.worker_id else sc
+                for sc in scores
+            ]
+            why = filtered[fallback.worker_id]
+            return Pick(fallback.worker_id, f"every candidate filtered; least waiting {fallback.worker_id} (was {why})", scores)
+        best = min(s.score for s in eligible)
+        window = max(p.tie_rel * best, p.tie_abs_ms)
+        ties = sorted((s for s in eligible if s.score <= best + window), key=lambda s: s.worker_id)
+        pick = ties[0] if len(ties) == 1 else ties[ctx.rng.randrange(len(ties))]
+        return Pick(
+            pick.worker_id,
+            f"cost {pick.score:.1f} ms (min {best:.1f}, tie window {window:.1f} ms, {len(ties)} tied, "
+            f"{len(scores) - len(eligible)} filtered)",
+            scores,
+        )
+
+    def record(self, pick: Pick) -> None:
+        """Stateless: nothing to record (the pending gate is scheduler state)."""
+
+
+# ------------------------------------------------------------------ cache-aware
+class CacheAwareParams(_Params):
+    cache_threshold: float = 0.5  # prefix-match ratio above which the best match wins
+    balance_abs_threshold: int = 32  # imbalanced when max − min pending exceeds this ...
+    balance_rel_threshold: float = 1.5  # ... and max pending > this × min pending
+
+    def validate(self) -> "CacheAwareParams":
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("cache-aware: cache_threshold must be in [0, 1]")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("cache-aware: balance_abs_threshold >= 0 and balance_rel_threshold >= 1 required")
+        return self
+
+
+class CacheAware:
+    name = "cache-aware"
+
+    def __init__(self, params: CacheAwareParams) -> None:
+        self.params = params
+
+    def select(self, ctx: RouteContext) -> Pick:
+        p = self.params
+        cands = sorted(ctx.candidates, key=lambda c: c.worker_id)
+        if not cands:
+            return _none("no live candidate", [])
+        denom = max(1, ctx.num_prompt_tokens)
+        scores = [Score(c.worker_id, c.num_cached_tokens / denom, _components(c)) for c in cands]
+        pendings = [c.num_pending for c in cands]
+        lo, hi = min(pendings), max(pendings)
+        if hi - lo > p.balance_abs_threshold and hi > p.balance_rel_threshold * lo:
+            c = min(cands, key=lambda c: (c.num_pending, c.worker_id))
+            return Pick(c.worker_id, f"load imbalanced (pending {lo}..{hi}): shortest queue", scores)
+        best = max(cands, key=lambda c: (c.num_cached_tokens, -c.num_pending))
+        ratio = best.num_cached_tokens / denom
+        if ratio > p.cache_threshold:
+            return Pick(best.worker_id, f"prefix match {ratio:.2f} > {p.cache_threshold}", scores)
+        c = min(cands, key=lambda c: (c.num_cache_blocks, c.num_pending, c.worker_id))
+        return Pick(c.worker_id, f"best match {ratio:.2f} <= {p.cache_threshold}: smallest cache", scores)
+
+    def record(self, pick: Pick) -> None:
+        """Stateless: the prefix index learns from KV events, not from picks."""
+
+
+# ------------------------------------------------------------------ simple policies
+class NoParams(_Params):
+    pass
+
+
+class LeastLoaded:
+    name = "least-loaded"
+
+    def __init__(self, params: NoParams) -> None:
+        self.params = params
+
+    def select(self, ctx: RouteContext) -> Pick:
+        if not ctx.candidates:
+            return _none("no live candidate", [])
+        scores = [Score(c.worker_id, float(c.num_pending), _components(c)) for c in ctx.candidates]
+        c = min(ctx.candidates, key=lambda c: (c.num_pending, c.wait_ms + c.queue_ms, c.worker_id))
+        return Pick(c.worker_id, f"fewest pending ({c.num_pending})", scores)
+
+    def record(self, pick: Pick) -> None:
+        """Stateless."""
+
+
+class PowerOfTwo:
+    name = "power-of-two"
+
+    def __init__(self, params: NoParams) -> None:
+        self.params = params
+
+    def select(self, ctx: RouteContext) -> Pick:
+        cands = sorted(ctx.candidates, key=lambda c: c.worker_id)
+        if not cands:
+            return _none("no live candidate", [])
+        scores = [Score(c.worker_id, float(c.num_pending), _components(c)) for c in cands]
+        if len(cands) == 1:
+            return Pick(cands[0].worker_id, "only candidate", scores)
+        a, b = ctx.rng.sample(cands, 2)
+        c = a if (a.num_pending, a.worker_id) <= (b.num_pending, b.worker_id) else b
+        return Pick(c.worker_id, f"fewer pending of {a.worker_id}/{b.worker_id}", scores)
+
+    def record(self, pick: Pick) -> None:
+        """Stateless."""
 
 
 class RoundRobin:
     name = "round-robin"
 
-    def __init__(self) -> None:
+    def __init__(self, params: NoParams) -> None:
+        self.params = params
         self.last_worker_id: str | None = None
 
-    def select(self, ctx: RouteContext) -> Pick | None:
+    def select(self, ctx: RouteContext) -> Pick:
         if not ctx.candidates:
-            return None
-        ids = sorted(w.worker_id for w in ctx.candidates)
+            return _none("no live candidate", [])
+        ids = sorted(c.worker_id for c in ctx.candidates)
         nxt = next((i for i in ids if self.last_worker_id is None or i > self.last_worker_id), ids[0])
-        return Pick(nxt, reason=f"next after {self.last_worker_id or '(start)'} in id order of {len(ids)} candidates")
+        scores = [Score(c.worker_id, 0.0, _components(c)) for c in ctx.candidates]
+        return Pick(nxt, f"next after {self.last_worker_id or '(start)'} of {len(ids)}", scores)
 
     def record(self, pick: Pick) -> None:
-        self.last_worker_id = pick.worker_id
+        if pick.worker_id is not None:
+            self.last_worker_id = pick.worker_id
 
 
 class RandomPolicy:
     name = "random"
 
-    def select(self, ctx: RouteContext) -> Pick | None:
+    def __init__(self, params: NoParams) -> None:
+        self.params = params
+
+    def select(self, ctx: RouteContext) -> Pick:
         if not ctx.candidates:
-            return None
-        ids = sorted(w.worker_id for w in ctx.candidates)
-        return Pick(ctx.rng.choice(ids), reason=f"uniform random of {len(ids)} candidates")
+            return _none("no live candidate", [])
+        ids = sorted(c.worker_id for c in ctx.candidates)
+        scores = [Score(c.worker_id, 0.0, _components(c)) for c in ctx.candidates]
+        return Pick(ctx.rng.choice(ids), f"uniform of {len(ids)}", scores)
 
     def record(self, pick: Pick) -> None:
-        pass  # stateless: nothing to record
+        """Stateless."""
 
 
-PREFILL_POLICIES: dict[str, Callable[[], RoutingPolicy]] = {"round-robin": RoundRobin, "random": RandomPolicy}
-DECODE_POLICIES: dict[str, Callable[[], RoutingPolicy]] = {"round-robin": RoundRobin, "random": RandomPolicy}
+# ------------------------------------------------------------------ kv-aware decode
+class KvAwareParams(_Params):
+    expected_output_cap: int = 1000  # expected KV = prompt + min(max_tokens, this)
+    kv_weight_per_token: float = 0.001  # weight = exp(−this × (kv_used − min kv_used))
+    max_kv_usage: float = 0.9  # a worker above this usage is gated (hysteresis below)
+    kv_usage_hysteresis: float = 0.15
+    load_factor: float = 3.0  # load > factor × average: filtered
+    kv_used_factor: float = 3.0  # kv used > factor × average: filtered
+
+    def validate(self) -> "KvAwareParams":
+        if self.expected_output_cap < 0 or self.kv_weight_per_token < 0:
+            raise ValueError("kv-aware: expected_output_cap and kv_weight_per_token must be >= 0")
+        if not 0 < self.max_kv_usage <= 1 or not 0 <= self.kv_usage_hysteresis < 1:
+            raise ValueError("kv-aware: max_kv_usage in (0, 1] and kv_usage_hysteresis in [0, 1) required")
+        if self.load_factor <= 1 or self.kv_used_factor <= 1:
+            raise ValueError("kv-aware: load_factor and kv_used_factor must be > 1")
+        return self
+
+
+class KvAware:
+    name = "kv-aware"
+
+    def __init__(self, params: KvAwareParams) -> None:
+        self.params = params
+
+    def select(self, ctx: RouteContext) -> Pick:
+        p = self.params
+        cands = sorted(ctx.candidates, key=lambda c: c.worker_id)
+        if not cands:
+            return _none("no live candidate", [])
+        filtered: dict[str, str] = {}
+        avg_load = _avg([c.num_pending for c in cands])
+        avg_used = _avg([c.kv_used_tokens for c in cands])
+        for c in cands:
+            if c.kv_available_tokens < ctx.num_prompt_tokens:
+                filtered[c.worker_id] = "kv_available"
+            elif c.gated:
+                filtered[c.worker_id] = "kv_usage_gate"
+            elif avg_load > 0 and c.num_pending > p.load_factor * avg_load:
+                filtered[c.worker_id] = "load"
+            elif avg_used > 0 and c.kv_used_tokens > p.kv_used_factor * avg_used:
+                filtered[c.worker_id] = "kv_used"
+        eligible = [c for c in cands if c.worker_id not in filtered]
+        min_used = min((c.kv_used_tokens for c in eligible), default=0)
+        weights = {c.worker_id: math.exp(-p.kv_weight_per_token * (c.kv_used_tokens - min_used)) for c in eligible}
+        scores = [
+            Score(c.worker_id, round(weights.get(c.worker_id, 0.0), 6),
+                  {"kv_used_tokens": float(c.kv_used_tokens), "kv_available_tokens": float(c.kv_available_tokens),
+                   "pending": float(c.num_pending)}, filtered.get(c.worker_id))
+            for c in cands
+        ]
+        if not eligible:
+            return _none("every decode candidate filtered", scores)
+        total = sum(weights.values())
+        x = ctx.rng.random() * total
+        acc = 0.0
+        chosen = eligible[-1]
+        for c in eligible:
+            acc += weights[c.worker_id]
+            if x < acc:
+                chosen = c
+                break
+        return Pick(chosen.worker_id, f"weighted random (w={weights[chosen.worker_id]:.3f} of {total:.3f})", scores)
+
+    def record(self, pick: Pick) -> None:
+        """Stateless: reservations are scheduler state."""
+
+
+# ------------------------------------------------------------------ registry
+@dataclass(frozen=True)
+class PolicySpec:
+    factory: Callable[[Any], RoutingPolicy]
+    params: type
+
+
+PREFILL_POLICIES: dict[str, PolicySpec] = {
+    "cost-based": PolicySpec(CostBased, CostBasedParams),
+    "cache-aware": PolicySpec(CacheAware, CacheAwareParams),
+    "least-loaded": PolicySpec(LeastLoaded, NoParams),
+    "power-of-two": PolicySpec(PowerOfTwo, NoParams),
+    "round-robin": PolicySpec(RoundRobin, NoParams),
+    "random": PolicySpec(RandomPolicy, NoParams),
+}
+DECODE_POLICIES: dict[str, PolicySpec] = {
+    "kv-aware": PolicySpec(KvAware, KvAwareParams),
+    "least-loaded": PolicySpec(LeastLoaded, NoParams),
+    "round-robin": PolicySpec(RoundRobin, NoParams),
+    "random": PolicySpec(RandomPolicy, NoParams),
+}
 
 
 class UnknownPolicyError(ValueError):
     pass
 
 
-def build_policy(kind: str, name: str) -> RoutingPolicy:
-    table = {"prefill": PREFILL_POLICIES, "decode": DECODE_POLICIES}[kind]
-    if name not in table:
-        raise UnknownPolicyError(f"unknown {kind} policy {name!r}; known: {', '.join(sorted(table))}")
-    return table[name]()
+def build_policy(stage: str, name: str, params: dict[str, Any] | None = None) -> RoutingPolicy:
+    """Construct a policy; unknown names, unknown parameters and bad values raise ValueError."""
+    table = {"prefill": PREFILL_POLICIES, "decode": DECODE_POLICIES}[stage]
+    spec = table.get(name)
+    if spec is None:
+        raise UnknownPolicyError(f"unknown {stage} policy {name!r}; known: {', '.join(sorted(table))}")
+    try:
+        typed = msgspec.convert(params or {}, spec.params, strict=False).validate()
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{stage} policy {name}: bad parameters: {exc}") from None
+    return spec.factory(typed)

@@ -1,29 +1,67 @@
-"""Admission, routing and batching: the decisions of the router, as pure functions of state.
+"""Admission, routing and batching: the router's decisions as pure functions of its state.
 
-Flow of one request (all in `admit`):
-1. validate against limits (`too_large` when the prompt exceeds the router limit or every
-   worker's max sequence length);
-2. `queue_full` when the global inflight cap or the chosen worker's queue bound is reached;
-3. pick the decode worker (decode policy over live decode-capable workers), then the
-   prefill worker (prefill policy over live prefill-capable workers); in colocated mode
-   (pd_fusion) one pick serves both; `no_worker` when a role has no live candidate;
-4. record the picks (only now: a rejected request leaves the policies untouched) and queue
-   the request in the prefill worker's batcher.
+State (all folded from events and the router's own decisions; nothing read from a clock):
+the worker view, the prefix index (exact from KV events, or approximate from decisions),
+one prefill-time predictor and one batcher per prefill worker, the inflight mirror of the
+ledger, the hysteresis gates, and the set of admitted requests without a terminal outcome.
 
-`tick(now_ns)` closes due batches and returns them with ids `<id_prefix>-<n>`; the caller
-passes a prefix unique per router process, so batch ids never repeat across restarts (they
-are JetStream dedupe ids).
+One request (`admit`):
+1. limits: `duplicate_request`, `too_large` (router limit, or beyond every live worker's
+   max sequence length), `queue_full` (global inflight cap);
+2. candidates: live workers of each role, each scored with its prefix hit, predicted
+   prefill, inflight wait, batcher-queue wait, pending count and KV (see policies.py);
+3. disaggregated: the decode policy picks first (it reserves KV), then the prefill policy;
+   colocated (pd_fusion): the prefill policy picks the one worker; `no_worker` when a role
+   has no candidate, `queue_full` when every prefill worker's batcher is at its bound;
+4. SLO: TTFT/TPOT targets from buckets × priority (slo.py). The predicted TTFT is the
+   chosen worker's wait + queue + prefill; if even the best candidate cannot meet the TTFT
+   target: `slo_unattainable` in `reject` mode, else admitted as best-effort;
+5. commit: policies record their picks, the decode KV is reserved in the mirror, the
+   approximate index (if used) learns the prompt's blocks, and the request joins the
+   prefill worker's batcher. Every decision is returned as data (`RouteDecision`).
+
+Randomness: decision n draws from `random.Random(decision_seed(seed, n))`, so a replay of
+the same inputs re-draws the same numbers; the seed is recorded in the decision.
+
+`tick(now_ns)` polls the batchers; closed batches enter the inflight mirror and are returned
+with ids `<id_prefix>-<n>` (the caller passes a prefix unique per router process: batch ids
+are JetStream dedupe ids); expired and too-large queue items are returned as failures and
+forgotten. `next_due_ns(now_ns)` says when to tick next (None: on the next event).
+Block size: the router hashes prompts with one block size, that of the fleet (workers must
+agree; the first worker's is used).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
-from schemas.messages import WorkerRegistered, WorkerStatusReported
-from services.core.batcher import FixedWindowBatcher, FixedWindowParams
-from services.core.policies import Pick, RouteContext, RoutingPolicy
-from services.core.view import WorkerView
+from schemas.messages import (
+    KvAllCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvSnapshot,
+    WorkerRegistered,
+    WorkerStatusReported,
+)
+from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher
+from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger
+from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy, build_policy
+from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
+from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex, cached_tokens
+from services.core.slo import SloParams, slo_targets
+from services.core.view import WorkerInfo, WorkerView
+
+MASK64 = (1 << 64) - 1
+
+
+def decision_seed(seed: int, decision_seq: int) -> int:
+    """splitmix64 of (seed, seq): independent, reproducible per-decision seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + decision_seq + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True)
@@ -32,34 +70,105 @@ class SchedulerConfig:
     max_queue_per_worker: int = 1024
     max_inflight_requests: int = 100_000
     worker_timeout_ms: int = 1000
-    batcher: FixedWindowParams = field(default_factory=FixedWindowParams)
+    prefill_policy: str = "cost-based"
+    prefill_policy_params: dict[str, Any] = field(default_factory=dict)
+    decode_policy: str = "kv-aware"
+    decode_policy_params: dict[str, Any] = field(default_factory=dict)
+    batcher: str = "fixed-window"
+    batcher_params: dict[str, Any] = field(default_factory=dict)
+    predictor_coefficients: PrefillCoefficients = field(default_factory=PrefillCoefficients)
+    predictor_params: PredictorParams = field(default_factory=PredictorParams)
+    slo: SloParams = field(default_factory=SloParams)
+    prefix_index: str = "exact"  # "exact" (KV events) | "approximate" (learned from decisions)
+    approx_index_ttl_ms: float = 120_000.0
+    expected_output_cap_tokens: int = 1000  # expected decode KV = prompt + min(max_tokens, this)
+    pending_gate_high: int = 64  # prefill gate: closes at this many pending requests ...
+    pending_gate_hysteresis: float = 0.15  # ... reopens at high × (1 − this)
+    max_kv_usage: float = 0.9  # decode gate: closes at this KV usage, reopens 15% below
+    kv_usage_hysteresis: float = 0.15
+    seed: int = 0
+
+    def validate(self) -> "SchedulerConfig":
+        if self.prefix_index not in ("exact", "approximate"):
+            raise ValueError(f"prefix_index must be exact or approximate, got {self.prefix_index!r}")
+        for name in ("max_prompt_tokens", "max_queue_per_worker", "max_inflight_requests", "worker_timeout_ms",
+                     "pending_gate_high"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        build_policy("prefill", self.prefill_policy, self.prefill_policy_params)
+        build_policy("decode", self.decode_policy, self.decode_policy_params)
+        build_batcher(self.batcher, self.batcher_params, lambda items: 0.0)
+        self.slo.validate()
+        return self
 
 
 @dataclass
 class QueuedRequest:
-    """A request admitted and waiting in a batcher. Field names match `Batchable`."""
+    """An admitted request waiting in a batcher (field names match `Batchable`)."""
 
     request_id: str
     num_prompt_tokens: int
+    num_cached_tokens: int  # predicted prefix hit on the prefill worker
+    kv_tokens: int  # KV it needs on the engine: prompt + max_tokens
     max_tokens: int
     enqueued_ns: int
+    deadline_ns: int  # arrival + TTFT SLO
     prefill_worker_id: str
     decode_worker_id: str
     payload: object = None  # the shell's request handle; the core never looks inside
 
 
 @dataclass(frozen=True)
+class AdmitRequest:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    priority: int | None = None
+    slo_ttft_ms: float | None = None  # override
+    slo_tpot_ms: float | None = None  # override
+    payload: object = None
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    stage: str  # "prefill" | "decode"
+    policy: str
+    decision_seq: int
+    seed: int
+    pick: Pick
+
+
+@dataclass(frozen=True)
 class Admitted:
     request: QueuedRequest
-    prefill_pick: Pick
-    decode_pick: Pick
-    policy: str
+    decisions: list[RouteDecision]
+    predicted_ttft_ms: float
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    priority: int
+    best_effort: bool
+
+    @property
+    def prefill_pick(self) -> Pick:
+        return next(d.pick for d in self.decisions if d.stage == "prefill")
+
+    @property
+    def decode_pick(self) -> Pick:
+        return next((d.pick for d in self.decisions if d.stage == "decode"), self.prefill_pick)
+
+    @property
+    def policy(self) -> str:
+        return "/".join(d.policy for d in self.decisions)
 
 
 @dataclass(frozen=True)
 class Rejected:
     code: str
     message: str
+    decisions: list[RouteDecision] = field(default_factory=list)
+    predicted_ttft_ms: float = 0.0
+    slo_ttft_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,113 +177,311 @@ class FormedBatch:
     worker_id: str
     items: list[QueuedRequest]
     reason: str
+    predicted_ms: float
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(i.num_prompt_tokens for i in self.items)
 
 
+@dataclass(frozen=True)
+class QueueFailure:
+    item: QueuedRequest
+    code: str  # queue_timeout | too_large | no_worker
+    message: str
+
+
+@dataclass(frozen=True)
+class TickResult:
+    batches: list[FormedBatch]
+    failures: list[QueueFailure]
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, prefill_policy: RoutingPolicy, decode_policy: RoutingPolicy, id_prefix: str) -> None:
-        self.config = config
-        self.prefill_policy = prefill_policy
-        self.decode_policy = decode_policy
+    def __init__(self, config: SchedulerConfig, id_prefix: str) -> None:
+        self.config = config.validate()
         self.id_prefix = id_prefix
+        self.prefill_policy: RoutingPolicy = build_policy("prefill", config.prefill_policy, config.prefill_policy_params)
+        self.decode_policy: RoutingPolicy = build_policy("decode", config.decode_policy, config.decode_policy_params)
         self.view = WorkerView()
-        self.batchers: dict[str, FixedWindowBatcher[QueuedRequest]] = {}  # prefill worker id -> batcher
+        self.index = PrefixIndex()
+        self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
+        self.ledger = InflightLedger()
+        self.predictors: dict[str, PrefillPredictor] = {}  # prefill worker id -> its predictor
+        self.batchers: dict[str, Batcher] = {}  # prefill worker id -> its batcher
+        self.prefill_gated: set[str] = set()  # workers whose pending count closed the gate
+        self.decode_gated: set[str] = set()  # workers whose KV usage closed the gate
         self.inflight: set[str] = set()  # admitted request ids without a terminal outcome
         self.num_batches = 0
+        self.decision_seq = 0
+        self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
 
     @property
     def timeout_ns(self) -> int:
         return self.config.worker_timeout_ms * 1_000_000
 
-    def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int) -> None:
+    # ---------------------------------------------------------------- inputs
+    def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int) -> WorkerInfo:
         info = self.view.apply(event, now_ns)
-        batcher = self.batchers.get(info.worker_id)
-        if batcher is not None:
-            batcher.max_batch_tokens = max(1, info.max_batch_tokens)
+        if isinstance(event, WorkerStatusReported) and event.running_request_ids:
+            self.ledger.calibrate(event.worker_id, event.running_request_ids)
+        return info
 
-    def admit(
-        self, request_id: str, num_prompt_tokens: int, max_tokens: int, now_ns: int, rng: random.Random,
-        block_hashes: tuple[int, ...] = (), payload: object = None,
-    ) -> Admitted | Rejected:
-        cfg = self.config
-        if request_id in self.inflight:
-            return Rejected("duplicate_request", f"request {request_id} is already in flight")
-        if num_prompt_tokens > cfg.max_prompt_tokens:
-            return Rejected("too_large", f"prompt of {num_prompt_tokens} tokens exceeds the limit of {cfg.max_prompt_tokens}")
-        if len(self.inflight) >= cfg.max_inflight_requests:
-            return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
-        live = self.view.live(now_ns, self.timeout_ns)
-        fitting = [w for w in live if w.max_seq_len_tokens <= 0 or num_prompt_tokens + max_tokens <= w.max_seq_len_tokens]
-        if live and not fitting:
-            return Rejected("too_large", f"{num_prompt_tokens}+{max_tokens} tokens exceed every live worker's max sequence length")
-        colocated = [w for w in fitting if w.role == "pd_fusion"]
-        decode_c = [w for w in fitting if w.role == "decode"]
-        prefill_c = [w for w in fitting if w.role == "prefill"]
+    def on_kv_event(self, event: KvBlocksStored | KvBlocksRemoved | KvAllCleared | KvSnapshot) -> IndexUpdate:
+        return self.index.apply(event)
 
-        def ctx(cands):
-            return RouteContext(request_id, num_prompt_tokens, max_tokens, cands, now_ns, rng, block_hashes)
+    def on_batch_started(self, worker_id: str, batch_id: str, now_ns: int) -> bool:
+        return self.ledger.start_batch(worker_id, batch_id, now_ns)
 
-        if decode_c and prefill_c:
-            decode_pick = self.decode_policy.select(ctx(decode_c))
-            prefill_pick = self.prefill_policy.select(ctx([w for w in prefill_c if self._has_room(w.worker_id)]))
-            policy = f"{self.prefill_policy.name}/{self.decode_policy.name}"
-        elif colocated:
-            prefill_pick = self.prefill_policy.select(ctx([w for w in colocated if self._has_room(w.worker_id)]))
-            decode_pick = prefill_pick
-            policy = self.prefill_policy.name
-        else:
-            return Rejected("no_worker", "no live worker can serve this request")
-        if prefill_pick is None:
-            return Rejected("queue_full", f"every prefill worker's queue holds {cfg.max_queue_per_worker} requests")
-        if decode_pick is None:
-            return Rejected("no_worker", "no live decode worker")
-        self.prefill_policy.record(prefill_pick)
-        if decode_pick is not prefill_pick:
-            self.decode_policy.record(decode_pick)
-        item = QueuedRequest(
-            request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, enqueued_ns=now_ns,
-            prefill_worker_id=prefill_pick.worker_id, decode_worker_id=decode_pick.worker_id, payload=payload,
-        )
-        self._batcher(prefill_pick.worker_id).add(item)
-        self.inflight.add(request_id)
-        return Admitted(item, prefill_pick, decode_pick, policy)
+    def on_prefill_completed(self, worker_id: str, batch_id: str, measured_ms: float, num_cached_tokens: int) -> InflightBatch | None:
+        """Retire the batch and teach the worker's predictor its measured time.
 
-    def _has_room(self, worker_id: str) -> bool:
-        b = self.batchers.get(worker_id)
-        return b is None or len(b) < self.config.max_queue_per_worker
-
-    def _batcher(self, worker_id: str) -> FixedWindowBatcher[QueuedRequest]:
-        b = self.batchers.get(worker_id)
-        if b is None:
-            info = self.view.workers.get(worker_id)
-            b = FixedWindowBatcher(self.config.batcher, max(1, info.max_batch_tokens if info else 1 << 30))
-            self.batchers[worker_id] = b
-        return b
-
-    def tick(self, now_ns: int) -> list[FormedBatch]:
-        out: list[FormedBatch] = []
-        for worker_id, batcher in self.batchers.items():
-            for closed in batcher.poll(now_ns):
-                self.num_batches += 1
-                out.append(FormedBatch(f"{self.id_prefix}-{self.num_batches}", worker_id, closed.items, closed.reason))
-        return out
-
-    def next_due_ns(self) -> int | None:
-        dues = [d for b in self.batchers.values() if (d := b.next_due_ns()) is not None]
-        return min(dues) if dues else None
+        Per-request cache hits are not reported, only the batch total: the predicted hits are
+        scaled to that total (in proportion to prompt length when none was predicted)."""
+        batch = self.ledger.complete_batch(worker_id, batch_id)
+        if batch is None:
+            return None
+        predictor = self.predictors.get(worker_id)
+        if predictor is not None and batch.members:
+            predicted = sum(c for _, c in batch.members)
+            if predicted > 0:
+                scale = num_cached_tokens / predicted
+                members = [(n, min(n, round(c * scale))) for n, c in batch.members]
+            else:
+                total = sum(n for n, _ in batch.members) or 1
+                members = [(n, min(n, round(num_cached_tokens * n / total))) for n, _ in batch.members]
+            predictor.observe(members, measured_ms)
+        return batch
 
     def on_terminal(self, request_id: str) -> bool:
         """Forget a request that reached its terminal outcome; False if it was not inflight."""
+        self.ledger.release(request_id)
         if request_id in self.inflight:
             self.inflight.discard(request_id)
             return True
         return False
 
+    # ---------------------------------------------------------------- helpers
+    def predictor(self, worker_id: str) -> PrefillPredictor:
+        p = self.predictors.get(worker_id)
+        if p is None:
+            p = self.predictors[worker_id] = PrefillPredictor(self.config.predictor_coefficients, self.config.predictor_params)
+        return p
+
+    def batcher(self, worker_id: str) -> Batcher:
+        b = self.batchers.get(worker_id)
+        if b is None:
+            predictor = self.predictor(worker_id)
+
+            def predict(items, predictor=predictor) -> float:
+                return predictor.predict_ms([(i.num_prompt_tokens, i.num_cached_tokens) for i in items])
+
+            b = self.batchers[worker_id] = build_batcher(self.config.batcher, self.config.batcher_params, predict)
+        return b
+
+    def load(self, worker_id: str, now_ns: int) -> WorkerLoad:
+        info = self.view.workers.get(worker_id)
+        bs = info.block_size_tokens if info else 16
+        hard, _ = self.ledger.hidden_kv(worker_id)
+        # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
+        free_kv = (info.num_free_kv_blocks * bs - hard) if info and info.num_kv_blocks else 1 << 40
+        return WorkerLoad(
+            max_batch_tokens=info.max_batch_tokens if info else 0,
+            free_kv_tokens=max(0, free_kv),
+            num_inflight_batches=self.ledger.num_inflight_batches(worker_id),
+            wait_ms=self.ledger.wait_ms(worker_id, now_ns),
+        )
+
+    def block_size_tokens(self) -> int:
+        return next((w.block_size_tokens for w in self.view.workers.values()), 16)
+
+    def _matches(self, block_hashes: tuple[int, ...], now_ns: int) -> dict[str, int]:
+        if not block_hashes:
+            return {}
+        if self.config.prefix_index == "exact":
+            return self.index.match(block_hashes)
+        return self.approx_index.match(block_hashes, now_ns)
+
+    def _gate(self, gated: set[str], worker_id: str, value: float, high: float, hysteresis: float) -> bool:
+        """Hysteresis: closes at `high`, reopens at high × (1 − hysteresis). Folds the state."""
+        if worker_id in gated:
+            if value <= high * (1 - hysteresis):
+                gated.discard(worker_id)
+        elif value >= high:
+            gated.add(worker_id)
+        return worker_id in gated
+
+    def _prefill_candidates(self, workers: list[WorkerInfo], req: AdmitRequest, now_ns: int) -> list[Candidate]:
+        matches = self._matches(req.block_hashes, now_ns)
+        cfg = self.config
+        out = []
+        for w in workers:
+            cached = cached_tokens(matches.get(w.worker_id, 0), w.block_size_tokens, req.num_prompt_tokens)
+            batcher = self.batcher(w.worker_id)
+            load = self.load(w.worker_id, now_ns)
+            pending = self.ledger.num_pending_requests(w.worker_id) + len(batcher)
+            out.append(Candidate(
+                worker=w, num_cached_tokens=cached,
+                prefill_ms=self.predictor(w.worker_id).predict_ms([(req.num_prompt_tokens, cached)]),
+                wait_ms=load.wait_ms, queue_ms=batcher.queue_wait_ms(now_ns, load), num_pending=pending,
+                num_cache_blocks=self.index.num_blocks(w.worker_id),
+                gated=self._gate(self.prefill_gated, w.worker_id, pending, cfg.pending_gate_high, cfg.pending_gate_hysteresis),
+                **self._kv(w),
+            ))
+        return out
+
+    def _kv(self, w: WorkerInfo) -> dict[str, int]:
+        hard, expected = self.ledger.hidden_kv(w.worker_id)
+        total = w.num_kv_blocks * w.block_size_tokens
+        free = w.num_free_kv_blocks * w.block_size_tokens
+        return {"kv_total_tokens": total, "kv_used_tokens": total - free + expected, "kv_available_tokens": free - hard}
+
+    def _decode_candidates(self, workers: list[WorkerInfo]) -> list[Candidate]:
+        cfg = self.config
+        out = []
+        for w in workers:
+            kv = self._kv(w)
+            usage = kv["kv_used_tokens"] / kv["kv_total_tokens"] if kv["kv_total_tokens"] else 1.0
+            out.append(Candidate(
+                worker=w, num_pending=self.ledger.num_pending_requests(w.worker_id) + w.num_running_requests,
+                gated=self._gate(self.decode_gated, w.worker_id, usage, cfg.max_kv_usage, cfg.kv_usage_hysteresis),
+                **kv,
+            ))
+        return out
+
+    def _decide(self, stage: str, policy: RoutingPolicy, req: AdmitRequest, cands: list[Candidate], now_ns: int,
+                slo_ttft_ms: float) -> RouteDecision:
+        self.decision_seq += 1
+        seed = decision_seed(self.config.seed, self.decision_seq)
+        ctx = RouteContext(
+            request_id=req.request_id, num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens,
+            candidates=cands, now_ns=now_ns, rng=random.Random(seed), num_prompt_blocks=len(req.block_hashes),
+            slo_ttft_ms=slo_ttft_ms,
+        )
+        return RouteDecision(stage, policy.name, self.decision_seq, seed, policy.select(ctx))
+
+    # ---------------------------------------------------------------- admission
+    def admit(self, req: AdmitRequest, now_ns: int) -> Admitted | Rejected:
+        cfg = self.config
+        n = req.num_prompt_tokens
+        if req.request_id in self.inflight:
+            return Rejected("duplicate_request", f"request {req.request_id} is already in flight")
+        if n > cfg.max_prompt_tokens:
+            return Rejected("too_large", f"prompt of {n} tokens exceeds the limit of {cfg.max_prompt_tokens}")
+        if len(self.inflight) >= cfg.max_inflight_requests:
+            return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
+        live = self.view.live(now_ns, self.timeout_ns)
+        fitting = [w for w in live if w.max_seq_len_tokens <= 0 or n + req.max_tokens <= w.max_seq_len_tokens]
+        if live and not fitting:
+            return Rejected("too_large", f"{n}+{req.max_tokens} tokens exceed every live worker's max sequence length")
+        priority = cfg.slo.default_priority if req.priority is None else req.priority
+        slo_ttft, slo_tpot = slo_targets(cfg.slo, n, priority, req.slo_ttft_ms, req.slo_tpot_ms)
+        decode_workers = [w for w in fitting if w.role == "decode"]
+        prefill_workers = [w for w in fitting if w.role == "prefill"]
+        colocated = [w for w in fitting if w.role == "pd_fusion"]
+        decisions: list[RouteDecision] = []
+        if decode_workers and prefill_workers:
+            d = self._decide("decode", self.decode_policy, req, self._decode_candidates(decode_workers), now_ns, slo_ttft)
+            decisions.append(d)
+            if d.pick.worker_id is None:
+                return Rejected("no_worker", f"no decode worker can take it: {d.pick.reason}", decisions)
+            prefill_pool = prefill_workers
+        elif colocated:
+            prefill_pool = colocated
+        else:
+            return Rejected("no_worker", "no live worker can serve this request" if not fitting
+                            else "disaggregated fleet lacks a live prefill or decode worker")
+        roomy = [w for w in prefill_pool if len(self.batcher(w.worker_id)) < cfg.max_queue_per_worker]
+        if not roomy:
+            return Rejected("queue_full", f"every prefill worker's queue holds {cfg.max_queue_per_worker} requests", decisions)
+        cands = self._prefill_candidates(roomy, req, now_ns)
+        p = self._decide("prefill", self.prefill_policy, req, cands, now_ns, slo_ttft)
+        decisions.append(p)
+        if p.pick.worker_id is None:
+            return Rejected("no_worker", f"no prefill worker can take it: {p.pick.reason}", decisions)
+        chosen = next(c for c in cands if c.worker_id == p.pick.worker_id)
+        predicted_ttft = chosen.wait_ms + chosen.queue_ms + chosen.prefill_ms
+        best_ttft = min(c.wait_ms + c.queue_ms + c.prefill_ms for c in cands)
+        best_effort = best_ttft > slo_ttft
+        if best_effort and cfg.slo.mode == "reject":
+            return Rejected(
+                "slo_unattainable",
+                f"best predicted TTFT {best_ttft:.0f} ms exceeds the SLO of {slo_ttft:.0f} ms",
+                decisions, predicted_ttft_ms=best_ttft, slo_ttft_ms=slo_ttft,
+            )
+        # commit
+        decode_worker_id = decisions[0].pick.worker_id if decisions[0].stage == "decode" else p.pick.worker_id
+        for d in decisions:
+            (self.decode_policy if d.stage == "decode" else self.prefill_policy).record(d.pick)
+        self.ledger.reserve(DecodeReservation(
+            request_id=req.request_id, worker_id=decode_worker_id, hard_kv_tokens=n,
+            expected_kv_tokens=n + min(req.max_tokens, cfg.expected_output_cap_tokens), created_ns=now_ns,
+        ))
+        if cfg.prefix_index == "approximate" and req.block_hashes:
+            self.approx_index.record(p.pick.worker_id, req.block_hashes, now_ns)
+        item = QueuedRequest(
+            request_id=req.request_id, num_prompt_tokens=n, num_cached_tokens=chosen.num_cached_tokens,
+            kv_tokens=n + req.max_tokens, max_tokens=req.max_tokens, enqueued_ns=now_ns,
+            deadline_ns=now_ns + int(slo_ttft * 1e6), prefill_worker_id=p.pick.worker_id,
+            decode_worker_id=decode_worker_id, payload=req.payload,
+        )
+        self.batcher(p.pick.worker_id).add(item)
+        self.inflight.add(req.request_id)
+        return Admitted(item, decisions, predicted_ttft, slo_ttft, slo_tpot, priority, best_effort)
+
+    # ---------------------------------------------------------------- batching
+    def tick(self, now_ns: int) -> TickResult:
+        batches: list[FormedBatch] = []
+        failures: list[QueueFailure] = []
+        for worker_id, batcher in self.batchers.items():
+            if not len(batcher):
+                continue
+            try:
+                res = batcher.poll(now_ns, self.load(worker_id, now_ns))
+            except ValueError as exc:  # a broken prediction: the batcher kept its queue; fail loudly
+                self.poll_errors.append(f"{worker_id}: {exc}")
+                continue
+            for closed in res.batches:
+                batches.append(self._form(worker_id, closed, now_ns))
+            for it in res.expired:
+                failures.append(QueueFailure(it, "queue_timeout", f"queued on {worker_id} past its deadline"))
+            for it in res.too_large:
+                failures.append(QueueFailure(it, "too_large", f"prompt of {it.num_prompt_tokens} tokens cannot fit {worker_id}"))
+        for f in failures:
+            self.on_terminal(f.item.request_id)
+        return TickResult(batches, failures)
+
+    def _form(self, worker_id: str, closed: Closed, now_ns: int) -> FormedBatch:
+        self.num_batches += 1
+        batch = FormedBatch(f"{self.id_prefix}-{self.num_batches}", worker_id, list(closed.items), closed.reason,
+                            closed.predicted_ms)
+        self.ledger.add_batch(InflightBatch(
+            batch_id=batch.batch_id, worker_id=worker_id, predicted_ms=closed.predicted_ms,
+            request_ids=[i.request_id for i in batch.items],
+            members=[(i.num_prompt_tokens, i.num_cached_tokens) for i in batch.items], dispatched_ns=now_ns,
+        ))
+        return batch
+
+    def rollback(self, batch: FormedBatch) -> None:
+        """The batch could not be dispatched: forget it and its requests."""
+        self.ledger.complete_batch(batch.worker_id, batch.batch_id)
+        for item in batch.items:
+            self.on_terminal(item.request_id)
+
+    def next_due_ns(self, now_ns: int) -> int | None:
+        dues = [d for w, b in self.batchers.items() if len(b) and (d := b.next_due_ns(now_ns, self.load(w, now_ns))) is not None]
+        return min(dues) if dues else None
+
+    def remove_queued(self, request_id: str) -> QueuedRequest | None:
+        for b in self.batchers.values():
+            taken = b.remove(lambda it: it.request_id == request_id)
+            if taken:
+                self.on_terminal(request_id)
+                return taken[0]
+        return None
+
     def drain_queues(self) -> list[QueuedRequest]:
         items = [i for b in self.batchers.values() for i in b.drain()]
         for i in items:
-            self.inflight.discard(i.request_id)
+            self.on_terminal(i.request_id)
         return items

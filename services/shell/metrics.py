@@ -23,4 +23,12 @@ class RouterMetrics:
             "flexlb_ttft_seconds", "Time from arrival to first token at the router",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
         )
+        self.best_effort = Counter("flexlb_best_effort_admissions_total", "Requests admitted although their predicted TTFT exceeded the SLO", registry=r)
+        self.predictor_error_pct = Histogram(
+            "flexlb_prefill_prediction_error_percent", "Absolute error of predicted vs measured batch prefill time, percent",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r,
+        )
+        self.prompt_tokens = Counter("flexlb_prefill_prompt_tokens_total", "Prompt tokens prefilled by workers", registry=r)
+        self.cached_tokens = Counter("flexlb_prefill_cached_tokens_total", "Prompt tokens served from workers' prefix caches", registry=r)
+        self.kv_events = Counter("flexlb_kv_events_total", "KV-cache events by how the prefix index took them", ["status"], registry=r)
         self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)

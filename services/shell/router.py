@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from schemas import messages as m
 from schemas.errors import ErrorBody, error_code
 from schemas.subjects import (
+    ALL_KV_EVENTS,
     ALL_STATUS,
     ALL_WORKER_EVENTS,
     EVENTS_STREAM,
@@ -48,14 +48,13 @@ from schemas.subjects import (
     all_tokens_subject,
     cancel_subject,
     dispatch_subject,
+    kv_snapshot_request_subject,
     router_events_consumer,
     router_events_subject,
     token_subject,
 )
 from schemas.tokens import block_hashes
-from services.core.batcher import FixedWindowParams
-from services.core.policies import build_policy
-from services.core.scheduler import Admitted, FormedBatch, QueuedRequest, Rejected, Scheduler, SchedulerConfig
+from services.core.scheduler import AdmitRequest, Admitted, FormedBatch, QueueFailure, Rejected, RouteDecision, Scheduler
 from services.settings import RouterSettings
 from services.shell.bus import connect, dead_letter, ensure_streams
 from services.shell.ledger import Ledger, LedgerEntry, kv_field, prefill_field
@@ -64,6 +63,59 @@ from services.shell.metrics import RouterMetrics
 log = logging.getLogger("flexlb.router")
 
 EXPECTED_DECODE_CAP_TOKENS = 1000  # expected KV = prompt + min(max_tokens, 1000), as FlexLB
+RECENT_RECORDS_MAX = 10_000  # requests whose decision record /admin/requests/{id} can show
+# An event fetched by a router that then died is redelivered after this long (to its
+# restarted self): short, so the ledger entries it releases do not linger.
+EVENTS_ACK_WAIT_S = 5.0
+SNAPSHOT_RETRY_NS = 1_000_000_000  # ask a worker for a KV snapshot at most once a second
+
+
+class RequestRecords:
+    """Decision records of live and recent requests, for GET /admin/requests/{id}: the
+    admission verdict, the routing decisions with every candidate's score card, the batch,
+    and a timeline of what happened, in ms since arrival. Bounded: oldest forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def open(self, request_id: str, arrival_ns: int, **fields: Any) -> dict[str, Any]:
+        rec = {"request_id": request_id, "arrival_ns": arrival_ns, "timeline": [], **fields}
+        self.records[request_id] = rec
+        self.records.move_to_end(request_id)
+        while len(self.records) > self.capacity:
+            self.records.popitem(last=False)
+        return rec
+
+    def note(self, request_id: str, now_ns: int, what: str, **detail: Any) -> None:
+        rec = self.records.get(request_id)
+        if rec is not None:
+            rec["timeline"].append({"t_ms": round((now_ns - rec["arrival_ns"]) / 1e6, 3), "event": what, **detail})
+
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        return self.records.get(request_id)
+
+
+def decision_view(d: RouteDecision) -> dict[str, Any]:
+    return {
+        "stage": d.stage, "policy": d.policy, "decision_seq": d.decision_seq, "seed": d.seed,
+        "picked": d.pick.worker_id, "reason": d.pick.reason,
+        "candidates": [
+            {"worker_id": s.worker_id, "score": s.score, "components": s.components, "filtered_by": s.filtered_by}
+            for s in d.pick.scores
+        ],
+    }
+
+
+def decision_event(request_id: str, router_id: str, d: RouteDecision) -> m.RouteDecided:
+    return m.RouteDecided(
+        request_id=request_id, router_id=router_id, decision_seq=d.decision_seq, seed=d.seed, stage=d.stage,
+        policy=d.policy, picked_worker_id=d.pick.worker_id, reason=d.pick.reason,
+        candidates=[m.CandidateScore(worker_id=s.worker_id, score=float(s.score), components=s.components,
+                                     filtered_by=s.filtered_by) for s in d.pick.scores],
+    )
 
 
 @dataclass(frozen=True)
@@ -98,22 +150,10 @@ class RouterService:
         self.settings = settings
         self.router_id = settings.router_id
         self.boot_id = secrets.token_hex(4)
-        self.rng = random.Random(settings.seed)
         self.metrics = RouterMetrics()
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_prompt_tokens=settings.max_prompt_tokens,
-                max_queue_per_worker=settings.max_queue_per_worker,
-                max_inflight_requests=settings.max_inflight_requests,
-                worker_timeout_ms=settings.worker_timeout_ms,
-                batcher=FixedWindowParams(wait_ms=settings.batch_wait_ms, batch_size_max=settings.batch_size_max),
-            ),
-            prefill_policy=build_policy("prefill", settings.prefill_policy),
-            decode_policy=build_policy("decode", settings.decode_policy),
-            id_prefix=f"{self.router_id}-{self.boot_id}",
-        )
-        if settings.batcher != "fixed-window":
-            raise ValueError(f"unknown batcher {settings.batcher!r}; known: fixed-window")
+        self.scheduler = Scheduler(settings.scheduler_config(), id_prefix=f"{self.router_id}-{self.boot_id}")
+        self.records = RequestRecords(RECENT_RECORDS_MAX)
+        self.snapshot_requested_ns: dict[str, int] = {}  # worker id -> when we last asked for a KV snapshot
         self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)
         self.handles: dict[str, RequestHandle] = {}  # request id -> handle, until the client is answered
         self.batch_pending: dict[str, set[str]] = {}  # batch id -> member request ids without terminal event
@@ -141,6 +181,8 @@ class RouterService:
         self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
         self.running = True
         await self.nc.subscribe(all_tokens_subject(self.router_id), cb=self._on_token_msg)
+        if self.settings.prefix_index == "exact":
+            await self.js.subscribe(ALL_KV_EVENTS, cb=self._on_kv_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
         await self.js.subscribe(
             ALL_STATUS, cb=self._on_status_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
         )
@@ -148,7 +190,7 @@ class RouterService:
             ALL_WORKER_EVENTS,
             durable=router_events_consumer(self.router_id),
             stream=EVENTS_STREAM.name,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=20000),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT, ack_wait=EVENTS_ACK_WAIT_S, max_ack_pending=20000),
         )
         self.tasks = [
             asyncio.create_task(self._events_loop(), name="events"),
@@ -199,36 +241,61 @@ class RouterService:
     def new_request_id(self) -> str:
         return "cmpl-" + secrets.token_hex(12)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> RequestHandle | Rejected:
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
+        slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+    ) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching."""
         now = time.time_ns()
         if request_id in self.handles:
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now)
-        block_size = next((w.block_size_tokens for w in self.scheduler.view.workers.values()), 16)
-        decision = self.scheduler.admit(
-            request_id, len(prompt_token_ids), max_tokens, now, self.rng,
-            tuple(block_hashes(prompt_token_ids, block_size)), payload=handle,
-        )
+        hashes = tuple(block_hashes(prompt_token_ids, self.scheduler.block_size_tokens()))
+        decision = self.scheduler.admit(AdmitRequest(
+            request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
+            priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, payload=handle,
+        ), now)
+        rec = self.records.open(request_id, now, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
+                                decisions=[decision_view(d) for d in decision.decisions])
+        self.records.note(request_id, now, "arrived")
+        for d in decision.decisions:
+            await self._emit(decision_event(request_id, self.router_id, d))
         if isinstance(decision, Rejected):
+            rec["admission"] = {"verdict": "rejected", "code": decision.code, "message": decision.message,
+                                "predicted_ttft_ms": decision.predicted_ttft_ms, "slo_ttft_ms": decision.slo_ttft_ms}
             return await self.reject(request_id, decision.code, decision.message)
         assert isinstance(decision, Admitted)
+        rec["admission"] = {
+            "verdict": "best_effort" if decision.best_effort else "admitted",
+            "predicted_ttft_ms": round(decision.predicted_ttft_ms, 3), "slo_ttft_ms": decision.slo_ttft_ms,
+            "slo_tpot_ms": decision.slo_tpot_ms, "priority": decision.priority,
+            "prefill_worker_id": decision.request.prefill_worker_id, "decode_worker_id": decision.request.decode_worker_id,
+            "predicted_cached_tokens": decision.request.num_cached_tokens,
+        }
         handle.prefill_worker_id = decision.request.prefill_worker_id
         handle.decode_worker_id = decision.request.decode_worker_id
         self.handles[request_id] = handle
         self.metrics.inflight.set(len(self.scheduler.inflight))
+        if decision.best_effort:
+            self.metrics.best_effort.inc()
         await self._emit(
             m.RequestAdmitted(
                 request_id=request_id, router_id=self.router_id, prefill_worker_id=handle.prefill_worker_id,
                 decode_worker_id=handle.decode_worker_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
                 policy=decision.policy, reason=decision.prefill_pick.reason,
+                predicted_ttft_ms=round(decision.predicted_ttft_ms, 3), slo_ttft_ms=decision.slo_ttft_ms,
+                slo_tpot_ms=decision.slo_tpot_ms, priority=decision.priority, best_effort=decision.best_effort,
+                num_cached_tokens=decision.request.num_cached_tokens,
             )
         )
+        self.records.note(request_id, now, "admitted", prefill_worker_id=handle.prefill_worker_id,
+                          decode_worker_id=handle.decode_worker_id)
         self.wakeup.set()
         return handle
 
     async def reject(self, request_id: str, code: str, message: str) -> Rejected:
         self.metrics.requests.labels("rejected", code).inc()
+        self.records.note(request_id, time.time_ns(), "rejected", code=code, message=message)
         await self._emit(m.RequestRejected(request_id=request_id, router_id=self.router_id, code=code, message=message))
         return Rejected(code, message)
 
@@ -236,11 +303,8 @@ class RouterService:
         """Client gone or timed out: stop the work. The worker reports the terminal event."""
         if handle.done:
             return
-        removed = [
-            i for b in self.scheduler.batchers.values() for i in b.remove(lambda it: it.request_id == handle.request_id)
-        ]
-        if removed:  # never dispatched: the router owns the terminal event
-            self.scheduler.on_terminal(handle.request_id)
+        removed = self.scheduler.remove_queued(handle.request_id)
+        if removed is not None:  # never dispatched: the router owns the terminal event
             self._finish_router(handle, "cancelled", "cancelled", reason)
             await self._emit(m.RequestCancelled(request_id=handle.request_id, worker_id=self.router_id, reason=reason))
             return
@@ -267,7 +331,7 @@ class RouterService:
     # ------------------------------------------------------------------ batching and dispatch
     async def _batch_loop(self) -> None:
         while self.running:
-            due = self.scheduler.next_due_ns()
+            due = self.scheduler.next_due_ns(time.time_ns())
             self.wakeup.clear()
             if due is None:
                 await self.wakeup.wait()
@@ -278,11 +342,26 @@ class RouterService:
                         await asyncio.wait_for(self.wakeup.wait(), delay_s)
                     except asyncio.TimeoutError:
                         pass  # the earliest batch window elapsed: poll below
-            for batch in self.scheduler.tick(time.time_ns()):
+            result = self.scheduler.tick(time.time_ns())
+            for failure in result.failures:
+                await self._fail_queued(failure)
+            for batch in result.batches:
                 try:
                     await self._dispatch(batch)
                 except Exception:  # one failed dispatch must not stop the others
                     log.exception("dispatch of %s failed", batch.batch_id)
+
+    async def _fail_queued(self, failure: QueueFailure) -> None:
+        """A queued request the batcher gave up on: the router owns its terminal event."""
+        item = failure.item
+        self.metrics.requests.labels("timed_out" if failure.code == "queue_timeout" else "failed", failure.code).inc()
+        self.records.note(item.request_id, time.time_ns(), "queue_failure", code=failure.code, message=failure.message)
+        self._finish_router(item.payload, "failed", failure.code, failure.message)
+        if failure.code == "queue_timeout":
+            await self._emit(m.RequestTimedOut(request_id=item.request_id, worker_id=self.router_id, phase="queued"))
+        else:
+            await self._emit(m.RequestFailed(request_id=item.request_id, worker_id=self.router_id, code=failure.code,
+                                             message=failure.message))
 
     async def _dispatch(self, batch: FormedBatch) -> None:
         now = time.time_ns()
@@ -325,9 +404,9 @@ class RouterService:
             except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
                 log.error("rollback of batch %s reservations failed: %s", batch.batch_id, rel_exc)
             self.batch_pending.pop(batch.batch_id, None)
+            self.scheduler.rollback(batch)
             for item in batch.items:
                 self.request_batch.pop(item.request_id, None)
-                self.scheduler.on_terminal(item.request_id)
                 self.metrics.requests.labels("failed", "dispatch_failed").inc()
                 self._finish_router(item.payload, "failed", "dispatch_failed", f"dispatch to {batch.worker_id} failed: {exc}")
                 await self._emit(m.RequestFailed(
@@ -337,6 +416,10 @@ class RouterService:
             return
         self.metrics.batches.labels(batch.reason).inc()
         self.metrics.batch_size.observe(len(batch.items))
+        for item in batch.items:
+            self.records.note(item.request_id, now, "batch_dispatched", batch_id=batch.batch_id, worker_id=batch.worker_id,
+                              batch_size=len(batch.items), close_reason=batch.reason,
+                              predicted_batch_ms=round(batch.predicted_ms, 3))
         await self._emit(m.BatchDispatched(
             batch_id=batch.batch_id, router_id=self.router_id, worker_id=batch.worker_id, epoch=self.epoch,
             request_ids=[i.request_id for i in batch.items], num_prompt_tokens=batch.num_prompt_tokens, reason=batch.reason,
@@ -360,10 +443,36 @@ class RouterService:
             await self._undecodable("status", msg, exc)
             return
         now = time.time_ns()
-        self.scheduler.on_worker_event(env.payload, min(env.time_ns, now))
+        info = self.scheduler.on_worker_event(env.payload, min(env.time_ns, now))
+        if self.settings.prefix_index == "exact" and info.worker_id not in self.scheduler.index.workers():
+            await self._request_snapshot(info.worker_id, "no KV state for this worker yet", now)
         if self.view_ready_after_ms is None and self.scheduler.view.readiness(now, self.scheduler.timeout_ns)[0]:
             self.view_ready_after_ms = round((now - self.started_ns) / 1e6, 1)
             log.info("worker view complete %.1f ms after start", self.view_ready_after_ms)
+
+    async def _request_snapshot(self, worker_id: str, reason: str, now_ns: int) -> None:
+        last = self.snapshot_requested_ns.get(worker_id, 0)
+        if now_ns - last < SNAPSHOT_RETRY_NS:
+            return
+        self.snapshot_requested_ns[worker_id] = now_ns
+        cmd = m.RequestKvSnapshot(worker_id=worker_id, requester=self.router_id, reason=reason)
+        try:
+            await self.nc.publish(kv_snapshot_request_subject(worker_id), m.encode(self.envelopes.wrap(cmd, now_ns)))
+        except Exception as exc:  # retried on the next status report after SNAPSHOT_RETRY_NS
+            log.warning("could not ask %s for a KV snapshot: %s", worker_id, exc)
+
+    async def _on_kv_msg(self, msg) -> None:
+        try:
+            env = m.decode(msg.data)
+            if not isinstance(env.payload, (m.KvBlocksStored, m.KvBlocksRemoved, m.KvAllCleared, m.KvSnapshot)):
+                raise m.DecodeError(f"unexpected {type(env.payload).__name__} on a KV subject")
+        except m.DecodeError as exc:
+            await self._undecodable("kv", msg, exc)
+            return
+        update = self.scheduler.on_kv_event(env.payload)
+        self.metrics.kv_events.labels(update.status).inc()
+        if update.status == "needs_resync":
+            await self._request_snapshot(update.worker_id, update.reason, time.time_ns())
 
     async def _on_token_msg(self, msg) -> None:
         try:
@@ -388,6 +497,7 @@ class RouterService:
         if handle.next_index == 0:
             handle.first_token_ns = time.time_ns()
             self.metrics.ttft.observe((handle.first_token_ns - handle.arrival_ns) / 1e9)
+            self.records.note(handle.request_id, handle.first_token_ns, "first_token", worker_id=chunk.worker_id)
         handle.next_index += len(chunk.token_ids)
         handle.num_buffered += 1
         handle.queue.put_nowait(chunk)
@@ -439,9 +549,23 @@ class RouterService:
         ev = env.payload
         if isinstance(ev, m.WorkerRegistered):
             self.scheduler.on_worker_event(ev, min(env.time_ns, time.time_ns()))
+        elif isinstance(ev, m.BatchStarted):
+            self.scheduler.on_batch_started(ev.worker_id, ev.batch_id, min(env.time_ns, time.time_ns()))
+            for rid in ev.request_ids:
+                self.records.note(rid, time.time_ns(), "batch_started", batch_id=ev.batch_id, worker_id=ev.worker_id)
         elif isinstance(ev, m.PrefillCompleted):
+            batch = self.scheduler.on_prefill_completed(ev.worker_id, ev.batch_id, ev.measured_ms, ev.num_cached_tokens)
+            if batch is not None:
+                error_pct = abs(batch.predicted_ms - ev.measured_ms) / max(ev.measured_ms, 1e-6) * 100
+                self.metrics.predictor_error_pct.observe(error_pct)
+            self.metrics.prompt_tokens.inc(ev.num_prompt_tokens)
+            self.metrics.cached_tokens.inc(ev.num_cached_tokens)
+            for rid in ev.request_ids:
+                self.records.note(rid, time.time_ns(), "prefill_completed", batch_id=ev.batch_id,
+                                  measured_ms=ev.measured_ms, predicted_batch_ms=round(batch.predicted_ms, 3) if batch else None)
             n = await self.ledger.release([prefill_field(ev.batch_id)])
             self.metrics.ledger_releases.labels("prefill_completed").inc(n)
+            self.wakeup.set()  # a backpressured batcher may dispatch now
         elif isinstance(ev, (m.RequestFinished, m.RequestFailed, m.RequestCancelled, m.RequestTimedOut)):
             await self._on_worker_terminal(ev)
 
@@ -458,6 +582,8 @@ class RouterService:
                     fields.append(prefill_field(batch_id))
         n = await self.ledger.release(fields)
         self.metrics.ledger_releases.labels("terminal").inc(n)
+        self.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
+                          **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
         if not self.scheduler.on_terminal(request_id):
             return  # another router's request, or one we forgot across a restart
         self.metrics.inflight.set(len(self.scheduler.inflight))

@@ -1,0 +1,161 @@
+"""The core's mirror of the inflight ledger: what each worker has been given and not finished.
+
+The Redis ledger (services/shell/ledger.py) is the durable, shared record; this mirror is
+what routing reads, folded from the same facts without I/O:
+- a prefill batch enters at dispatch with its predicted ms, is marked started by
+  `batch.started`, and leaves at `prefill.completed` (returned, so the predictor can learn);
+- a decode reservation (hard KV = prompt tokens, expected KV = prompt + min(max_tokens, cap))
+  enters at dispatch and leaves at the request's terminal event. Once the worker's status
+  report lists the request as running, its KV is inside the reported numbers and the
+  reservation stops being added on top ("visible"), so it is never counted twice.
+
+Wait estimate (FlexLB's rule): wait_ms = max(0, Σ predicted ms of the worker's inflight
+batches − time since the earliest of them started); batches the engine has not started do
+not burn time. Invariants (property-tested): counts and reserved tokens never go negative;
+a second release of the same entry changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InflightBatch:
+    batch_id: str
+    worker_id: str
+    predicted_ms: float
+    request_ids: list[str]
+    members: list[tuple[int, int]]  # (prompt tokens, predicted cached tokens) per request
+    dispatched_ns: int
+    started_ns: int | None = None
+
+
+@dataclass
+class DecodeReservation:
+    request_id: str
+    worker_id: str
+    hard_kv_tokens: int
+    expected_kv_tokens: int
+    created_ns: int
+    visible: bool = False  # the worker reports it running: its KV is in the reported numbers
+
+
+@dataclass
+class WorkerInflight:
+    batches: dict[str, InflightBatch] = field(default_factory=dict)  # batch id -> batch
+    reservations: dict[str, DecodeReservation] = field(default_factory=dict)  # request id -> reservation
+    num_batch_requests: int = 0  # Σ requests over `batches`
+    hidden_hard_kv_tokens: int = 0  # Σ hard KV of reservations not yet visible
+    hidden_expected_kv_tokens: int = 0  # Σ expected KV of reservations not yet visible
+
+
+class InflightLedger:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerInflight] = {}
+        self.request_to_worker: dict[str, str] = {}  # request id -> decode worker id
+
+    def _w(self, worker_id: str) -> WorkerInflight:
+        w = self.workers.get(worker_id)
+        if w is None:
+            w = self.workers[worker_id] = WorkerInflight()
+        return w
+
+    # ---------------------------------------------------------------- prefill batches
+    def add_batch(self, batch: InflightBatch) -> bool:
+        w = self._w(batch.worker_id)
+        if batch.batch_id in w.batches:
+            return False
+        w.batches[batch.batch_id] = batch
+        w.num_batch_requests += len(batch.request_ids)
+        return True
+
+    def start_batch(self, worker_id: str, batch_id: str, now_ns: int) -> bool:
+        b = self.workers.get(worker_id, WorkerInflight()).batches.get(batch_id)
+        if b is None or b.started_ns is not None:
+            return False
+        b.started_ns = now_ns
+        return True
+
+    def complete_batch(self, worker_id: str, batch_id: str) -> InflightBatch | None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return None
+        b = w.batches.pop(batch_id, None)
+        if b is not None:
+            w.num_batch_requests -= len(b.request_ids)
+        return b
+
+    # ---------------------------------------------------------------- decode reservations
+    def reserve(self, r: DecodeReservation) -> bool:
+        """Reserve once per request id, on one worker; a second reserve changes nothing."""
+        if r.request_id in self.request_to_worker:
+            return False
+        w = self._w(r.worker_id)
+        w.reservations[r.request_id] = r
+        w.hidden_hard_kv_tokens += r.hard_kv_tokens
+        w.hidden_expected_kv_tokens += r.expected_kv_tokens
+        self.request_to_worker[r.request_id] = r.worker_id
+        return True
+
+    def release(self, request_id: str) -> DecodeReservation | None:
+        worker_id = self.request_to_worker.pop(request_id, None)
+        if worker_id is None:
+            return None
+        w = self.workers[worker_id]
+        r = w.reservations.pop(request_id)
+        if not r.visible:
+            w.hidden_hard_kv_tokens -= r.hard_kv_tokens
+            w.hidden_expected_kv_tokens -= r.expected_kv_tokens
+        return r
+
+    def calibrate(self, worker_id: str, running_request_ids: list[str]) -> int:
+        """The worker reports these requests as held: their KV is visible now."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.reservations:
+            return 0
+        n = 0
+        for rid in running_request_ids:
+            r = w.reservations.get(rid)
+            if r is not None and not r.visible:
+                r.visible = True
+                w.hidden_hard_kv_tokens -= r.hard_kv_tokens
+                w.hidden_expected_kv_tokens -= r.expected_kv_tokens
+                n += 1
+        return n
+
+    def remove_worker(self, worker_id: str) -> WorkerInflight | None:
+        w = self.workers.pop(worker_id, None)
+        if w is not None:
+            for rid in w.reservations:
+                self.request_to_worker.pop(rid, None)
+        return w
+
+    # ---------------------------------------------------------------- queries
+    def wait_ms(self, worker_id: str, now_ns: int) -> float:
+        w = self.workers.get(worker_id)
+        if w is None or not w.batches:
+            return 0.0
+        total = 0.0
+        earliest: int | None = None
+        for b in w.batches.values():
+            total += b.predicted_ms
+            if b.started_ns is not None and (earliest is None or b.started_ns < earliest):
+                earliest = b.started_ns
+        if earliest is not None:
+            total -= (now_ns - earliest) / 1e6
+        return max(0.0, total)
+
+    def num_inflight_batches(self, worker_id: str) -> int:
+        w = self.workers.get(worker_id)
+        return len(w.batches) if w else 0
+
+    def num_pending_requests(self, worker_id: str) -> int:
+        """Requests in inflight prefill batches + decode reservations held on the worker."""
+        w = self.workers.get(worker_id)
+        return (w.num_batch_requests + len(w.reservations)) if w else 0
+
+    def hidden_kv(self, worker_id: str) -> tuple[int, int]:
+        """(hard, expected) KV tokens reserved on the worker and not yet in its reports."""
+        w = self.workers.get(worker_id)
+        return (w.hidden_hard_kv_tokens, w.hidden_expected_kv_tokens) if w else (0, 0)

@@ -1,0 +1,206 @@
+"""Routing policies: FlexLB's rules pinned by unit tests, invariants by property tests."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.core.policies import (
+    DECODE_POLICIES,
+    PREFILL_POLICIES,
+    Candidate,
+    RouteContext,
+    build_policy,
+)
+from services.core.view import WorkerInfo
+
+
+def make_worker(worker_id: str, role: str = "pd_fusion") -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, boot_id="b0", num_kv_blocks=1000, num_free_kv_blocks=1000)
+
+
+def cand(worker_id: str, **kw) -> Candidate:
+    defaults = dict(kv_total_tokens=100_000, kv_used_tokens=0, kv_available_tokens=100_000)
+    defaults.update(kw)
+    return Candidate(worker=make_worker(worker_id), **defaults)
+
+
+def ctx(cands, seed=0, n=1000, max_tokens=100, slo=0.0) -> RouteContext:
+    return RouteContext("r", n, max_tokens, list(cands), 0, random.Random(seed), n // 16, slo)
+
+
+# ------------------------------------------------------------------ cost-based
+def test_cost_based_picks_the_lowest_prefill_plus_wait_plus_queue():
+    p = build_policy("prefill", "cost-based", {"tie_abs_ms": 0, "tie_rel": 0})
+    pick = p.select(ctx([cand("a", prefill_ms=100, wait_ms=50), cand("b", prefill_ms=60, wait_ms=20, queue_ms=10),
+                         cand("c", prefill_ms=80)]))
+    assert pick.worker_id == "c"
+    scores = {s.worker_id: s.score for s in pick.scores}
+    assert scores == {"a": 150, "b": 90, "c": 80}
+
+
+def test_cost_based_prefers_the_cache_hit_through_a_shorter_prefill():
+    p = build_policy("prefill", "cost-based", {"tie_abs_ms": 0, "tie_rel": 0})
+    pick = p.select(ctx([cand("hit", prefill_ms=30, num_cached_tokens=900), cand("miss", prefill_ms=95)]))
+    assert pick.worker_id == "hit"
+
+
+def test_tie_window_is_max_of_10_percent_and_20_ms():
+    p = build_policy("prefill", "cost-based")
+    # min 100: window max(10, 20) = 20 -> 115 ties, 125 does not
+    picks = Counter(p.select(ctx([cand("a", prefill_ms=100), cand("b", prefill_ms=115), cand("c", prefill_ms=125)],
+                                 seed=s)).worker_id for s in range(400))
+    assert set(picks) == {"a", "b"} and min(picks.values()) > 120
+    # min 1000: window max(100, 20) = 100 -> 1090 ties, 1110 does not
+    picks = Counter(p.select(ctx([cand("a", prefill_ms=1000), cand("b", prefill_ms=1090), cand("c", prefill_ms=1110)],
+                                 seed=s)).worker_id for s in range(400))
+    assert set(picks) == {"a", "b"}
+
+
+def test_hotspot_filter_drops_workers_with_3x_average_pending():
+    p = build_policy("prefill", "cost-based")
+    cs = [cand("hot", prefill_ms=1, num_pending=40)] + [cand(f"w{i}", prefill_ms=500, num_pending=1) for i in range(5)]
+    pick = p.select(ctx(cs))
+    # average pending = 45/6 = 7.5; 40 > 22.5 -> filtered even though it is cheapest
+    assert pick.worker_id != "hot"
+    assert {s.worker_id: s.filtered_by for s in pick.scores}["hot"] == "hotspot"
+
+
+def test_imbalance_filter_drops_workers_with_3x_average_wait():
+    p = build_policy("prefill", "cost-based")
+    cs = [cand("slow", prefill_ms=1, wait_ms=5000)] + [cand(f"w{i}", prefill_ms=100, wait_ms=100) for i in range(5)]
+    pick = p.select(ctx(cs))
+    assert pick.worker_id != "slow"
+    assert {s.worker_id: s.filtered_by for s in pick.scores}["slow"] == "imbalance"
+
+
+def test_when_everything_is_filtered_the_least_waiting_worker_is_taken():
+    p = build_policy("prefill", "cost-based")
+    pick = p.select(ctx([cand("a", gated=True, wait_ms=300), cand("b", gated=True, wait_ms=100)]))
+    assert pick.worker_id == "b" and "every candidate filtered" in pick.reason
+    card = {s.worker_id: s for s in pick.scores}
+    assert card["b"].filtered_by is None and card["a"].filtered_by == "pending_gate"
+
+
+def test_slo_filter_drops_workers_that_cannot_meet_the_ttft_target():
+    p = build_policy("prefill", "cost-based", {"slo_filter": True, "slo_margin_ms": 100})
+    pick = p.select(ctx([cand("fast", prefill_ms=100, wait_ms=300), cand("late", prefill_ms=50, wait_ms=10)], slo=500.0))
+    assert pick.worker_id == "late"
+    pick = p.select(ctx([cand("fast", prefill_ms=100, wait_ms=350), cand("ok", prefill_ms=100, wait_ms=200)], slo=500.0))
+    assert {s.worker_id: s.filtered_by for s in pick.scores}["fast"] == "slo"
+
+
+# ------------------------------------------------------------------ kv-aware decode
+def test_kv_aware_weighted_random_favours_the_emptier_worker_1_5_to_3_times():
+    p = build_policy("decode", "kv-aware")
+    cs = [cand("light", kv_used_tokens=500), cand("heavy", kv_used_tokens=1500)]
+    counts = Counter(p.select(ctx(cs, seed=s, n=100)).worker_id for s in range(20_000))
+    ratio = counts["light"] / counts["heavy"]
+    assert 1.5 <= ratio <= 3.0, counts
+    assert math.isclose(ratio, math.e, rel_tol=0.1)
+
+
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        (dict(kv_available_tokens=50), "kv_available"),
+        (dict(gated=True), "kv_usage_gate"),
+        (dict(num_pending=100), "load"),
+        (dict(kv_used_tokens=90_000), "kv_used"),
+    ],
+    ids=["no-room-for-prompt", "usage-gate", "load-3x", "kv-used-3x"],
+)
+def test_kv_aware_filters(bad, why):
+    p = build_policy("decode", "kv-aware")
+    cs = [cand("x", **bad)] + [cand(f"w{i}", kv_used_tokens=1000, num_pending=1) for i in range(4)]
+    for s in range(50):
+        pick = p.select(ctx(cs, seed=s, n=100))
+        assert pick.worker_id != "x"
+    assert {s.worker_id: s.filtered_by for s in pick.scores}["x"] == why
+
+
+def test_kv_aware_has_no_fallback():
+    p = build_policy("decode", "kv-aware")
+    pick = p.select(ctx([cand("a", kv_available_tokens=10), cand("b", kv_available_tokens=10)], n=100))
+    assert pick.worker_id is None and "filtered" in pick.reason
+
+
+# ------------------------------------------------------------------ cache-aware and the simple ones
+def test_cache_aware_follows_the_prefix_unless_load_is_imbalanced():
+    p = build_policy("prefill", "cache-aware")
+    balanced = [cand("hit", num_cached_tokens=800, num_pending=10), cand("miss", num_pending=2)]
+    assert p.select(ctx(balanced)).worker_id == "hit"
+    imbalanced = [cand("hit", num_cached_tokens=800, num_pending=60), cand("miss", num_pending=2)]
+    assert p.select(ctx(imbalanced)).worker_id == "miss"
+    weak = [cand("a", num_cached_tokens=100, num_cache_blocks=500), cand("b", num_cache_blocks=20)]
+    assert p.select(ctx(weak)).worker_id == "b"  # match 0.1 <= 0.5: smallest cache
+
+
+def test_least_loaded_and_power_of_two_prefer_fewer_pending():
+    cs = [cand("a", num_pending=5), cand("b", num_pending=1), cand("c", num_pending=9)]
+    assert build_policy("prefill", "least-loaded").select(ctx(cs)).worker_id == "b"
+    p2 = build_policy("prefill", "power-of-two")
+    picks = Counter(p2.select(ctx(cs, seed=s)).worker_id for s in range(300))
+    assert picks["c"] == 0 and picks["b"] > picks["a"]
+
+
+def test_round_robin_only_advances_on_record():
+    p = build_policy("prefill", "round-robin")
+    cs = [cand("a"), cand("b")]
+    first = p.select(ctx(cs))
+    assert p.select(ctx(cs)).worker_id == first.worker_id  # select alone changes nothing
+    p.record(first)
+    assert p.select(ctx(cs)).worker_id != first.worker_id
+
+
+@pytest.mark.parametrize(
+    "stage,name,params,fragment",
+    [
+        ("prefill", "best", None, "unknown prefill policy"),
+        ("decode", "cost-based", None, "unknown decode policy"),
+        ("prefill", "cost-based", {"tie_rel": -1}, "tie_rel"),
+        ("prefill", "cost-based", {"no_such": 1}, "no_such"),
+        ("decode", "kv-aware", {"max_kv_usage": 2}, "max_kv_usage"),
+    ],
+)
+def test_bad_policy_configuration_fails_loudly(stage, name, params, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        build_policy(stage, name, params)
+
+
+# ------------------------------------------------------------------ properties
+candidate_st = st.builds(
+    dict,
+    prefill_ms=st.floats(0, 1e5), wait_ms=st.floats(0, 1e5), queue_ms=st.floats(0, 1e5),
+    num_pending=st.integers(0, 200), num_cached_tokens=st.integers(0, 5000), num_cache_blocks=st.integers(0, 10_000),
+    kv_used_tokens=st.integers(0, 200_000), kv_available_tokens=st.integers(-1000, 200_000), gated=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(sorted(PREFILL_POLICIES) + [f"decode:{d}" for d in DECODE_POLICIES]),
+    specs=st.lists(candidate_st, min_size=0, max_size=8),
+    seed=st.integers(0, 2**32),
+    n=st.integers(1, 8000),
+)
+def test_policies_pick_only_offered_unfiltered_workers_with_finite_scores(name, specs, seed, n):
+    stage, policy_name = ("decode", name[7:]) if name.startswith("decode:") else ("prefill", name)
+    p = build_policy(stage, policy_name)
+    cs = [cand(f"w{i}", **spec) for i, spec in enumerate(specs)]
+    pick = p.select(ctx(cs, seed=seed, n=n))
+    offered = {c.worker_id for c in cs}
+    if pick.worker_id is not None:
+        assert pick.worker_id in offered
+        card = {s.worker_id: s for s in pick.scores}
+        assert card[pick.worker_id].filtered_by is None
+    else:
+        assert not cs or stage == "decode"
+    for s in pick.scores:
+        assert math.isfinite(s.score)
+        assert all(math.isfinite(v) for v in s.components.values())
