@@ -624,3 +624,28 @@ def test_invalid_parameters_fail_naming_the_field(factory, expected):
 def test_a_batcher_validates_a_struct_built_by_hand():
     with pytest.raises(ValueError, match="batch_size_max"):
         FixedWindowBatcher(FixedWindowParams(batch_size_max=0), Predictor())
+
+
+# ------------------------------------------------------------------ the queue-wait cache is never stale
+@pytest.mark.parametrize("make", [fixed, slo], ids=["fixed-window", "slo-budget"])
+def test_queue_wait_cache_follows_every_mutation_and_invalidate(make):
+    predictor = Predictor(ms_per_token=1.0)
+    b = make(predictor, batch_size_max=1, wait_ms=0) if make is fixed else make(predictor, batch_size_max=1)
+    ld = load()
+    b.add(req("a", 100))
+    b.add(req("b", 100))
+    assert b.queue_wait_ms(0, ld) == 200  # one batch each, both ahead of a newcomer
+    assert b.queue_wait_ms(0, ld) == 200  # (served from the cache)
+    b.add(req("c", 300))
+    assert b.queue_wait_ms(0, ld) == 500
+    b.remove(lambda it: it.request_id == "c")
+    assert b.queue_wait_ms(0, ld) == 200
+    predictor.ms_per_token = 3.0  # the predictor learned: without invalidate the cache would lie
+    b.invalidate()
+    assert b.queue_wait_ms(0, ld) == 600
+    b.drain()
+    assert b.queue_wait_ms(0, ld) == 0
+    b.add(req("d", 100))
+    assert b.queue_wait_ms(0, ld) == 300
+    b.poll(10**12, ld)  # everything leaves
+    assert len(b) == 0 and b.queue_wait_ms(10**12, ld) == 0

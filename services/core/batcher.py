@@ -374,6 +374,22 @@ class _QueueBatcher(Generic[T]):
         self._items: dict[int, T] = {}  # add sequence number -> item; dict order is add order
         self._next_seq = 0
         self._own = _OwnDispatches()
+        # queue_wait_ms is read for every candidate of every routing decision: its O(queue)
+        # part is cached under (version, caps). The version moves on EVERY mutation of the
+        # queue and on invalidate() (the predictor learned), so the cache is never stale
+        # (defect 3 of the original); a test pins each invalidation.
+        self._version = 0
+        self._wait_cache: tuple[tuple, object] | None = None
+
+    def invalidate(self) -> None:
+        """Predictions changed (the predictor learned): drop derived caches."""
+        self._version += 1
+
+    def _cached(self, load: WorkerLoad, compute: Callable[[], object]) -> object:
+        key = (self._version, load.max_batch_tokens, load.free_kv_tokens)
+        if self._wait_cache is None or self._wait_cache[0] != key:
+            self._wait_cache = (key, compute())
+        return self._wait_cache[1]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -381,21 +397,26 @@ class _QueueBatcher(Generic[T]):
     def add(self, item: T) -> None:
         self._items[self._next_seq] = item
         self._next_seq += 1
+        self._version += 1
 
     def remove(self, predicate: Callable[[T], bool]) -> list[T]:
         """Take out the queued items matching predicate (e.g. a cancelled request), in add order."""
         keys = [seq for seq, item in self._items.items() if predicate(item)]  # predicate errors leave the queue intact
+        if keys:
+            self._version += 1
         return [self._items.pop(seq) for seq in keys]
 
     def drain(self) -> list[T]:
         """Every queued item, in add order; the queue is empty after. The caller fails each one."""
         items = list(self._items.values())
         self._items.clear()
+        self._version += 1
         return items
 
     def poll(self, now_ns: int, load: WorkerLoad) -> PollResult[T]:
         """All or nothing: if it raises (a broken prediction), the queue is as it was."""
         saved_items, saved_own = dict(self._items), self._own
+        self._version += 1
         try:
             too_large = self.remove(lambda item: self._is_too_large(item, load))
             expired = self.remove(lambda item: now_ns >= self._expiry_ns(item))
@@ -478,17 +499,24 @@ class FixedWindowBatcher(_QueueBatcher[T]):
 
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:
         p = self.params
-        batches = _split(list(self._items.items()), load, p.batch_size_max)
-        if batches and len(batches[-1]) < p.batch_size_max:  # it joins the last batch
-            ahead = batches[:-1]
-            if len(batches[-1]) + 1 >= p.batch_size_max:
-                window_ms = 0.0  # and fills it
-            else:
-                window_ms = max(0, batches[-1][0].enqueued_ns + self._wait_ns - now_ns) / NS_PER_MS
-        else:  # it heads a batch of its own
-            ahead = batches
+
+        def shape() -> tuple[float, int | None]:
+            """(predicted ms of the batches ahead, enqueue time of the head of the batch a
+            newcomer joins — None if it would head one of its own, or fill the one it joins)."""
+            batches = _split(list(self._items.items()), load, p.batch_size_max)
+            if batches and len(batches[-1]) < p.batch_size_max:  # it joins the last batch
+                ahead = batches[:-1]
+                head_ns = None if len(batches[-1]) + 1 >= p.batch_size_max else batches[-1][0].enqueued_ns
+                return sum(self._predict(b) for b in ahead), head_ns
+            return sum(self._predict(b) for b in batches), -1  # heads its own: a whole window
+
+        ahead_ms, head_ns = self._cached(load, shape)
+        if head_ns is None:
+            window_ms = 0.0  # it fills the batch it joins
+        elif head_ns == -1:
             window_ms = 0.0 if p.batch_size_max == 1 else p.wait_ms
-        ahead_ms = sum(self._predict(b) for b in ahead)
+        else:
+            window_ms = max(0, head_ns + self._wait_ns - now_ns) / NS_PER_MS
         return max(ahead_ms, window_ms - load.wait_ms, 0.0)
 
 
@@ -600,7 +628,8 @@ class SloBudgetBatcher(_QueueBatcher[T]):
         return seqs
 
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:
-        return sum(self._predict(b) for b in _split(self._ordered(), load, self.params.batch_size_max))
+        # Slack order does not depend on the load (see _ordered), so (version, caps) is the key.
+        return self._cached(load, lambda: sum(self._predict(b) for b in _split(self._ordered(), load, self.params.batch_size_max)))
 
 
 # ------------------------------------------------------------------ registry

@@ -54,7 +54,7 @@ import msgspec
 from services.core.view import WorkerInfo
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     """One worker as the scheduler scored it for this request."""
 
@@ -87,7 +87,7 @@ class RouteContext:
     slo_ttft_ms: float = 0.0  # 0: no SLO
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Score:
     worker_id: str
     score: float
@@ -121,8 +121,8 @@ def _avg(values: list[float]) -> float:
 
 def _components(c: Candidate) -> dict[str, float]:
     return {
-        "prefill_ms": round(c.prefill_ms, 3), "wait_ms": round(c.wait_ms, 3), "queue_ms": round(c.queue_ms, 3),
-        "cached_tokens": float(c.num_cached_tokens), "pending": float(c.num_pending),
+        "prefill_ms": c.prefill_ms, "wait_ms": c.wait_ms, "queue_ms": c.queue_ms,
+        "cached_tokens": c.num_cached_tokens, "pending": c.num_pending,
     }
 
 

@@ -251,6 +251,9 @@ class Scheduler:
                 total = sum(n for n, _ in batch.members) or 1
                 members = [(n, min(n, round(num_cached_tokens * n / total))) for n, _ in batch.members]
             predictor.observe(members, measured_ms)
+            batcher = self.batchers.get(worker_id)
+            if batcher is not None:
+                batcher.invalidate()  # its cached queue-wait predictions are stale now
         return batch
 
     def on_terminal(self, request_id: str) -> bool:
@@ -314,19 +317,24 @@ class Scheduler:
     def _prefill_candidates(self, workers: list[WorkerInfo], req: AdmitRequest, now_ns: int) -> list[Candidate]:
         matches = self._matches(req.block_hashes, now_ns)
         cfg = self.config
+        n = req.num_prompt_tokens
         out = []
         for w in workers:
-            cached = cached_tokens(matches.get(w.worker_id, 0), w.block_size_tokens, req.num_prompt_tokens)
-            batcher = self.batcher(w.worker_id)
-            load = self.load(w.worker_id, now_ns)
-            pending = self.ledger.num_pending_requests(w.worker_id) + len(batcher)
+            wid = w.worker_id
+            cached = cached_tokens(matches.get(wid, 0), w.block_size_tokens, n) if matches else 0
+            batcher = self.batcher(wid)
+            load = self.load(wid, now_ns)
+            pending = self.ledger.num_pending_requests(wid) + len(batcher)
+            hard, expected = self.ledger.hidden_kv(wid)
+            total = w.num_kv_blocks * w.block_size_tokens
+            free = w.num_free_kv_blocks * w.block_size_tokens
             out.append(Candidate(
                 worker=w, num_cached_tokens=cached,
-                prefill_ms=self.predictor(w.worker_id).predict_ms([(req.num_prompt_tokens, cached)]),
+                prefill_ms=self.predictor(wid).predict_ms(((n, cached),)),
                 wait_ms=load.wait_ms, queue_ms=batcher.queue_wait_ms(now_ns, load), num_pending=pending,
-                num_cache_blocks=self.index.num_blocks(w.worker_id),
-                gated=self._gate(self.prefill_gated, w.worker_id, pending, cfg.pending_gate_high, cfg.pending_gate_hysteresis),
-                **self._kv(w),
+                num_cache_blocks=self.index.num_blocks(wid),
+                kv_total_tokens=total, kv_used_tokens=total - free + expected, kv_available_tokens=free - hard,
+                gated=self._gate(self.prefill_gated, wid, pending, cfg.pending_gate_high, cfg.pending_gate_hysteresis),
             ))
         return out
 
