@@ -36,6 +36,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--batch-wait-ms", type=float, help="fixed-window: longest wait of a batch's head (ms)")
     p.add_argument("--batch-size-max", type=int, help="fixed-window: most requests per batch")
     p.add_argument("--prefix-index", help="exact (workers' KV events, default) | approximate (learned from decisions)")
+    p.add_argument("--prefill-coefficients", help="JSON object: prior of the prefill-time predictor (base_ms, per_token_ms, ...)")
+    p.add_argument("--predictor-learning", help="true (default) | false: refine the predictor from measured batches")
     p.add_argument("--slo-mode", help="best-effort (default) | reject: refuse requests whose SLO looks unattainable")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 32768)")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")

@@ -95,6 +95,8 @@ def run_up(args, settings: RouterSettings) -> int:
                         "--decode-policy-params", json.dumps(settings.decode_policy_params),
                         "--batcher", settings.batcher, "--batcher-params", json.dumps(settings.batcher_params_effective()),
                         "--prefix-index", settings.prefix_index, "--slo-mode", settings.slo_mode,
+                        "--prefill-coefficients", json.dumps(settings.prefill_coefficients),
+                        "--predictor-learning", str(settings.predictor_learning).lower(),
                         "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
                         "--cluster", settings.cluster, "--log-level", settings.log_level]
         children["router"] = _child(router_flags, env)
