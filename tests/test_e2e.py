@@ -121,3 +121,39 @@ async def test_invalid_bodies_get_4xx_with_a_code_and_the_router_keeps_serving(f
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         metrics = (await c.get(url + "/metrics")).text
     assert 'flexlb_requests_total{code="invalid_request",outcome="rejected"}' in metrics
+
+
+async def test_decisions_are_data_in_the_event_log_and_in_admin_requests(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--prefill", "2", "--decode", "2")
+    url = state["router_url"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        body = (await c.post(url + "/v1/completions", json={"prompt": "explain me", "max_tokens": 6, "priority": 30})).json()
+        rid = body["id"]
+
+        async def finished_record():
+            r = await c.get(url + f"/admin/requests/{rid}")
+            rec = r.json()
+            return rec if any(t["event"] == "request.finished" for t in rec.get("timeline", [])) else None
+
+        record = await wait_async(finished_record, 20, "the request's record to show its finish")
+        missing = await c.get(url + "/admin/requests/cmpl-nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert record["admission"]["verdict"] in ("admitted", "best_effort")
+    assert record["admission"]["slo_ttft_ms"] == 300.0  # <=256 tokens: 150 ms x priority-30 multiplier 2.0
+    stages = [d["stage"] for d in record["decisions"]]
+    assert stages == ["decode", "prefill"]
+    decode, prefill = record["decisions"]
+    assert decode["policy"] == "kv-aware" and prefill["policy"] == "cost-based"
+    assert {c["worker_id"] for c in prefill["candidates"]} == {"p0", "p1"}
+    assert {c["worker_id"] for c in decode["candidates"]} == {"d0", "d1"}
+    assert all({"prefill_ms", "wait_ms", "queue_ms", "cached_tokens"} <= set(c["components"]) for c in prefill["candidates"])
+    events = [t["event"] for t in record["timeline"]]
+    for earlier, later in [("arrived", "admitted"), ("admitted", "batch_dispatched"), ("batch_dispatched", "prefill_completed"),
+                           ("prefill_completed", "request.finished")]:
+        assert events.index(earlier) < events.index(later), events
+    assert "first_token" in events
+    # The same decisions are route.decided events in the log, with every candidate's score card.
+    envs = await read_event_log(state["nats_url"])
+    decided = [e.payload for e in envs if isinstance(e.payload, m.RouteDecided) and e.payload.request_id == rid]
+    assert [d.stage for d in decided] == ["decode", "prefill"]
+    assert decided[1].picked_worker_id == prefill["picked"] and len(decided[1].candidates) == 2
