@@ -842,13 +842,33 @@ async def run_policy(stack: Stack, reqs: list[TraceRequest], args: argparse.Name
                                 if k.startswith("flexlb_requests_total{")},
     }
     return {"client": client, "events": events, "router_metrics": router_side, "cpu": cpu, "replay": wall,
+            "per_request_columns": PER_REQUEST_COLUMNS,
             "per_request": [
-                {"id": r.request_id, "row": r.row, "in": r.input_length, "out": r.max_tokens, "trace_ms": r.trace_ms,
-                 "ttft_ms": round(r.ttft_s * inv * 1000, 1) if r.ttft_s is not None else None,
-                 "e2e_ms": round(r.e2e_s * inv * 1000, 1) if r.e2e_s is not None else None,
-                 "tokens": r.tokens, "error": r.error,
-                 "late_wall_ms": round(r.late_s * 1000, 2) if r.late_s is not None else None}
+                [r.request_id, r.row, r.input_length, r.max_tokens, r.trace_ms,
+                 round(r.ttft_s * inv * 1000, 1) if r.ttft_s is not None else None,
+                 round(r.e2e_s * inv * 1000, 1) if r.e2e_s is not None else None,
+                 r.tokens, r.error, round(r.late_s * 1000, 2) if r.late_s is not None else None]
                 for r in results]}
+
+
+PER_REQUEST_COLUMNS = ["id", "row", "input_tokens", "max_tokens", "trace_ms", "ttft_engine_ms", "e2e_engine_ms",
+                       "tokens", "error", "send_late_wall_ms"]
+
+
+def dump_json(result: dict[str, Any]) -> str:
+    """Indented JSON, except the per-request rows: one compact line each."""
+    rows_by_key = {}
+    runs = []
+    for i, run in enumerate(result.get("runs", [])):
+        if "per_request" in run:
+            key = f"@@per_request_{i}@@"
+            rows_by_key[key] = run["per_request"]
+            run = {**run, "per_request": key}
+        runs.append(run)
+    text = json.dumps({**result, "runs": runs}, indent=1)
+    for key, rows in rows_by_key.items():
+        text = text.replace(json.dumps(key), "[\n" + ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows) + "\n]")
+    return text
 
 
 # --------------------------------------------------------------------------- report
@@ -1076,7 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
         out = REPO / out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.write_text(dump_json(result) + "\n")
     os.replace(tmp, out)
     print_report(result)
     if args.markdown:
