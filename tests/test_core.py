@@ -216,3 +216,25 @@ def test_bad_configuration_fails_at_construction():
         make_scheduler(batcher="magic")
     with pytest.raises(ValueError, match="prefix_index"):
         make_scheduler(prefix_index="fuzzy")
+
+
+def test_a_prompt_beyond_every_workers_batch_capacity_is_rejected_at_arrival_not_after_queueing():
+    s = make_scheduler(("w0",))
+    s.on_worker_event(status("w0", max_batch_tokens=1000), 0)
+    d = s.admit(req("big", n=1001), 0)
+    assert isinstance(d, Rejected) and d.code == "too_large" and "batch capacity" in d.message
+    assert isinstance(s.admit(req("ok", n=1000), 0), Admitted)
+
+
+def test_a_prefix_being_prefilled_attracts_the_next_request_with_it():
+    s = make_scheduler(("w0", "w1", "w2", "w3"), prefill_policy="cost-based")
+    hashes = list(range(500, 564))
+    first = s.admit(req("a", n=1024, hashes=hashes), 0)
+    # No KV event yet (a is still queued), but the next request with the same prefix follows it.
+    second = s.admit(req("b", n=1024, hashes=hashes), 1 * MS)
+    assert second.request.prefill_worker_id == first.request.prefill_worker_id
+    assert second.request.num_cached_tokens == 1024 - 16
+    # ... and stops doing so once the pending entry expired without confirmation.
+    s2 = make_scheduler(("w0", "w1"), prefill_policy="cost-based", pending_prefix_ttl_ms=10)
+    s2.admit(req("a", n=1024, hashes=hashes), 0)
+    assert s2.admit(req("b", n=1024, hashes=hashes), 20 * MS).request.num_cached_tokens == 0

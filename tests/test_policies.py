@@ -204,3 +204,13 @@ def test_policies_pick_only_offered_unfiltered_workers_with_finite_scores(name, 
     for s in pick.scores:
         assert math.isfinite(s.score)
         assert all(math.isfinite(v) for v in s.components.values())
+
+
+def test_small_absolute_differences_are_not_hotspots():
+    # FlexLB's pure ratio would call a worker with 2 pending among idle ones a hotspot.
+    p = build_policy("prefill", "cost-based", {"tie_abs_ms": 0, "tie_rel": 0})
+    cs = [cand("warm", prefill_ms=10, num_pending=2)] + [cand(f"w{i}", prefill_ms=90) for i in range(3)]
+    pick = p.select(ctx(cs))
+    assert pick.worker_id == "warm" and all(s.filtered_by is None for s in pick.scores)
+    strict = build_policy("prefill", "cost-based", {"hotspot_min_excess": 0})
+    assert strict.select(ctx(cs)).worker_id != "warm"

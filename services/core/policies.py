@@ -21,7 +21,11 @@ Prefill policies (stage "prefill"; colocated pd_fusion workers use these too)
   reopens at 64 − 15% = 55; the scheduler keeps the gate state); optional SLO filter
   (wait + prefill > SLO − `slo_margin_ms` 100); hotspot (pending > `hotspot_factor` 3 ×
   average); imbalance (wait > `imbalance_factor` 3 × average). If nothing survives: the
-  least-waiting worker. Pick: uniform among scores within max(`tie_rel` 10% × min,
+  least-waiting worker. Where we differ: hotspot and imbalance also need an absolute excess
+  over the average (`hotspot_min_excess` 4 requests, `imbalance_min_excess_ms` 100 ms).
+  With FlexLB's pure ratios, a worker holding 2 requests while the others hold none is a
+  "hotspot", so the second request of a shared prefix was pushed off the worker that is
+  about to cache it; the excess keeps the filters for real hot spots. Pick: uniform among scores within max(`tie_rel` 10% × min,
   `tie_abs_ms` 20 ms) of the minimum.
 - `cache-aware` (SGLang router): if the load is imbalanced — max pending − min pending >
   `balance_abs_threshold` (32) and max pending > `balance_rel_threshold` (1.5) × min
@@ -137,8 +141,10 @@ class CostBasedParams(_Params):
     slo_filter: bool = False  # drop workers whose wait + prefill exceeds the SLO − margin
     slo_margin_ms: float = 100.0
     default_slo_ms: float = 500.0  # SLO for the filter when the request has none
-    hotspot_factor: float = 3.0  # pending > factor × average: filtered
-    imbalance_factor: float = 3.0  # wait > factor × average: filtered
+    hotspot_factor: float = 3.0  # pending > factor × average: filtered ...
+    hotspot_min_excess: int = 4  # ... if also pending − average >= this (ours, see below)
+    imbalance_factor: float = 3.0  # wait > factor × average: filtered ...
+    imbalance_min_excess_ms: float = 100.0  # ... if also wait − average >= this (ours)
     tie_rel: float = 0.10  # tie window: max(tie_rel × min score, tie_abs_ms)
     tie_abs_ms: float = 20.0
 
@@ -150,6 +156,8 @@ class CostBasedParams(_Params):
         for name in ("hotspot_factor", "imbalance_factor"):
             if getattr(self, name) <= 1:
                 raise ValueError(f"cost-based: {name} must be > 1")
+        if self.hotspot_min_excess < 0 or self.imbalance_min_excess_ms < 0:
+            raise ValueError("cost-based: hotspot_min_excess and imbalance_min_excess_ms must be >= 0")
         if self.tie_rel < 0 or self.tie_abs_ms < 0 or self.slo_margin_ms < 0 or self.default_slo_ms <= 0:
             raise ValueError("cost-based: tie_rel, tie_abs_ms, slo_margin_ms must be >= 0 and default_slo_ms > 0")
         return self
@@ -180,9 +188,10 @@ class CostBased:
         for c in cands:
             if c.worker_id in filtered:
                 continue
-            if avg_pending > 0 and c.num_pending > p.hotspot_factor * avg_pending:
+            wait = c.wait_ms + c.queue_ms
+            if c.num_pending > p.hotspot_factor * avg_pending and c.num_pending - avg_pending >= p.hotspot_min_excess:
                 filtered[c.worker_id] = "hotspot"
-            elif avg_wait > 0 and c.wait_ms + c.queue_ms > p.imbalance_factor * avg_wait:
+            elif wait > p.imbalance_factor * avg_wait and wait - avg_wait >= p.imbalance_min_excess_ms:
                 filtered[c.worker_id] = "imbalance"
         scores = [
             Score(c.worker_id, c.prefill_ms + c.wait_ms + c.queue_ms, _components(c), filtered.get(c.worker_id))
