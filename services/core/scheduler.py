@@ -55,6 +55,7 @@ from services.core.slo import SloParams, slo_targets
 from services.core.view import WorkerInfo, WorkerView
 
 MASK64 = (1 << 64) - 1
+INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000  # sweep expired approximate-index entries once a second
 
 
 def decision_seed(seed: int, decision_seq: int) -> int:
@@ -221,6 +222,7 @@ class Scheduler:
         self.inflight: set[str] = set()  # admitted request ids without a terminal outcome
         self.num_batches = 0
         self.decision_seq = 0
+        self.last_expiry_ns = 0  # when the approximate indexes were last swept
         self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
 
     @property
@@ -464,6 +466,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- batching
     def tick(self, now_ns: int) -> TickResult:
+        if now_ns - self.last_expiry_ns >= INDEX_EXPIRY_INTERVAL_NS:
+            self.last_expiry_ns = now_ns
+            self.pending_index.expire(now_ns)
+            self.approx_index.expire(now_ns)
         batches: list[FormedBatch] = []
         failures: list[QueueFailure] = []
         for worker_id, batcher in self.batchers.items():
