@@ -343,6 +343,9 @@ class RouterService:
                     except asyncio.TimeoutError:
                         pass  # the earliest batch window elapsed: poll below
             result = self.scheduler.tick(time.time_ns())
+            while self.scheduler.poll_errors:
+                self.metrics.consumer_errors.labels("batcher").inc()
+                log.error("batcher poll failed (queue kept, retried next tick): %s", self.scheduler.poll_errors.pop())
             for failure in result.failures:
                 await self._fail_queued(failure)
             for batch in result.batches:
