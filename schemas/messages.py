@@ -88,6 +88,18 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     heartbeat_interval_ms: int = 200
 
 
+class WorkerLivenessChanged(_Event, tag="worker.liveness_changed"):
+    """The router's verdict on a worker's liveness (dead, expired) and what it recovered."""
+
+    worker_id: str
+    router_id: str
+    liveness: str  # "dead" | "expired"
+    num_missed_syncs: int = 0
+    num_rerouted: int = 0  # requests not yet started there, re-routed
+    num_failed: int = 0  # requests started there, failed with worker_failed
+    num_purged_commands: int = 0  # dispatch commands removed from its work queue
+
+
 # --------------------------------------------------------------------------- request life
 class RequestAdmitted(_Event, tag="request.admitted"):
     request_id: str
@@ -304,6 +316,7 @@ class RequestKvSnapshot(_Event, tag="cmd.request_kv_snapshot"):
 Payload = Union[
     WorkerRegistered,
     WorkerStatusReported,
+    WorkerLivenessChanged,
     RequestAdmitted,
     RouteDecided,
     RequestRejected,

@@ -58,8 +58,9 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: too_large
     max_queue_per_worker: int = 1024  # batcher queue bound per prefill worker: queue_full
     max_inflight_requests: int = 100_000  # global cap: queue_full
-    worker_timeout_ms: int = 2000  # a worker unheard for this long is not live (10 heartbeats:
-    # 1 s was too tight on a CPU-saturated machine, where heartbeats queue behind work)
+    liveness_sync_ms: int = 500  # one liveness cycle; a cycle without a report is a missed beat
+    dead_after_missed_syncs: int = 3  # consecutive missed cycles before a worker is dead (1.5 s)
+    expire_after_ms: int = 10_000  # no report this long: the worker is removed everywhere
     token_buffer_max: int = 4096  # token chunks buffered per request before stream_overflow
     finish_grace_ms: int = 2000  # after a finish event, wait this long for straggling tokens
     ledger_ttl_s: int = 300
@@ -75,7 +76,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise SettingsError(str(exc)) from None
         positive = [
             "port", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
-            "max_queue_per_worker", "max_inflight_requests", "worker_timeout_ms", "token_buffer_max",
+            "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs", "expire_after_ms", "token_buffer_max",
             "ledger_ttl_s", "request_timeout_s",
         ]
         for name in positive:
@@ -119,7 +120,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"prefill_coefficients: {exc}") from None
         return SchedulerConfig(
             max_prompt_tokens=self.max_prompt_tokens, max_queue_per_worker=self.max_queue_per_worker,
-            max_inflight_requests=self.max_inflight_requests, worker_timeout_ms=self.worker_timeout_ms,
+            max_inflight_requests=self.max_inflight_requests,
+            dead_after_missed_syncs=self.dead_after_missed_syncs, expire_after_ms=self.expire_after_ms,
             prefill_policy=self.prefill_policy, prefill_policy_params=dict(self.prefill_policy_params),
             decode_policy=self.decode_policy, decode_policy_params=dict(self.decode_policy_params),
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),

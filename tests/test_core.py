@@ -100,12 +100,57 @@ def test_per_worker_queue_bound_gives_queue_full():
     assert isinstance(d, Rejected) and d.code == "queue_full"
 
 
-def test_a_silent_worker_stops_receiving_work_and_readiness_says_why():
-    s = make_scheduler(("w0", "w1"), worker_timeout_ms=1000)
-    s.on_worker_event(status("w1"), 900 * MS)  # w1 keeps reporting, w0 went silent at t=0
-    assert s.admit(req("r"), 1500 * MS).request.prefill_worker_id == "w1"
-    assert s.view.readiness(1500 * MS, s.timeout_ns) == (True, "ok")
-    assert s.view.readiness(3000 * MS, s.timeout_ns) == (False, "no live worker for role pd_fusion")
+def test_missed_heartbeats_accumulate_across_sync_cycles_to_dead_then_expired():
+    # The original's defect 1: the counter was recreated every cycle and nothing ever died.
+    s = make_scheduler(("w0", "w1"), dead_after_missed_syncs=3, expire_after_ms=10_000)
+    s.sync(0)  # the cycle that saw both initial reports
+    states = []
+    for cycle in range(1, 5):
+        s.on_worker_event(status("w1"), cycle * 500 * MS)  # w1 keeps reporting, w0 is silent
+        res = s.sync(cycle * 500 * MS)
+        states.append((s.view.workers["w0"].liveness, s.view.workers["w0"].num_missed_syncs, res.dead))
+    assert states == [("suspect", 1, []), ("suspect", 2, []), ("dead", 3, ["w0"]), ("dead", 4, [])]
+    assert s.admit(req("r"), 2000 * MS).request.prefill_worker_id == "w1"
+    assert s.view.readiness() == (True, "ok")
+    s.on_worker_event(status("w0"), 2100 * MS)  # it came back before expiring
+    assert s.view.workers["w0"].liveness == "ready" and s.view.workers["w0"].num_missed_syncs == 0
+
+
+def test_a_suspect_worker_still_gets_work_a_dead_one_does_not():
+    s = make_scheduler(("w0",), dead_after_missed_syncs=2)
+    s.sync(0)
+    s.sync(500 * MS)
+    assert s.view.workers["w0"].liveness == "suspect"
+    assert isinstance(s.admit(req("a"), 500 * MS), Admitted)
+    res = s.sync(1000 * MS)
+    assert res.dead == ["w0"] and [i.request_id for i in res.orphans] == ["a"]  # queued for it: handed back
+    assert "a" not in s.inflight
+    d = s.admit(req("b"), 1000 * MS)
+    assert isinstance(d, Rejected) and d.code == "no_worker"
+    assert s.view.readiness() == (False, "no live worker for role pd_fusion")
+
+
+def test_an_expired_worker_is_removed_from_every_structure():
+    s = make_scheduler(("w0", "w1"), expire_after_ms=2000, prefill_policy="cost-based")
+    s.on_kv_event(KvBlocksStored(worker_id="w0", boot_id="b0", kv_seq=1, block_hashes=[1, 2, 3]))
+    for i in range(4):
+        s.admit(req(f"r{i}", hashes=[1, 2, 3]), 0)
+    s.tick(10 * MS)
+    assert "w0" in s.batchers and "w0" in s.predictors and "w0" in s.ledger.workers
+    for cycle in range(1, 6):
+        s.on_worker_event(status("w1"), cycle * 500 * MS)
+        res = s.sync(cycle * 500 * MS)
+    assert "w0" not in s.view.workers and "w0" not in s.batchers and "w0" not in s.predictors
+    assert "w0" not in s.ledger.workers and "w0" not in s.index.workers()
+
+
+def test_a_stale_report_replayed_at_router_start_is_no_sign_of_life():
+    s = make_scheduler(())
+    s.on_worker_event(status("ghost"), 0, stale=True)
+    assert s.view.workers["ghost"].liveness == "dead"
+    assert s.admit(req("r"), 0).code == "no_worker"
+    s.on_worker_event(status("ghost"), 1)  # a fresh report: alive after all
+    assert isinstance(s.admit(req("r"), 1), Admitted)
 
 
 def test_draining_worker_gets_no_new_work():

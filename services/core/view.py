@@ -1,9 +1,21 @@
 """The router's view of the fleet: a fold of worker registration and status events.
 
-`WorkerView.apply(event, now_ns)` folds one event; queries take `now_ns` and a liveness
-timeout. A worker is *live* when its last status report is younger than the timeout
-(issue 5 replaces this with the full Pending/Ready/Suspect/Dead/Expired machine). A worker
-whose `boot_id` changes has restarted: its counters reset.
+`WorkerView.apply(event, now_ns)` folds one event; `sync(now_ns, ...)` runs one liveness
+cycle (the shell calls it every `liveness_sync_ms`). A worker whose `boot_id` changes has
+restarted: its counters reset.
+
+Liveness, per worker, kept across sync cycles (the original's defect 1 was a missed-beat
+counter recreated every cycle, so nothing ever died):
+- pending: registered, no status report yet; gets no work.
+- ready: reported during the last cycle; gets work.
+- suspect: missed 1..N−1 consecutive cycles; still gets work (one late beat must not move
+  load), shown as suspect.
+- dead: missed N (default 3) consecutive cycles; gets no work; its requests are recovered
+  by the shell (re-routed if not started, failed retryable if started).
+- expired: no report for `expire_ms` (default 10 s): removed from the view (and by the
+  scheduler from every other structure).
+A report moves a pending, suspect or dead worker back to ready.
+"state" (what the worker says: ready | draining | stopping) is separate from liveness.
 """
 
 from __future__ import annotations
@@ -32,9 +44,14 @@ class WorkerInfo:
     first_seen_ns: int = 0
     last_heartbeat_ns: int = 0  # router's receive time of the last report
     num_restarts: int = 0
+    liveness: str = "pending"  # pending | ready | suspect | dead (expired workers are removed)
+    num_missed_syncs: int = 0  # consecutive sync cycles without a report (never reset by a cycle)
+    heard_since_sync: bool = False
+    draining: bool = False  # an operator drain flag (admin API), independent of what it reports
 
-    def is_live(self, now_ns: int, timeout_ns: int) -> bool:
-        return self.state == "ready" and now_ns - self.last_heartbeat_ns <= timeout_ns
+    def is_live(self, now_ns: int = 0, timeout_ns: int = 0) -> bool:
+        """Eligible for new work: heard recently enough, reports ready, not drained."""
+        return self.liveness in ("ready", "suspect") and self.state == "ready" and not self.draining
 
     def serves_prefill(self) -> bool:
         return self.role in ("pd_fusion", "prefill")
@@ -48,7 +65,10 @@ class WorkerView:
         self.workers: dict[str, WorkerInfo] = {}  # worker id -> info
         self.roles_seen: set[str] = set()
 
-    def apply(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int) -> WorkerInfo:
+    def apply(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
+        """Fold one event heard at `now_ns`. `stale`: an old report replayed from the status
+        stream (a restarted router reads the last one of every worker, dead ones included):
+        it updates what we know but is no sign of life."""
         info = self.workers.get(event.worker_id)
         if info is None:
             info = WorkerInfo(worker_id=event.worker_id, role=event.role, boot_id=event.boot_id, first_seen_ns=now_ns)
@@ -70,13 +90,43 @@ class WorkerView:
             info.num_free_kv_blocks = event.num_free_kv_blocks
             info.num_running_requests = event.num_running_requests
             info.num_queued_batches = event.num_queued_batches
-            info.last_heartbeat_ns = now_ns
+            info.last_heartbeat_ns = max(info.last_heartbeat_ns, now_ns)
+            if stale:
+                if info.liveness == "pending":
+                    info.liveness = "dead"
+            else:
+                info.heard_since_sync = True
+                info.num_missed_syncs = 0
+                info.liveness = "ready"
         else:
             info.num_kv_blocks = event.num_kv_blocks
         return info
 
-    def live(self, now_ns: int, timeout_ns: int) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.is_live(now_ns, timeout_ns)]
+    def live(self, now_ns: int = 0, timeout_ns: int = 0) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.is_live()]
+
+    def sync(self, now_ns: int, dead_after_missed: int, expire_ns: int) -> tuple[list[str], list[str]]:
+        """One liveness cycle. Returns (workers that just became dead, workers that expired)."""
+        newly_dead: list[str] = []
+        expired: list[str] = []
+        for w in list(self.workers.values()):
+            if w.heard_since_sync:
+                w.heard_since_sync = False
+                continue
+            if w.liveness == "pending" and w.last_heartbeat_ns == 0:
+                w.last_heartbeat_ns = w.first_seen_ns  # registered, never reported: expiry counts from then
+            w.num_missed_syncs += 1
+            if w.liveness in ("ready", "suspect", "pending"):
+                if w.num_missed_syncs >= dead_after_missed:
+                    if w.liveness != "pending":
+                        newly_dead.append(w.worker_id)
+                    w.liveness = "dead"
+                elif w.liveness == "ready":
+                    w.liveness = "suspect"
+            if now_ns - w.last_heartbeat_ns >= expire_ns:
+                expired.append(w.worker_id)
+                del self.workers[w.worker_id]
+        return newly_dead, expired
 
     def roles_in_use(self) -> set[str]:
         """pd_fusion if colocated workers were seen; prefill+decode if either PD role was."""
@@ -87,7 +137,7 @@ class WorkerView:
             roles |= {"prefill", "decode"}
         return roles
 
-    def readiness(self, now_ns: int, timeout_ns: int) -> tuple[bool, str]:
+    def readiness(self, now_ns: int = 0, timeout_ns: int = 0) -> tuple[bool, str]:
         """Ready when every role in use has at least one live worker; the reason says why not."""
         roles = self.roles_in_use()
         if not roles:

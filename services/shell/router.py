@@ -40,6 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from schemas import messages as m
 from schemas.errors import ErrorBody, error_code
 from schemas.subjects import (
+    DISPATCH_STREAM,
     ALL_KV_EVENTS,
     ALL_STATUS,
     ALL_WORKER_EVENTS,
@@ -67,6 +68,7 @@ RECENT_RECORDS_MAX = 10_000  # requests whose decision record /admin/requests/{i
 # An event fetched by a router that then died is redelivered after this long (to its
 # restarted self): short, so the ledger entries it releases do not linger.
 EVENTS_ACK_WAIT_S = 5.0
+MAX_REROUTES = 1  # a request whose worker died is re-routed at most this many times
 SNAPSHOT_RETRY_NS = 1_000_000_000  # ask a worker for a KV snapshot at most once a second
 
 
@@ -143,6 +145,8 @@ class RequestHandle:
     done: bool = False  # the client has been given its terminal outcome
     first_token_ns: int = 0
     grace_task: asyncio.Task | None = None
+    admit: AdmitRequest | None = None  # what it was admitted with, for a re-route
+    num_reroutes: int = 0
 
 
 class RouterService:
@@ -195,6 +199,7 @@ class RouterService:
         self.tasks = [
             asyncio.create_task(self._events_loop(), name="events"),
             asyncio.create_task(self._batch_loop(), name="batches"),
+            asyncio.create_task(self._liveness_loop(), name="liveness"),
         ]
         log.info("router %s (boot %s) started", self.router_id, self.boot_id)
 
@@ -251,10 +256,11 @@ class RouterService:
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now)
         hashes = tuple(block_hashes(prompt_token_ids, self.scheduler.block_size_tokens()))
-        decision = self.scheduler.admit(AdmitRequest(
+        handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
             priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, payload=handle,
-        ), now)
+        )
+        decision = self.scheduler.admit(handle.admit, now)
         rec = self.records.open(request_id, now, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
                                 decisions=[decision_view(d) for d in decision.decisions])
         self.records.note(request_id, now, "arrived")
@@ -446,7 +452,8 @@ class RouterService:
             await self._undecodable("status", msg, exc)
             return
         now = time.time_ns()
-        info = self.scheduler.on_worker_event(env.payload, min(env.time_ns, now))
+        stale_ns = self.settings.dead_after_missed_syncs * self.settings.liveness_sync_ms * 1_000_000
+        info = self.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=now - env.time_ns > stale_ns)
         if self.settings.prefix_index == "exact" and info.worker_id not in self.scheduler.index.workers():
             await self._request_snapshot(info.worker_id, "no KV state for this worker yet", now)
         if self.view_ready_after_ms is None and self.scheduler.view.readiness(now, self.scheduler.timeout_ns)[0]:
@@ -487,7 +494,8 @@ class RouterService:
             return
         chunk: m.TokensGenerated = env.payload
         handle = self.handles.get(chunk.request_id)
-        if handle is None or handle.done:
+        if handle is None or handle.done or chunk.worker_id != handle.decode_worker_id:
+            # Not ours, finished, or from a worker the request was taken away from (re-routed).
             self.metrics.orphan_tokens.inc()
             return
         if chunk.start_index != handle.next_index:
@@ -574,6 +582,13 @@ class RouterService:
 
     async def _on_worker_terminal(self, ev) -> None:
         request_id = ev.request_id
+        live_handle = self.handles.get(request_id)
+        if live_handle is not None and ev.worker_id not in (live_handle.prefill_worker_id, live_handle.decode_worker_id):
+            # From a worker the request was taken from (declared dead, re-routed): its
+            # reservations now belong to the new assignment; count it, apply nothing.
+            self.metrics.duplicate_terminal.inc()
+            log.warning("ignoring %s of %s from %s (re-routed away)", type(ev).__name__, request_id, ev.worker_id)
+            return
         fields = [kv_field(request_id)]
         batch_id = self.request_batch.pop(request_id, None)
         if batch_id is not None:
@@ -612,6 +627,124 @@ class RouterService:
                 f"worker finished with {expected} tokens but only {handle.next_index} reached the router",
             )
 
+    # ------------------------------------------------------------------ liveness and recovery
+    async def _liveness_loop(self) -> None:
+        interval = self.settings.liveness_sync_ms / 1000
+        while self.running:
+            await asyncio.sleep(interval)
+            try:
+                result = self.scheduler.sync(time.time_ns())
+                for worker_id in result.dead:
+                    await self._recover_dead_worker(worker_id, "dead")
+                for worker_id in result.expired:
+                    await self._recover_dead_worker(worker_id, "expired")
+                for item in result.orphans:
+                    await self._reroute(item.payload, "its worker died before dispatch")
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed cycle must not stop liveness; the next one retries
+                self.metrics.consumer_errors.labels("liveness").inc()
+                log.exception("liveness cycle failed")
+
+    async def _recover_dead_worker(self, worker_id: str, verdict: str) -> None:
+        """A worker died: purge its queued commands, re-route what it had not started, fail
+        (retryable) what it had, so no admitted request waits for a dead worker."""
+        purged = 0
+        try:
+            info = await self.js.stream_info(DISPATCH_STREAM.name, subjects_filter=dispatch_subject(worker_id))
+            purged = (info.state.subjects or {}).get(dispatch_subject(worker_id), 0)
+            await self.js.purge_stream(DISPATCH_STREAM.name, subject=dispatch_subject(worker_id))
+        except Exception as exc:  # it may come back and run them: it is fenced by batch dedupe + token fencing
+            log.error("could not purge dispatch commands of dead worker %s: %s", worker_id, exc)
+        started: set[str] = set()
+        not_started: list[str] = []
+        inflight = self.scheduler.ledger.workers.get(worker_id)
+        for batch_id, batch in list(inflight.batches.items()) if inflight else []:
+            if batch.started_ns is None:
+                self.scheduler.ledger.complete_batch(worker_id, batch_id)
+                not_started.extend(batch.request_ids)
+            else:
+                started.update(batch.request_ids)
+        rerouted = failed = 0
+        for rid in not_started:
+            handle = self.handles.get(rid)
+            if handle is not None and not handle.done:
+                await self._release_request(rid)
+                rerouted += await self._reroute(handle, f"worker {worker_id} {verdict} before starting its batch")
+        for rid, handle in list(self.handles.items()):
+            if handle.done or rid in not_started:
+                continue
+            # Started there (prefill running), or decoding there. A request whose prefill
+            # finished there and was handed to a live decode worker is unaffected.
+            if handle.decode_worker_id == worker_id or rid in started:
+                failed += 1
+                await self._fail_from_router(handle, "worker_failed", f"worker {worker_id} {verdict} while running it")
+        self.records_liveness(worker_id, verdict)
+        await self._emit(m.WorkerLivenessChanged(
+            worker_id=worker_id, router_id=self.router_id, liveness=verdict,
+            num_missed_syncs=self.settings.dead_after_missed_syncs, num_rerouted=rerouted, num_failed=failed,
+            num_purged_commands=purged,
+        ))
+        log.warning("worker %s %s: re-routed %d, failed %d, purged %d commands", worker_id, verdict, rerouted, failed, purged)
+
+    def records_liveness(self, worker_id: str, verdict: str) -> None:
+        now = time.time_ns()
+        for rid, handle in self.handles.items():
+            if worker_id in (handle.prefill_worker_id, handle.decode_worker_id):
+                self.records.note(rid, now, f"worker_{verdict}", worker_id=worker_id)
+
+    async def _release_request(self, request_id: str) -> None:
+        fields = [kv_field(request_id)]
+        batch_id = self.request_batch.pop(request_id, None)
+        if batch_id is not None:
+            pending = self.batch_pending.get(batch_id)
+            if pending is not None:
+                pending.discard(request_id)
+                if not pending:
+                    del self.batch_pending[batch_id]
+                    fields.append(prefill_field(batch_id))
+        try:
+            await self.ledger.release(fields)
+        except Exception as exc:  # Redis away: the TTL sweep evicts them
+            log.error("ledger release of %s failed: %s", request_id, exc)
+
+    async def _reroute(self, handle: RequestHandle | None, why: str) -> int:
+        """Re-admit a request whose worker died (once); else fail it retryable. 1 if re-routed."""
+        if handle is None or handle.done:
+            return 0
+        rid = handle.request_id
+        self.scheduler.on_terminal(rid)
+        old = (handle.prefill_worker_id, handle.decode_worker_id)
+        if handle.num_reroutes < MAX_REROUTES and handle.admit is not None:
+            handle.num_reroutes += 1
+            decision = self.scheduler.admit(handle.admit, time.time_ns())
+            if isinstance(decision, Admitted):
+                handle.prefill_worker_id = decision.request.prefill_worker_id
+                handle.decode_worker_id = decision.request.decode_worker_id
+                handle.batch_id = ""
+                for d in decision.decisions:
+                    await self._emit(decision_event(rid, self.router_id, d))
+                self.records.note(rid, time.time_ns(), "rerouted", reason=why, from_workers=list(old),
+                                  prefill_worker_id=handle.prefill_worker_id, decode_worker_id=handle.decode_worker_id)
+                self.metrics.reroutes.inc()
+                self.wakeup.set()
+                return 1
+            why = f"{why}; re-route rejected: {decision.code}: {decision.message}"
+        await self._fail_from_router(handle, "worker_failed", why, already_forgotten=True)
+        return 0
+
+    async def _fail_from_router(self, handle: RequestHandle, code: str, message: str, already_forgotten: bool = False) -> None:
+        rid = handle.request_id
+        if not already_forgotten:
+            self.scheduler.on_terminal(rid)
+        await self._release_request(rid)
+        self.metrics.requests.labels("failed", code).inc()
+        self.records.note(rid, time.time_ns(), "failed_by_router", code=code, message=message)
+        self._finish_router(handle, "failed", code, message)
+        await self._emit(m.RequestFailed(request_id=rid, worker_id=self.router_id, code=code, message=message,
+                                         retryable=error_code(code).retryable))
+        self.metrics.inflight.set(len(self.scheduler.inflight))
+
     # ------------------------------------------------------------------ admin views
     def workers_view(self) -> list[dict[str, Any]]:
         now = time.time_ns()
@@ -619,8 +752,9 @@ class RouterService:
         for w in sorted(self.scheduler.view.workers.values(), key=lambda w: w.worker_id):
             live = w.is_live(now, self.scheduler.timeout_ns)
             out.append({
-                "id": w.worker_id, "role": w.role, "state": w.state if live or w.state != "ready" else "stale",
-                "live": live, "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
+                "id": w.worker_id, "role": w.role, "state": w.state,
+                "live": live, "liveness": w.liveness, "num_missed_syncs": w.num_missed_syncs,
+                "draining": w.draining, "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
                 "last_heartbeat_ns": w.last_heartbeat_ns,
                 "last_heartbeat_age_ms": round((now - w.last_heartbeat_ns) / 1e6, 1),
                 "num_kv_blocks": w.num_kv_blocks, "num_free_kv_blocks": w.num_free_kv_blocks,

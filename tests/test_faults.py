@@ -1,0 +1,89 @@
+"""Fault injection on real processes: a worker killed with SIGKILL under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import string
+import time
+
+import httpx
+
+from schemas import messages as m
+from tests.stack import expected_text, read_event_log, run_concurrent_streams, terminal_counts, wait_async
+
+DETECTION_S = 3 * 0.5  # dead_after_missed_syncs x liveness_sync_ms (the defaults)
+
+
+async def test_kill_9_a_worker_mid_batch_under_load_loses_nothing(flexlb_up):
+    proc, state = flexlb_up("--time-scale", "0.05", "--workers", "2", "--batch-size-max", "8")
+    url = state["router_url"]
+    rng = random.Random(3)
+    # Long prompts build a prefill backlog on each worker, so that at the kill some of the
+    # victim's batches are running and some have not started.
+    bodies = [{"prompt": "".join(rng.choice(string.ascii_letters) for _ in range(rng.randint(2000, 4000))),
+               "max_tokens": rng.randint(20, 60)} for _ in range(220)]
+    victim_pid = state["pids"]["worker-w0"]
+
+    async def kill_soon():
+        await asyncio.sleep(0.8)
+        os.kill(victim_pid, signal.SIGKILL)
+        return time.time_ns()
+
+    killer = asyncio.create_task(kill_soon())
+    results = await run_concurrent_streams(url, bodies)
+    killed_ns = await killer
+
+    ok = failed = 0
+    for body, res in zip(bodies, results):
+        assert res["status"] == 200, res
+        assert res["done"], res  # every stream ended: nothing hung
+        if res["errors"]:
+            assert [e["code"] for e in res["errors"]] == ["worker_failed"], res
+            assert res["errors"][0]["retryable"] is True
+            failed += 1
+        else:
+            assert "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"])
+            ok += 1
+    ids = {r["request_id"] for r in results}
+
+    async def settled():
+        envs = await read_event_log(state["nats_url"])
+        counts = terminal_counts(envs)
+        return envs if all(counts.get(i, 0) >= 1 for i in ids) else None
+
+    envs = await wait_async(settled, 30, "a terminal event for every request")
+    counts = terminal_counts(envs)
+    assert {i: counts[i] for i in ids} == {i: 1 for i in ids}  # exactly one each
+    [dead] = [e for e in envs if isinstance(e.payload, m.WorkerLivenessChanged) and e.payload.worker_id == "w0"
+              and e.payload.liveness == "dead"]
+    assert (dead.time_ns - killed_ns) / 1e9 <= DETECTION_S + 2.0, (dead.time_ns - killed_ns) / 1e9
+    assert dead.payload.num_rerouted > 0, dead.payload  # some of its batches had not started
+    router_failures = [e for e in envs if isinstance(e.payload, m.RequestFailed) and e.payload.request_id in ids]
+    assert len(router_failures) == failed == dead.payload.num_failed
+    for e in router_failures:  # each failure came within detection + 2 s of the kill
+        assert (e.time_ns - killed_ns) / 1e9 <= DETECTION_S + 2.0
+    # The re-routed requests all finished, with every token, on the surviving worker.
+    async with httpx.AsyncClient(timeout=30) as c:
+        records = [(await c.get(url + f"/admin/requests/{rid}")).json() for rid in ids]
+        ledger = None
+
+        async def ledger_empty():
+            nonlocal ledger
+            ledger = (await c.get(url + "/admin/ledger")).json()
+            return ledger["num_entries"] == 0
+
+        await wait_async(ledger_empty, 30, "an empty ledger")
+    rerouted = [r for r in records if any(t["event"] == "rerouted" for t in r["timeline"])]
+    assert len(rerouted) == dead.payload.num_rerouted
+    by_id = {r["request_id"]: r for r in results}
+    for rec in rerouted:
+        assert not by_id[rec["request_id"]]["errors"], rec
+    print(f"kill -9: ok={ok} failed={failed} rerouted={dead.payload.num_rerouted} purged={dead.payload.num_purged_commands} "
+          f"detected after {(dead.time_ns - killed_ns) / 1e9:.2f} s")
+    assert ok + failed == len(bodies) and ok > failed
+    workers = httpx.get(url + "/admin/workers").json()["workers"]
+    assert {w["id"]: w["liveness"] for w in workers}["w0"] == "dead"
+    assert proc.stop() == 0
