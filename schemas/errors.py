@@ -25,6 +25,8 @@ _CODES = [
     ErrorCode("draining", 503, True),
     ErrorCode("not_ready", 503, True),
     ErrorCode("not_found", 404, False),
+    ErrorCode("unauthorized", 401, False),
+    ErrorCode("conflict", 409, False),
     ErrorCode("queue_timeout", 504, True),
     ErrorCode("timed_out", 504, True),
     ErrorCode("dispatch_failed", 502, True),

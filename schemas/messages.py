@@ -93,11 +93,22 @@ class WorkerLivenessChanged(_Event, tag="worker.liveness_changed"):
 
     worker_id: str
     router_id: str
-    liveness: str  # "dead" | "expired"
+    liveness: str  # "dead" | "expired" | "removed" (by an operator, with force)
     num_missed_syncs: int = 0
     num_rerouted: int = 0  # requests not yet started there, re-routed
     num_failed: int = 0  # requests started there, failed with worker_failed
     num_purged_commands: int = 0  # dispatch commands removed from its work queue
+
+
+class WorkerDrainChanged(_Event, tag="worker.drain_changed"):
+    """An operator action on a worker, or its outcome: drain, undrain, drained (a draining
+    worker finished everything it held), removed."""
+
+    worker_id: str
+    router_id: str
+    action: str  # "drain" | "undrain" | "drained" | "removed"
+    by: str = ""  # who asked (the admin client's address)
+    num_requests_moved: int = 0  # removed with force: requests re-routed or failed
 
 
 # --------------------------------------------------------------------------- request life
@@ -317,6 +328,7 @@ Payload = Union[
     WorkerRegistered,
     WorkerStatusReported,
     WorkerLivenessChanged,
+    WorkerDrainChanged,
     RequestAdmitted,
     RouteDecided,
     RequestRejected,

@@ -10,12 +10,13 @@ max_tokens; `too_large` (413) for bodies over `max_body_bytes` or prompts over
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -120,8 +121,29 @@ def _chunk_json(request_id: str, created: int, model: str, text: str, finish_rea
     ))
 
 
+def _bad_worker_id(worker_id: str) -> Response | None:
+    try:
+        validate_token("worker_id", worker_id)
+    except ValueError as exc:
+        return _error("invalid_request", str(exc))
+    return None
+
+
+class Unauthorized(Exception):
+    pass
+
+
 def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI:
     settings = service.settings
+
+    async def admin_auth(request: Request) -> str:
+        """/admin/* needs `Authorization: Bearer <admin_token>` when a token is set (and one
+        must be set to listen beyond loopback: settings refuse to start otherwise)."""
+        if settings.admin_token:
+            given = request.headers.get("authorization", "")
+            if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), settings.admin_token.encode())):
+                raise Unauthorized()
+        return request.client.host if request.client else ""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -140,6 +162,12 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         code = {404: "not_found", 405: "invalid_request"}.get(exc.status_code, "invalid_request")
         status, body = error_for(code, str(exc.detail))
         return Response(body, status_code=exc.status_code, media_type="application/json")
+
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, exc: Unauthorized):
+        resp = _error("unauthorized", "the admin API needs a valid bearer token (Authorization: Bearer ...)")
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -169,16 +197,35 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "owned_by": "flexlb"}]}
 
     @app.get("/admin/workers")
-    async def admin_workers():
+    async def admin_workers(by: str = Depends(admin_auth)):
         return {"workers": service.workers_view()}
 
+    @app.post("/admin/workers/{worker_id}/drain")
+    async def admin_drain(worker_id: str, by: str = Depends(admin_auth)):
+        if (bad := _bad_worker_id(worker_id)) is not None:
+            return bad
+        return await service.drain(worker_id, by)
+
+    @app.post("/admin/workers/{worker_id}/undrain")
+    async def admin_undrain(worker_id: str, by: str = Depends(admin_auth)):
+        if (bad := _bad_worker_id(worker_id)) is not None:
+            return bad
+        return await service.undrain(worker_id, by)
+
+    @app.delete("/admin/workers/{worker_id}")
+    async def admin_remove(worker_id: str, force: bool = False, by: str = Depends(admin_auth)):
+        if (bad := _bad_worker_id(worker_id)) is not None:
+            return bad
+        ok, body = await service.remove(worker_id, force, by)
+        return body if ok else _error(body["code"], body["message"])
+
     @app.get("/admin/ledger")
-    async def admin_ledger():
+    async def admin_ledger(by: str = Depends(admin_auth)):
         entries = await service.ledger.entries()
         return {"entries": entries, "num_entries": len(entries)}
 
     @app.get("/admin/requests/{request_id}")
-    async def admin_request(request_id: str):
+    async def admin_request(request_id: str, by: str = Depends(admin_auth)):
         record = service.records.get(request_id)
         if record is None:
             return _error("not_found", f"no live or recent request {request_id} (the last {len(service.records.records)} are kept)")

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_flags(worker)
     worker.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
+    workers = sub.add_parser("workers", help="list, drain, undrain or remove workers through the admin API")
+    workers.add_argument("action", choices=["list", "drain", "undrain", "remove"])
+    workers.add_argument("worker_id", nargs="?", help="the worker (all but list)")
+    workers.add_argument("--force", action="store_true", help="remove: even if it holds work (re-routed or failed)")
+    workers.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL, default http://127.0.0.1:8000)")
+    workers.add_argument("--token", help="admin bearer token (env FLEXLB_ADMIN_TOKEN)")
+
     schema = sub.add_parser("schema", help="print the JSON Schema of every bus message")
     schema.add_argument("--out", help="write to this file instead of stdout")
     return parser
@@ -136,6 +143,33 @@ def run_worker(cfg) -> int:
     return 0
 
 
+def run_workers_admin(args: argparse.Namespace) -> int:
+    """`flexlb workers ...`: prints the API's JSON answer; exit 0 on 2xx, 1 otherwise."""
+    import os
+
+    import httpx
+
+    url = (args.url or os.environ.get("FLEXLB_ADMIN_URL") or "http://127.0.0.1:8000").rstrip("/")
+    token = args.token or os.environ.get("FLEXLB_ADMIN_TOKEN") or ""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if args.action != "list" and not args.worker_id:
+        print(f"flexlb workers {args.action}: a worker id is required", file=sys.stderr)
+        return 2
+    try:
+        with httpx.Client(timeout=30, headers=headers) as client:
+            if args.action == "list":
+                resp = client.get(f"{url}/admin/workers")
+            elif args.action == "remove":
+                resp = client.delete(f"{url}/admin/workers/{args.worker_id}", params={"force": str(args.force).lower()})
+            else:
+                resp = client.post(f"{url}/admin/workers/{args.worker_id}/{args.action}")
+    except httpx.HTTPError as exc:
+        print(f"flexlb workers {args.action}: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(resp.json(), indent=2))
+    return 0 if resp.is_success else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -151,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:
         print(f"flexlb {args.command}: configuration error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "workers":
+        return run_workers_admin(args)
     if args.command == "schema":
         from schemas.messages import json_schema
 

@@ -66,6 +66,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ledger_ttl_s: int = 300
     request_timeout_s: float = 600.0  # the client waits at most this long for a terminal outcome
     seed: int = 0  # the router's RNG seed (decisions are reproducible)
+    admin_token: str = ""  # bearer token of /admin/*; required when host is not loopback
     log_level: str = "info"
 
     def validate(self) -> "RouterSettings":
@@ -94,6 +95,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.scheduler_config().validate()
         except ValueError as exc:
             raise SettingsError(f"scheduling settings: {exc}") from None
+        if not self.admin_token and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise SettingsError(
+                f"setting admin_token (FLEXLB_ADMIN_TOKEN) is required when the router listens on {self.host!r}: "
+                "the admin API can drain and remove workers"
+            )
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise SettingsError(f"setting log_level must be debug|info|warning|error, got {self.log_level!r}")
         return self

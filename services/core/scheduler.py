@@ -257,17 +257,33 @@ class Scheduler:
             if batcher is not None:
                 orphans.extend(batcher.drain())
         for worker_id in expired:
-            self.batchers.pop(worker_id, None)
-            self.predictors.pop(worker_id, None)
-            self.index.remove_worker(worker_id)
-            self.pending_index.remove_worker(worker_id)
-            self.approx_index.remove_worker(worker_id)
-            self.ledger.remove_worker(worker_id)
-            self.prefill_gated.discard(worker_id)
-            self.decode_gated.discard(worker_id)
+            self.remove_worker(worker_id)  # (its batcher was drained above)
         for item in orphans:
             self.on_terminal(item.request_id)  # forgotten here; the shell re-admits or fails it
         return SyncResult(dead, expired, orphans)
+
+    def holds_work(self, worker_id: str) -> int:
+        """Requests the worker holds or will hold: queued here, inflight, or reported running."""
+        info = self.view.workers.get(worker_id)
+        batcher = self.batchers.get(worker_id)
+        reported = info.num_running_requests + info.num_queued_batches if info else 0
+        return (len(batcher) if batcher else 0) + self.ledger.num_pending_requests(worker_id) + reported
+
+    def remove_worker(self, worker_id: str) -> list[QueuedRequest]:
+        """Forget a worker everywhere (operator removal or expiry); returns its queued requests."""
+        batcher = self.batchers.pop(worker_id, None)
+        orphans = batcher.drain() if batcher is not None else []
+        self.view.remove(worker_id)
+        self.predictors.pop(worker_id, None)
+        self.index.remove_worker(worker_id)
+        self.pending_index.remove_worker(worker_id)
+        self.approx_index.remove_worker(worker_id)
+        self.ledger.remove_worker(worker_id)
+        self.prefill_gated.discard(worker_id)
+        self.decode_gated.discard(worker_id)
+        for item in orphans:
+            self.on_terminal(item.request_id)
+        return orphans
 
     def on_kv_event(self, event: KvBlocksStored | KvBlocksRemoved | KvAllCleared | KvSnapshot) -> IndexUpdate:
         return self.index.apply(event)

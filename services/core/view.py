@@ -47,7 +47,7 @@ class WorkerInfo:
     liveness: str = "pending"  # pending | ready | suspect | dead (expired workers are removed)
     num_missed_syncs: int = 0  # consecutive sync cycles without a report (never reset by a cycle)
     heard_since_sync: bool = False
-    draining: bool = False  # an operator drain flag (admin API), independent of what it reports
+    draining: bool = False  # an operator drain flag (admin API, kept in Redis): no new work
 
     def is_live(self, now_ns: int = 0, timeout_ns: int = 0) -> bool:
         """Eligible for new work: heard recently enough, reports ready, not drained."""
@@ -64,6 +64,13 @@ class WorkerView:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerInfo] = {}  # worker id -> info
         self.roles_seen: set[str] = set()
+        self.drain_flags: set[str] = set()  # worker ids an operator drained (may not be known yet)
+
+    def set_drain_flags(self, worker_ids: set[str]) -> None:
+        """The operator's drain flags, as stored (Redis): applied to known and future workers."""
+        self.drain_flags = set(worker_ids)
+        for w in self.workers.values():
+            w.draining = w.worker_id in self.drain_flags
 
     def apply(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
         """Fold one event heard at `now_ns`. `stale`: an old report replayed from the status
@@ -71,7 +78,8 @@ class WorkerView:
         it updates what we know but is no sign of life."""
         info = self.workers.get(event.worker_id)
         if info is None:
-            info = WorkerInfo(worker_id=event.worker_id, role=event.role, boot_id=event.boot_id, first_seen_ns=now_ns)
+            info = WorkerInfo(worker_id=event.worker_id, role=event.role, boot_id=event.boot_id, first_seen_ns=now_ns,
+                              draining=event.worker_id in self.drain_flags)
             self.workers[event.worker_id] = info
         elif info.boot_id != event.boot_id:
             info.boot_id = event.boot_id
@@ -127,6 +135,9 @@ class WorkerView:
                 expired.append(w.worker_id)
                 del self.workers[w.worker_id]
         return newly_dead, expired
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        return self.workers.pop(worker_id, None)
 
     def roles_in_use(self) -> set[str]:
         """pd_fusion if colocated workers were seen; prefill+decode if either PD role was."""

@@ -17,9 +17,10 @@ Outputs
   `flexlb.evt.router.<router>`, published without waiting for acks (they are a record,
   not a command).
 
-Per batch, the hot path costs one Redis script call (reserve), one acked JetStream publish
-and one event publish; per request, one event publish (admitted) and one Redis script call
-when its terminal event arrives (release).
+Per batch, the hot path costs one Redis script call (reserve) and one acked JetStream
+publish; per request, two event publishes (route.decided, request.admitted). Ledger
+releases (prefill.completed, terminal events) are gathered per fetched batch of worker
+events and sent as one script call per fetch (bench/README.md has the measured counts).
 
 Undecodable messages on any subject are counted and republished to `flexlb.dlq.<router>`
 with the reason; consumers keep running.
@@ -173,6 +174,10 @@ class RouterService:
         self.running = False
         self.bus_state = "disconnected"
         self.view_ready_after_ms: float | None = None  # start -> first complete worker view
+        self.num_dispatched: dict[str, int] = {}  # worker id -> requests dispatched to it
+        self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
+        self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
+        self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -183,6 +188,7 @@ class RouterService:
         await ensure_streams(self.js)
         self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
+        await self._refresh_drain_flags()
         self.running = True
         await self.nc.subscribe(all_tokens_subject(self.router_id), cb=self._on_token_msg)
         if self.settings.prefix_index == "exact":
@@ -425,6 +431,7 @@ class RouterService:
             return
         self.metrics.batches.labels(batch.reason).inc()
         self.metrics.batch_size.observe(len(batch.items))
+        self.num_dispatched[batch.worker_id] = self.num_dispatched.get(batch.worker_id, 0) + len(batch.items)
         for item in batch.items:
             self.records.note(item.request_id, now, "batch_dispatched", batch_id=batch.batch_id, worker_id=batch.worker_id,
                               batch_size=len(batch.items), close_reason=batch.reason,
@@ -541,15 +548,34 @@ class RouterService:
                 log.warning("events fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
+            # Fold the whole fetched batch, then release its ledger fields in ONE script call,
+            # then ack: one Redis round trip per fetch, not per event (under load, per-event
+            # round trips left the router seconds behind its workers). A release that fails
+            # leaves the batch un-acked: it is redelivered, and releases are idempotent.
+            handled = []
             for msg in msgs:
                 try:
                     await self._on_worker_event_msg(msg)
-                    await msg.ack()
+                    handled.append(msg)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # one bad event must not stop the loop; it is redelivered
                     self.metrics.consumer_errors.labels("events").inc()
                     log.exception("handling event on %s failed", msg.subject)
+            fields, self.release_buffer = self.release_buffer, []
+            if fields:
+                try:
+                    n = await self.ledger.release(fields)
+                    self.metrics.ledger_releases.labels("events").inc(n)
+                except Exception as exc:
+                    self.metrics.consumer_errors.labels("ledger").inc()
+                    log.error("ledger release of %d fields failed (events will be redelivered): %s", len(fields), exc)
+                    continue
+            for msg in handled:
+                try:
+                    await msg.ack()
+                except Exception as exc:  # redelivered later; handling is idempotent
+                    log.warning("ack failed: %s", exc)
 
     async def _on_worker_event_msg(self, msg) -> None:
         try:
@@ -574,8 +600,7 @@ class RouterService:
             for rid in ev.request_ids:
                 self.records.note(rid, time.time_ns(), "prefill_completed", batch_id=ev.batch_id,
                                   measured_ms=ev.measured_ms, predicted_batch_ms=round(batch.predicted_ms, 3) if batch else None)
-            n = await self.ledger.release([prefill_field(ev.batch_id)])
-            self.metrics.ledger_releases.labels("prefill_completed").inc(n)
+            self.release_buffer.append(prefill_field(ev.batch_id))
             self.wakeup.set()  # a backpressured batcher may dispatch now
         elif isinstance(ev, (m.RequestFinished, m.RequestFailed, m.RequestCancelled, m.RequestTimedOut)):
             await self._on_worker_terminal(ev)
@@ -598,8 +623,9 @@ class RouterService:
                 if not pending:
                     del self.batch_pending[batch_id]
                     fields.append(prefill_field(batch_id))
-        n = await self.ledger.release(fields)
-        self.metrics.ledger_releases.labels("terminal").inc(n)
+        self.release_buffer.extend(fields)
+        if isinstance(ev, m.RequestFinished):
+            self.num_finished[ev.worker_id] = self.num_finished.get(ev.worker_id, 0) + 1
         self.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
                           **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
         if not self.scheduler.on_terminal(request_id):
@@ -640,6 +666,8 @@ class RouterService:
                     await self._recover_dead_worker(worker_id, "expired")
                 for item in result.orphans:
                     await self._reroute(item.payload, "its worker died before dispatch")
+                await self._refresh_drain_flags()
+                await self._report_drained()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a failed cycle must not stop liveness; the next one retries
@@ -745,6 +773,72 @@ class RouterService:
                                          retryable=error_code(code).retryable))
         self.metrics.inflight.set(len(self.scheduler.inflight))
 
+    # ------------------------------------------------------------------ operator actions
+    def _drain_key(self, worker_id: str) -> str:
+        return f"flexlb:{self.settings.cluster}:drain:{worker_id}"
+
+    async def _refresh_drain_flags(self) -> None:
+        """Drain flags live in Redis, so every router replica (and a restarted one) honours them."""
+        prefix = f"flexlb:{self.settings.cluster}:drain:"
+        try:
+            flags = {k.decode()[len(prefix):] if isinstance(k, bytes) else k[len(prefix):]
+                     async for k in self.redis.scan_iter(match=prefix + "*", count=500)}
+        except Exception as exc:  # Redis away: keep the flags we have
+            log.warning("could not read drain flags: %s", exc)
+            return
+        self.scheduler.view.set_drain_flags(flags)
+        self.reported_drained &= flags
+
+    async def _report_drained(self) -> None:
+        for worker_id in sorted(self.scheduler.view.drain_flags - self.reported_drained):
+            if worker_id in self.scheduler.view.workers and self.scheduler.holds_work(worker_id) == 0:
+                self.reported_drained.add(worker_id)
+                await self._emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.router_id, action="drained"))
+                log.info("worker %s drained", worker_id)
+
+    def worker_state(self, worker_id: str) -> str:
+        w = self.scheduler.view.workers.get(worker_id)
+        if w is None:
+            return "unknown"
+        if w.draining:
+            return "drained" if worker_id in self.reported_drained else "draining"
+        return w.state if w.liveness in ("ready", "suspect") else w.liveness
+
+    async def drain(self, worker_id: str, by: str) -> dict[str, Any]:
+        await self.redis.set(self._drain_key(worker_id), by or "admin")
+        await self._refresh_drain_flags()
+        await self._emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.router_id, action="drain", by=by))
+        await self._report_drained()
+        return {"worker_id": worker_id, "state": self.worker_state(worker_id)}
+
+    async def undrain(self, worker_id: str, by: str) -> dict[str, Any]:
+        await self.redis.delete(self._drain_key(worker_id))
+        await self._refresh_drain_flags()
+        await self._emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.router_id, action="undrain", by=by))
+        self.wakeup.set()
+        return {"worker_id": worker_id, "state": self.worker_state(worker_id)}
+
+    async def remove(self, worker_id: str, force: bool, by: str) -> tuple[bool, dict[str, Any]]:
+        """Forget a worker. Refused while it holds work, unless forced: then its requests are
+        re-routed (not started) or failed retryable (started), as for a dead worker."""
+        if worker_id not in self.scheduler.view.workers:
+            return False, {"code": "not_found", "message": f"no worker {worker_id}"}
+        held = self.scheduler.holds_work(worker_id)
+        if held and not force:
+            return False, {"code": "conflict", "message": f"worker {worker_id} holds {held} requests; drain it first or force"}
+        moved = 0
+        if held:
+            await self._recover_dead_worker(worker_id, "removed")
+            moved = held
+        for item in self.scheduler.remove_worker(worker_id):
+            moved += 1
+            await self._reroute(item.payload, f"worker {worker_id} removed by an operator")
+        await self.redis.delete(self._drain_key(worker_id))
+        await self._refresh_drain_flags()
+        await self._emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.router_id, action="removed", by=by,
+                                              num_requests_moved=moved))
+        return True, {"worker_id": worker_id, "removed": True, "num_requests_moved": moved}
+
     # ------------------------------------------------------------------ admin views
     def workers_view(self) -> list[dict[str, Any]]:
         now = time.time_ns()
@@ -752,9 +846,12 @@ class RouterService:
         for w in sorted(self.scheduler.view.workers.values(), key=lambda w: w.worker_id):
             live = w.is_live(now, self.scheduler.timeout_ns)
             out.append({
-                "id": w.worker_id, "role": w.role, "state": w.state,
+                "id": w.worker_id, "role": w.role,
                 "live": live, "liveness": w.liveness, "num_missed_syncs": w.num_missed_syncs,
-                "draining": w.draining, "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
+                "draining": w.draining, "state": self.worker_state(w.worker_id), "reported_state": w.state,
+                "num_dispatched": self.num_dispatched.get(w.worker_id, 0),
+                "num_finished": self.num_finished.get(w.worker_id, 0),
+                "num_held": self.scheduler.holds_work(w.worker_id), "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
                 "last_heartbeat_ns": w.last_heartbeat_ns,
                 "last_heartbeat_age_ms": round((now - w.last_heartbeat_ns) / 1e6, 1),
                 "num_kv_blocks": w.num_kv_blocks, "num_free_kv_blocks": w.num_free_kv_blocks,
