@@ -87,3 +87,48 @@ async def test_kill_9_a_worker_mid_batch_under_load_loses_nothing(flexlb_up):
     workers = httpx.get(url + "/admin/workers").json()["workers"]
     assert {w["id"]: w["liveness"] for w in workers}["w0"] == "dead"
     assert proc.stop() == 0
+
+
+async def test_cancel_racing_completion_1000_seeded_trials_one_terminal_each_and_an_empty_ledger(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--workers", "2")
+    url = state["router_url"]
+    rng = random.Random(2024)
+    trials = [(rng.randint(1, 12), rng.randint(0, 13)) for _ in range(1000)]
+    ids: list[str] = []
+
+    async def one(client: httpx.AsyncClient, max_tokens: int, cut_after: int) -> None:
+        body = {"prompt": f"race {len(ids)} " + "x" * rng.randint(1, 64), "max_tokens": max_tokens, "stream": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            ids.append(resp.headers["x-request-id"])
+            seen = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if seen >= cut_after:  # the client goes away: racing the worker's completion
+                    break
+                seen += 1
+                if line == "data: [DONE]":
+                    break
+
+    limits = httpx.Limits(max_connections=120, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        for start in range(0, len(trials), 100):
+            await asyncio.gather(*(one(client, *t) for t in trials[start:start + 100]))
+    assert len(set(ids)) == 1000
+
+    async def settled():
+        envs = await read_event_log(state["nats_url"])
+        counts = terminal_counts(envs)
+        return (envs, counts) if all(counts.get(i, 0) >= 1 for i in ids) else None
+
+    envs, counts = await wait_async(settled, 60, "a terminal event for every trial")
+    assert {i: counts[i] for i in ids} == {i: 1 for i in ids}
+    kinds = {type(e.payload).__name__ for e in envs if isinstance(e.payload, m.TERMINAL_TYPES) and e.payload.request_id in set(ids)}
+    assert {"RequestFinished", "RequestCancelled"} <= kinds  # both sides of the race happened
+
+    async def ledger_empty():
+        async with httpx.AsyncClient() as c:
+            return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0
+
+    await wait_async(ledger_empty, 30, "an empty ledger")
