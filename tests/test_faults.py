@@ -12,7 +12,7 @@ import time
 import httpx
 
 from schemas import messages as m
-from tests.stack import expected_text, read_event_log, run_concurrent_streams, terminal_counts, wait_async
+from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_async
 
 DETECTION_S = 3 * 0.5  # dead_after_missed_syncs x liveness_sync_ms (the defaults)
 
@@ -132,3 +132,58 @@ async def test_cancel_racing_completion_1000_seeded_trials_one_terminal_each_and
             return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0
 
     await wait_async(ledger_empty, 30, "an empty ledger")
+
+
+async def test_redis_restart_under_load_loses_nothing_and_the_ledger_is_rebuilt(flexlb_up):
+    import subprocess
+
+    import redis as redis_sync
+
+    from services.infra import find_binary, wait_port
+
+    proc, state = flexlb_up("--time-scale", "0.5", "--workers", "2")
+    url, redis_url = state["router_url"], state["redis_url"]
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    bodies = [{**b, "max_tokens": 100} for b in make_bodies(200, seed=5, max_prompt_chars=2000)]
+    load = asyncio.create_task(run_concurrent_streams(url, bodies))
+    await asyncio.sleep(0.5)
+    assert not load.done()  # the outage happens under load
+    os.kill(state["pids"]["redis-server"], signal.SIGKILL)
+    await asyncio.sleep(0.5)
+    async with httpx.AsyncClient(timeout=10) as c:
+        ready = await c.get(url + "/readyz")
+    assert ready.status_code == 503 and "redis" in ready.json()["error"]["message"]
+    await asyncio.sleep(1.0)
+    restarted = subprocess.Popen([find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 10, restarted)
+        r = redis_sync.Redis.from_url(redis_url)
+
+        async def rebuilt():  # the ledger comes back from the router's memory while load runs
+            return sum(r.hlen(k) for k in r.scan_iter("flexlb:*:ledger:*")) > 0 or load.done()
+
+        await wait_async(rebuilt, 10, "the ledger to be rebuilt in the new redis")
+        assert not load.done()  # (rebuilt while requests were still running)
+        results = await load
+        for body, res in zip(bodies, results):  # nothing lost, nothing failed
+            assert res["status"] == 200 and res["done"] and not res["errors"], res
+            assert "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"])
+        ids = {res["request_id"] for res in results}
+
+        async def settled():
+            counts = terminal_counts(await read_event_log(state["nats_url"]))
+            return all(counts.get(i, 0) == 1 for i in ids)
+
+        await wait_async(settled, 30, "one terminal event per request")
+
+        async def ledger_empty():
+            return sum(r.hlen(k) for k in r.scan_iter("flexlb:*:ledger:*")) == 0
+
+        await wait_async(ledger_empty, 10, "the ledger to drain (it agrees with the workers: nothing held)")
+        metrics = httpx.get(url + "/metrics").text
+        assert any(ln.startswith("flexlb_ledger_resyncs_total") and float(ln.split()[-1]) >= 1 for ln in metrics.splitlines())
+    finally:
+        proc.stop()
+        restarted.terminate()
+        restarted.wait(10)

@@ -93,6 +93,12 @@ class Ledger:
             return 0
         return int(await self._release(keys=[self.expiry_key, self.index_key], args=fields))
 
+    async def clear(self) -> int:
+        """Delete every ledger key of this cluster (before a rebuild from the router's mirror)."""
+        keys = [k async for k in self.redis.scan_iter(match=self.prefix + "ledger:*", count=500)]
+        keys += [self.expiry_key, self.index_key]
+        return int(await self.redis.delete(*keys))
+
     async def entries(self) -> list[dict[str, Any]]:
         """Every inflight entry, for the admin API (SCAN: never blocks Redis)."""
         out: list[dict[str, Any]] = []

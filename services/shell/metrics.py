@@ -32,4 +32,5 @@ class RouterMetrics:
         self.cached_tokens = Counter("flexlb_prefill_cached_tokens_total", "Prompt tokens served from workers' prefix caches", registry=r)
         self.kv_events = Counter("flexlb_kv_events_total", "KV-cache events by how the prefix index took them", ["status"], registry=r)
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
+        self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total", "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart", registry=r)
         self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)

@@ -178,6 +178,8 @@ class RouterService:
         self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
         self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
         self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
+        self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
+        self.redis_run_id: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -186,7 +188,7 @@ class RouterService:
         self.bus_state = "connected"
         self.js = self.nc.jetstream()
         await ensure_streams(self.js)
-        self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=2, socket_connect_timeout=1)
         self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
         await self._refresh_drain_flags()
         self.running = True
@@ -407,6 +409,9 @@ class RouterService:
         )
         try:
             await self.ledger.reserve(entries, now // 1_000_000)
+        except Exception as exc:  # Redis away: the in-memory mirror keeps scheduling; resync later
+            self._ledger_failed("reserve", exc)
+        try:
             await self.js.publish(
                 dispatch_subject(batch.worker_id), m.encode(self.envelopes.wrap(cmd, now)),
                 headers={HDR_MSG_ID: batch.batch_id}, timeout=5,
@@ -550,8 +555,9 @@ class RouterService:
                 continue
             # Fold the whole fetched batch, then release its ledger fields in ONE script call,
             # then ack: one Redis round trip per fetch, not per event (under load, per-event
-            # round trips left the router seconds behind its workers). A release that fails
-            # leaves the batch un-acked: it is redelivered, and releases are idempotent.
+            # round trips left the router seconds behind its workers). If Redis is away the
+            # in-memory mirror has applied the events anyway; the Redis ledger is rebuilt
+            # from it when Redis answers again (_resync_ledger).
             handled = []
             for msg in msgs:
                 try:
@@ -567,10 +573,8 @@ class RouterService:
                 try:
                     n = await self.ledger.release(fields)
                     self.metrics.ledger_releases.labels("events").inc(n)
-                except Exception as exc:
-                    self.metrics.consumer_errors.labels("ledger").inc()
-                    log.error("ledger release of %d fields failed (events will be redelivered): %s", len(fields), exc)
-                    continue
+                except Exception as exc:  # Redis away: the mirror has applied them; resync later
+                    self._ledger_failed("release", exc)
             for msg in handled:
                 try:
                     await msg.ack()
@@ -668,6 +672,7 @@ class RouterService:
                     await self._reroute(item.payload, "its worker died before dispatch")
                 await self._refresh_drain_flags()
                 await self._report_drained()
+                await self._check_ledger_store()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a failed cycle must not stop liveness; the next one retries
@@ -772,6 +777,54 @@ class RouterService:
         await self._emit(m.RequestFailed(request_id=rid, worker_id=self.router_id, code=code, message=message,
                                          retryable=error_code(code).retryable))
         self.metrics.inflight.set(len(self.scheduler.inflight))
+
+    # ------------------------------------------------------------------ Redis outages
+    def _ledger_failed(self, op: str, exc: Exception) -> None:
+        self.metrics.consumer_errors.labels("ledger").inc()
+        if not self.ledger_dirty:
+            log.error("ledger %s failed (%s); scheduling from memory until Redis answers", op, exc)
+        self.ledger_dirty = True
+
+    async def _check_ledger_store(self) -> None:
+        """Detect a Redis restart (its run id changes: these servers keep nothing on disk) or
+        the end of an outage, and rebuild the Redis ledger from the in-memory mirror."""
+        try:
+            run_id = (await self.redis.info("server")).get("run_id")
+        except Exception as exc:  # still away
+            self._ledger_failed("probe", exc)
+            return
+        if self.redis_run_id is not None and run_id != self.redis_run_id:
+            log.warning("redis restarted (run id changed): rebuilding the ledger")
+            self.ledger_dirty = True
+        self.redis_run_id = run_id
+        if self.ledger_dirty:
+            await self._resync_ledger()
+
+    async def _resync_ledger(self) -> None:
+        now_ms = time.time_ns() // 1_000_000
+        entries: list[LedgerEntry] = []
+        for worker_id, w in self.scheduler.ledger.workers.items():
+            for b in w.batches.values():
+                entries.append(LedgerEntry(worker_id, prefill_field(b.batch_id), {
+                    "kind": "prefill", "batch_id": b.batch_id, "request_ids": b.request_ids,
+                    "num_prompt_tokens": sum(n for n, _ in b.members), "created_ms": b.dispatched_ns // 1_000_000,
+                    "resynced": True,
+                }))
+            for r in w.reservations.values():
+                entries.append(LedgerEntry(worker_id, kv_field(r.request_id), {
+                    "kind": "decode", "request_id": r.request_id, "hard_kv_tokens": r.hard_kv_tokens,
+                    "expected_kv_tokens": r.expected_kv_tokens, "created_ms": r.created_ns // 1_000_000, "resynced": True,
+                }))
+        try:
+            await self.ledger.clear()
+            if entries:
+                await self.ledger.reserve(entries, now_ms)
+        except Exception as exc:
+            self._ledger_failed("resync", exc)
+            return
+        self.ledger_dirty = False
+        self.metrics.ledger_resyncs.inc()
+        log.info("ledger rebuilt in redis from memory: %d entries", len(entries))
 
     # ------------------------------------------------------------------ operator actions
     def _drain_key(self, worker_id: str) -> str:
