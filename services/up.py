@@ -109,6 +109,7 @@ def run_up(args, settings: RouterSettings) -> int:
             "workers": [{"id": w, "role": r} for w, r in fleet],
             "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
             "up_pid": os.getpid(),
+            "nats_data_dir": next((s.argv[s.argv.index("-sd") + 1] for s in servers if s.name == "nats-server"), None),
         }
         if args.state_file:
             tmp = args.state_file + ".tmp"

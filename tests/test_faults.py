@@ -187,3 +187,49 @@ async def test_redis_restart_under_load_loses_nothing_and_the_ledger_is_rebuilt(
         proc.stop()
         restarted.terminate()
         restarted.wait(10)
+
+
+async def test_nats_stopped_for_3_s_under_load_no_request_hangs(flexlb_up):
+    import subprocess
+
+    from services.infra import find_binary, wait_port
+
+    proc, state = flexlb_up("--time-scale", "0.5", "--workers", "2")
+    url, nats_url = state["router_url"], state["nats_url"]
+    port = int(nats_url.rsplit(":", 1)[1])
+    bodies = [{**b, "max_tokens": 100} for b in make_bodies(200, seed=6, max_prompt_chars=2000)]
+    load = asyncio.create_task(run_concurrent_streams(url, bodies))
+    await asyncio.sleep(0.8)
+    assert not load.done()
+    os.kill(state["pids"]["nats-server"], signal.SIGKILL)
+    await asyncio.sleep(1.0)
+    async with httpx.AsyncClient(timeout=10) as c:
+        ready = await c.get(url + "/readyz")
+    assert ready.status_code == 503 and "nats" in ready.json()["error"]["message"]
+    await asyncio.sleep(2.0)
+    restarted = subprocess.Popen([find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
+                                  state["nats_data_dir"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 10, restarted)
+        started = time.monotonic()
+        results = await asyncio.wait_for(load, 120)  # bounded: nothing may hang
+        elapsed = time.monotonic() - started
+        codes: dict[str, int] = {}
+        for body, res in zip(bodies, results):
+            assert res["done"], res  # every stream ended
+            if res["errors"]:
+                for e in res["errors"]:
+                    codes[e["code"]] = codes.get(e["code"], 0) + 1
+            else:
+                assert "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"])
+        msgs = sorted({e["message"][:60] for r in results for e in r["errors"]})[:4]
+        print(f"nats outage: {sum(not r['errors'] for r in results)} finished, failed by code {codes} {msgs}, "
+              f"all ended {elapsed:.1f} s after restart")
+        assert set(codes) <= {"worker_failed", "dispatch_failed", "stream_overflow", "timed_out"}, codes
+        async with httpx.AsyncClient(timeout=30) as c:
+            ok = await c.post(url + "/v1/completions", json={"prompt": "after the outage", "max_tokens": 4})
+        assert ok.status_code == 200  # the cluster recovered by itself
+    finally:
+        proc.stop()
+        restarted.terminate()
+        restarted.wait(10)

@@ -42,6 +42,7 @@ from schemas import messages as m
 from schemas.errors import ErrorBody, error_code
 from schemas.subjects import (
     DISPATCH_STREAM,
+    STATUS_STREAM,
     ALL_KV_EVENTS,
     ALL_STATUS,
     ALL_WORKER_EVENTS,
@@ -178,6 +179,7 @@ class RouterService:
         self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
         self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
         self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
+        self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
         self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
         self.redis_run_id: str | None = None
 
@@ -193,11 +195,15 @@ class RouterService:
         await self._refresh_drain_flags()
         self.running = True
         await self.nc.subscribe(all_tokens_subject(self.router_id), cb=self._on_token_msg)
+        # Live status and KV events arrive on plain subscriptions, which nats-py re-creates
+        # on every reconnect (an ephemeral JetStream consumer did not survive a server
+        # restart, and the router then heard no heartbeat ever again). The streams still
+        # record them for replay; at start the last report of every worker is read from the
+        # status stream, so a restarted router has its view within one round trip.
         if self.settings.prefix_index == "exact":
-            await self.js.subscribe(ALL_KV_EVENTS, cb=self._on_kv_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
-        await self.js.subscribe(
-            ALL_STATUS, cb=self._on_status_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
-        )
+            await self.nc.subscribe(ALL_KV_EVENTS, cb=self._on_kv_msg)
+        await self.nc.subscribe(ALL_STATUS, cb=self._on_status_msg)
+        await self._load_last_status()
         self.events_sub = await self.js.pull_subscribe(
             ALL_WORKER_EVENTS,
             durable=router_events_consumer(self.router_id),
@@ -228,8 +234,27 @@ class RouterService:
         if self.redis is not None:
             await self.redis.aclose()
 
+    async def _load_last_status(self) -> None:
+        try:
+            info = await self.js.stream_info(STATUS_STREAM.name, subjects_filter=ALL_STATUS)
+            subjects = sorted((info.state.subjects or {}).keys())
+        except Exception as exc:  # no history: the live subscription fills the view
+            log.warning("could not read the status stream: %s", exc)
+            return
+        for subject in subjects:
+            try:
+                msg = await self.js.get_last_msg(STATUS_STREAM.name, subject)
+            except Exception as exc:  # e.g. purged meanwhile
+                log.warning("could not read the last status on %s: %s", subject, exc)
+                continue
+            await self._on_status_msg(msg)
+
     async def _on_bus_state(self, state: str) -> None:
         self.bus_state = state
+        if state == "reconnected":
+            # Heartbeats we missed while we were cut off are our fault, not the workers':
+            # give them a full detection window to be heard again before counting misses.
+            self.liveness_grace_cycles = self.settings.dead_after_missed_syncs + 1
 
     # ------------------------------------------------------------------ health
     async def readiness(self) -> tuple[bool, str]:
@@ -662,6 +687,11 @@ class RouterService:
         interval = self.settings.liveness_sync_ms / 1000
         while self.running:
             await asyncio.sleep(interval)
+            if self.nc is None or not self.nc.is_connected:
+                continue  # we cannot hear anyone: no worker missed anything
+            if self.liveness_grace_cycles > 0:
+                self.liveness_grace_cycles -= 1
+                continue
             try:
                 result = self.scheduler.sync(time.time_ns())
                 for worker_id in result.dead:
