@@ -283,3 +283,19 @@ def test_a_prefix_being_prefilled_attracts_the_next_request_with_it():
     s2 = make_scheduler(("w0", "w1"), prefill_policy="cost-based", pending_prefix_ttl_ms=10)
     s2.admit(req("a", n=1024, hashes=hashes), 0)
     assert s2.admit(req("b", n=1024, hashes=hashes), 20 * MS).request.num_cached_tokens == 0
+
+
+def test_pending_prefixes_match_the_longest_unexpired_leading_run_and_expire():
+    from services.core.scheduler import PendingPrefixes
+
+    p = PendingPrefixes(ttl_ms=10)
+    p.record("w0", (1, 2, 3, 4), 0)
+    p.record("w1", (1, 2), 0)
+    p.record("w0", (1, 2), 5 * MS)  # refreshes the first two blocks only
+    assert p.match((1, 2, 3, 4, 5), 1 * MS) == {"w0": 4, "w1": 2}
+    assert p.match((1, 2, 3, 4), 12 * MS) == {"w0": 2}  # w0's tail and all of w1 expired
+    assert p.match((9, 2), 1 * MS) == {}
+    p.expire(12 * MS)
+    assert p.worker_to_hashes == {"w0": {1: 15 * MS, 2: 15 * MS}}
+    p.expire(16 * MS)
+    assert p.worker_to_hashes == {}

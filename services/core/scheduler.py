@@ -35,6 +35,7 @@ agree; the first worker's is used).
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,58 @@ def decision_seed(seed: int, decision_seq: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     return z ^ (z >> 31)
+
+
+class PendingPrefixes:
+    """Prompts routed to a worker and not yet confirmed by its KV events: block hash -> expiry,
+    per worker. Lean on purpose (it is written on every admission): `record` is one dict update,
+    `match` walks only the workers holding the prompt's first block, and `expire` pops a FIFO of
+    records, so each recorded block is touched O(1) times. Entries refreshed by a later record
+    keep their later expiry."""
+
+    def __init__(self, ttl_ms: float) -> None:
+        self.ttl_ns = int(ttl_ms * 1e6)
+        self.worker_to_hashes: dict[str, dict[int, int]] = {}  # worker id -> block hash -> expiry ns
+        self.records: deque[tuple[int, str, tuple[int, ...]]] = deque()  # (expiry, worker, hashes), in time order
+
+    def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
+        expiry = now_ns + self.ttl_ns
+        self.worker_to_hashes.setdefault(worker_id, {}).update(dict.fromkeys(block_hashes, expiry))
+        self.records.append((expiry, worker_id, block_hashes))
+
+    def match(self, block_hashes: tuple[int, ...], now_ns: int) -> dict[str, int]:
+        """Leading blocks per worker, by binary search: records always cover a prompt's
+        leading blocks, and chained hashes name their whole prefix, so a worker's unexpired
+        blocks of one chain form a prefix whose expiries never increase along it."""
+        first = block_hashes[0]
+        out: dict[str, int] = {}
+        for worker_id, held in self.worker_to_hashes.items():
+            if held.get(first, 0) <= now_ns:
+                continue
+            lo, hi = 1, len(block_hashes)  # block lo-1 is held; find the longest held prefix
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if held.get(block_hashes[mid - 1], 0) > now_ns:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[worker_id] = lo
+        return out
+
+    def expire(self, now_ns: int) -> None:
+        while self.records and self.records[0][0] <= now_ns:
+            expiry, worker_id, hashes = self.records.popleft()
+            held = self.worker_to_hashes.get(worker_id)
+            if held is None:
+                continue
+            for h in hashes:
+                if held.get(h, now_ns + 1) <= now_ns:
+                    del held[h]
+            if not held:
+                del self.worker_to_hashes[worker_id]
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.worker_to_hashes.pop(worker_id, None)
 
 
 @dataclass(frozen=True)
@@ -221,7 +274,7 @@ class Scheduler:
         self.view = WorkerView()
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
-        self.pending_index = ApproximatePrefixIndex(ttl_ms=max(config.pending_prefix_ttl_ms, 1.0))
+        self.pending_index = PendingPrefixes(ttl_ms=config.pending_prefix_ttl_ms)
         self.ledger = InflightLedger()
         self.predictors: dict[str, PrefillPredictor] = {}  # prefill worker id -> its predictor
         self.batchers: dict[str, Batcher] = {}  # prefill worker id -> its batcher
