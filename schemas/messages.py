@@ -111,6 +111,15 @@ class WorkerDrainChanged(_Event, tag="worker.drain_changed"):
     num_requests_moved: int = 0  # removed with force: requests re-routed or failed
 
 
+class LedgerEntryEvicted(_Event, tag="ledger.entry_evicted"):
+    """A reservation nobody confirmed within its TTL was removed from the ledger."""
+
+    worker_id: str
+    router_id: str
+    field: str  # "pf:<batch id>" | "kv:<request id>"
+    ttl_s: float
+
+
 # --------------------------------------------------------------------------- request life
 class RequestAdmitted(_Event, tag="request.admitted"):
     request_id: str
@@ -329,6 +338,7 @@ Payload = Union[
     WorkerStatusReported,
     WorkerLivenessChanged,
     WorkerDrainChanged,
+    LedgerEntryEvicted,
     RequestAdmitted,
     RouteDecided,
     RequestRejected,

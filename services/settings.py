@@ -63,7 +63,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     expire_after_ms: int = 10_000  # no report this long: the worker is removed everywhere
     token_buffer_max: int = 4096  # token chunks buffered per request before stream_overflow
     finish_grace_ms: int = 2000  # after a finish event, wait this long for straggling tokens
-    ledger_ttl_s: int = 300
+    ledger_ttl_s: int = 300  # an unconfirmed ledger entry is evicted after this long
+    ledger_sweep_s: float = 60.0  # how often the TTL sweep runs
     request_timeout_s: float = 600.0  # the client waits at most this long for a terminal outcome
     seed: int = 0  # the router's RNG seed (decisions are reproducible)
     admin_token: str = ""  # bearer token of /admin/*; required when host is not loopback
@@ -78,7 +79,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         positive = [
             "port", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
             "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs", "expire_after_ms", "token_buffer_max",
-            "ledger_ttl_s", "request_timeout_s",
+            "ledger_ttl_s", "ledger_sweep_s", "request_timeout_s",
         ]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -153,3 +153,41 @@ def test_bad_router_configuration_exits_2_naming_the_setting(spawn, flag, value)
     assert code == 2
     out = proc.tail()
     assert flag.lstrip("-").replace("-", "_") in out or flag in out or value in out, out
+
+
+async def test_unconfirmed_ledger_entries_are_evicted_by_the_ttl_sweep(spawn, nats_url, redis_url):
+    import redis.asyncio as aioredis
+
+    from services.shell.ledger import Ledger, LedgerEntry
+
+    cluster = _ids("ttl")
+    env_extra = {"FLEXLB_LEDGER_TTL_S": "1", "FLEXLB_LEDGER_SWEEP_S": "0.5"}
+    stack = start_stack(spawn, nats_url, redis_url, cluster=cluster)
+    # A second router with a short TTL on the same cluster (the first keeps the default).
+    port = free_port()
+    router = spawn("router", "--router-id", _ids("sweeper"), "--port", str(port), "--cluster", cluster,
+                   env={**stack["env"], **env_extra}, name="sweeper")
+    wait_for(lambda: router.popen.poll() is None and _ready(f"http://127.0.0.1:{port}"), 60, "sweeper ready")
+    r = aioredis.from_url(redis_url)
+    ledger = Ledger(r, cluster, ttl_s=1)
+    now_ms = int(__import__("time").time() * 1000)
+    await ledger.reserve([LedgerEntry(stack["workers"][0], "kv:lost-1", {"kind": "decode"}),
+                          LedgerEntry(stack["workers"][0], "pf:lost-batch", {"kind": "prefill"})], now_ms)
+    await r.zadd(ledger.expiry_key, {"malformed-member-without-separator": 0})  # must not stop the sweep
+    assert len(await ledger.entries()) == 2
+
+    async def gone():
+        return len(await ledger.entries()) == 0 and await r.zcard(ledger.expiry_key) == 0
+
+    await wait_async(gone, 15, "the TTL sweep to evict the unconfirmed entries")
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("flexlb_ledger_evictions_total"))
+    assert float(line.split()[-1]) >= 2
+    await r.aclose()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -50,6 +50,24 @@ return removed
 """
 
 
+EVICT_LUA = """
+-- KEYS[1] expiry zset, KEYS[2] index hash; ARGV[1] = now_ms, ARGV[2] = max entries
+-- Removes entries whose TTL passed; returns the evicted "key|field" members.
+local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+for _, member in ipairs(members) do
+  local sep = string.find(member, '|', 1, true)
+  if sep then
+    local key = string.sub(member, 1, sep - 1)
+    local field = string.sub(member, sep + 1)
+    redis.call('HDEL', key, field)
+    redis.call('HDEL', KEYS[2], field)
+  end
+  redis.call('ZREM', KEYS[1], member)
+end
+return members
+"""
+
+
 @dataclass(frozen=True)
 class LedgerEntry:
     worker_id: str
@@ -74,6 +92,7 @@ class Ledger:
         self.index_key = self.prefix + "ledger-index"
         self._reserve = redis.register_script(RESERVE_LUA)
         self._release = redis.register_script(RELEASE_LUA)
+        self._evict = redis.register_script(EVICT_LUA)
 
     def key(self, worker_id: str) -> str:
         return f"{self.prefix}ledger:{worker_id}"
@@ -92,6 +111,17 @@ class Ledger:
         if not fields:
             return 0
         return int(await self._release(keys=[self.expiry_key, self.index_key], args=fields))
+
+    async def evict_expired(self, now_ms: int, max_entries: int = 1000) -> list[tuple[str, str]]:
+        """Evict entries past their TTL (nobody confirmed them); returns (worker, field) pairs.
+        One script call per chunk; a malformed member is removed without stopping the rest."""
+        members = await self._evict(keys=[self.expiry_key, self.index_key], args=[now_ms, max_entries])
+        out = []
+        for member in members:
+            text = member.decode() if isinstance(member, bytes) else member
+            key, _, field = text.partition("|")
+            out.append((key[len(self.prefix + "ledger:"):], field))
+        return out
 
     async def clear(self) -> int:
         """Delete every ledger key of this cluster (before a rebuild from the router's mirror)."""

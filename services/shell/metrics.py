@@ -33,4 +33,5 @@ class RouterMetrics:
         self.kv_events = Counter("flexlb_kv_events_total", "KV-cache events by how the prefix index took them", ["status"], registry=r)
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
         self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total", "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart", registry=r)
+        self.ledger_evictions = Counter("flexlb_ledger_evictions_total", "Ledger entries evicted by the TTL sweep (unconfirmed)", registry=r)
         self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)

@@ -214,6 +214,7 @@ class RouterService:
             asyncio.create_task(self._events_loop(), name="events"),
             asyncio.create_task(self._batch_loop(), name="batches"),
             asyncio.create_task(self._liveness_loop(), name="liveness"),
+            asyncio.create_task(self._sweep_loop(), name="ledger-sweep"),
         ]
         log.info("router %s (boot %s) started", self.router_id, self.boot_id)
 
@@ -807,6 +808,28 @@ class RouterService:
         await self._emit(m.RequestFailed(request_id=rid, worker_id=self.router_id, code=code, message=message,
                                          retryable=error_code(code).retryable))
         self.metrics.inflight.set(len(self.scheduler.inflight))
+
+    # ------------------------------------------------------------------ ledger TTL sweep
+    async def _sweep_loop(self) -> None:
+        """Evict ledger entries nobody confirmed within `ledger_ttl_s` (a lost terminal event,
+        a router that died mid-dispatch): an event and a metric each; a failing sweep is
+        logged and retried next time, it never stops the loop."""
+        while self.running:
+            await asyncio.sleep(self.settings.ledger_sweep_s)
+            try:
+                while True:
+                    evicted = await self.ledger.evict_expired(time.time_ns() // 1_000_000)
+                    for worker_id, fld in evicted:
+                        self.metrics.ledger_evictions.inc()
+                        await self._emit(m.LedgerEntryEvicted(worker_id=worker_id, router_id=self.router_id, field=fld,
+                                                              ttl_s=float(self.settings.ledger_ttl_s)))
+                    if len(evicted) < 1000:
+                        break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: the next sweep retries
+                self.metrics.consumer_errors.labels("ledger_sweep").inc()
+                log.warning("ledger TTL sweep failed: %s", exc)
 
     # ------------------------------------------------------------------ Redis outages
     def _ledger_failed(self, op: str, exc: Exception) -> None:
