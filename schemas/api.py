@@ -20,6 +20,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     priority: int | None = None  # 1-100, default 50: scales the SLO targets (lower number = looser)
     slo_ttft_ms: float | None = None  # override the TTFT target
     slo_tpot_ms: float | None = None  # override the time-per-output-token target
+    timeout_s: float | None = None  # this request's deadline (default: the router's request_timeout_s)
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):

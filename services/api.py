@@ -34,9 +34,10 @@ _REQ_DECODER = msgspec.json.Decoder(CompletionRequest)
 _ENC = msgspec.json.Encoder()
 
 
-def _error(code: str, message: str) -> Response:
+def _error(code: str, message: str, request_id: str | None = None) -> Response:
     status, body = error_for(code, message)
-    return Response(body, status_code=status, media_type="application/json")
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 class BadRequest(Exception):
@@ -94,6 +95,8 @@ def parse_completion(body: bytes, settings) -> tuple[CompletionRequest, list[int
             raise BadRequest("invalid_request", str(exc)) from None
     if req.priority is not None and not 1 <= req.priority <= 100:
         raise BadRequest("invalid_request", f"priority must be in 1..100, got {req.priority}")
+    if req.timeout_s is not None and not (0 < req.timeout_s <= settings.request_timeout_s):
+        raise BadRequest("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(req, name)
         if value is not None and not (value > 0 and value < 1e9):
@@ -245,12 +248,13 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         except (BadRequest, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
-            await service.reject(request_id or service.new_request_id(), code, message)
-            return _error(code, message)
+            request_id = request_id or service.new_request_id()
+            await service.reject(request_id, code, message)
+            return _error(code, message, request_id)
         request_id = request_id or service.new_request_id()
-        outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot)
+        outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s)
         if isinstance(outcome, Rejected):
-            return _error(outcome.code, outcome.message)
+            return _error(outcome.code, outcome.message, request_id)
         handle: RequestHandle = outcome
         created = int(time.time())
         model = settings.model_name
@@ -264,6 +268,12 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
     return app
 
 
+def _client_deadline(service: RouterService, handle: RequestHandle) -> float:
+    """The router's own deadline: the request's, plus a little for the worker's timed_out
+    report to arrive first (the worker enforces the same deadline where the work runs)."""
+    return time.monotonic() + handle.timeout_s + 2.0
+
+
 async def _next_item(service: RouterService, handle: RequestHandle, deadline: float):
     timeout = deadline - time.monotonic()
     if timeout <= 0:
@@ -275,7 +285,7 @@ async def _next_item(service: RouterService, handle: RequestHandle, deadline: fl
 
 
 async def _stream(service: RouterService, handle: RequestHandle, created: int, model: str):
-    deadline = time.monotonic() + service.settings.request_timeout_s
+    deadline = _client_deadline(service, handle)
     finished = False
     try:
         while True:
@@ -303,7 +313,7 @@ async def _stream(service: RouterService, handle: RequestHandle, created: int, m
 
 
 async def _collect(service: RouterService, handle: RequestHandle, created: int, model: str) -> Response:
-    deadline = time.monotonic() + service.settings.request_timeout_s
+    deadline = _client_deadline(service, handle)
     parts: list[str] = []
     num_tokens = 0
     while True:
@@ -311,13 +321,13 @@ async def _collect(service: RouterService, handle: RequestHandle, created: int, 
             item = await _next_item(service, handle, deadline)
         except asyncio.TimeoutError:
             await service.cancel(handle, "router request timeout")
-            return _error("timed_out", f"no terminal outcome within {service.settings.request_timeout_s}s")
+            return _error("timed_out", f"no terminal outcome within {handle.timeout_s}s", handle.request_id)
         if isinstance(item, m.TokensGenerated):
             parts.append(item.text)
             num_tokens += len(item.token_ids)
             continue
         if item.outcome != "finished":
-            return _error(item.code or "worker_failed", item.message)
+            return _error(item.code or "worker_failed", item.message, handle.request_id)
         n_prompt = len(handle.prompt_token_ids)
         body = CompletionResponse(
             id=handle.request_id, created=created, model=model,

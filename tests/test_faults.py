@@ -233,3 +233,29 @@ async def test_nats_stopped_for_3_s_under_load_no_request_hangs(flexlb_up):
         proc.stop()
         restarted.terminate()
         restarted.wait(10)
+
+
+async def test_a_request_past_its_deadline_is_stopped_on_the_worker_and_times_out(flexlb_up):
+    _, state = flexlb_up("--time-scale", "1.0", "--workers", "1")
+    url = state["router_url"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        t0 = time.monotonic()
+        resp = await c.post(url + "/v1/completions", json={"prompt": "slow", "max_tokens": 400, "timeout_s": 1.0})
+        elapsed = time.monotonic() - t0
+        rid = resp.headers.get("x-request-id")
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timed_out", resp.text
+    assert elapsed < 5.0  # 400 tokens would take ~12 s; the deadline stopped it
+    async def terminal_events():
+        envs = await read_event_log(state["nats_url"])
+        return [e.payload for e in envs if isinstance(e.payload, m.TERMINAL_TYPES) and e.payload.request_id == rid]
+
+    terminal = await wait_async(terminal_events, 10, "the worker's timed_out event")
+    await asyncio.sleep(0.5)
+    terminal = await terminal_events()
+    assert len(terminal) == 1 and isinstance(terminal[0], m.RequestTimedOut) and terminal[0].worker_id == "w0"
+
+    async def ledger_empty():
+        async with httpx.AsyncClient() as c2:
+            return (await c2.get(url + "/admin/ledger")).json()["num_entries"] == 0
+
+    await wait_async(ledger_empty, 10, "an empty ledger")

@@ -97,6 +97,7 @@ class ReqMeta:
     decode_worker_id: str
     prompt_token_ids: list[int]  # kept only for the PD hand-off
     max_tokens: int
+    deadline_ns: int = 0  # wall clock; past it the worker stops the request (timed_out); 0: none
 
 
 class WorkerAgent:
@@ -279,7 +280,7 @@ class WorkerAgent:
             self.max_epoch = cmd.epoch
             for r in cmd.requests:
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
-                self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens)
+                self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns)
             self.engine.submit_batch(EngineBatch(batch_id=cmd.batch_id, requests=[
                 EngineRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, max_tokens=r.max_tokens)
                 for r in cmd.requests
@@ -289,7 +290,7 @@ class WorkerAgent:
             if key in self.seen_batches:
                 return
             self.seen_batches[key] = None
-            self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens)
+            self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns)
             self.engine.submit_decode(
                 EngineRequest(request_id=cmd.request_id, prompt_token_ids=cmd.prompt_token_ids, max_tokens=cmd.max_tokens),
                 first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
@@ -357,10 +358,20 @@ class WorkerAgent:
             self.last_step_ms = measured_ms
             try:
                 await self._publish_step(step, measured_ms)
+                await self._enforce_deadlines()
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep the engine going; the lost outputs surface as client errors
                 log.exception("publishing a step's outputs failed")
+
+    async def _enforce_deadlines(self) -> None:
+        """Stop requests past their deadline (they would run on for nobody): timed_out."""
+        now = time.time_ns()
+        late = [rid for rid, meta in self.meta.items() if 0 < meta.deadline_ns <= now]
+        for rid in late:
+            if self.engine.cancel(rid):
+                self.meta.pop(rid, None)
+                await self._event(m.RequestTimedOut(request_id=rid, worker_id=self.cfg.worker_id, phase="running"))
 
     async def _publish_step(self, step: StepResult, measured_ms: float) -> None:
         wid = self.cfg.worker_id
@@ -394,6 +405,7 @@ class WorkerAgent:
                 request_id=h.request_id, prefill_worker_id=wid, decode_worker_id=meta.decode_worker_id,
                 batch_id=h.batch_id, prompt_token_ids=meta.prompt_token_ids, max_tokens=meta.max_tokens,
                 token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
+                deadline_ns=meta.deadline_ns,
             )
             try:
                 await self.js.publish(

@@ -149,6 +149,7 @@ class RequestHandle:
     grace_task: asyncio.Task | None = None
     admit: AdmitRequest | None = None  # what it was admitted with, for a re-route
     num_reroutes: int = 0
+    timeout_s: float = 600.0  # its deadline, from arrival
 
 
 class RouterService:
@@ -282,13 +283,14 @@ class RouterService:
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
-        slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+        slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
     ) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching."""
         now = time.time_ns()
         if request_id in self.handles:
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
-        handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now)
+        handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now,
+                               timeout_s=timeout_s if timeout_s is not None else self.settings.request_timeout_s)
         hashes = tuple(block_hashes(prompt_token_ids, self.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
@@ -422,6 +424,7 @@ class RouterService:
             requests.append(m.BatchRequest(
                 request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
                 decode_worker_id=item.decode_worker_id, token_subject=token_subject(self.router_id, item.request_id),
+                deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9),
             ))
             entries.append(LedgerEntry(item.decode_worker_id, kv_field(item.request_id), {
                 "kind": "decode", "request_id": item.request_id, "batch_id": batch.batch_id,
@@ -672,7 +675,9 @@ class RouterService:
                 # Tokens travel on core NATS and may still be in flight: give them a grace period.
                 handle.grace_task = asyncio.get_running_loop().create_task(self._grace(handle, ev.num_output_tokens))
             return
-        message = getattr(ev, "message", "") or getattr(ev, "reason", "") or getattr(ev, "phase", "")
+        message = getattr(ev, "message", "") or getattr(ev, "reason", "")
+        if isinstance(ev, m.RequestTimedOut):
+            message = f"past its deadline ({ev.phase}) on worker {ev.worker_id}"
         self._finish_router(handle, outcome, code or outcome, message)
 
     async def _grace(self, handle: RequestHandle, expected: int) -> None:
