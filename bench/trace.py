@@ -533,8 +533,8 @@ async def stream_one(host: str, port: int, req: TraceRequest, res: Result) -> No
             body = b"".join([p async for p in body_parts()])
             try:
                 res.error = _DECODER.decode(body)["error"]["code"]
-            except Exception:
-                res.error = f"http_{res.status}"
+            except (ValueError, KeyError, TypeError) as exc:  # not our error body: keep the status
+                res.error = f"http_{res.status} ({exc.__class__.__name__})"
             return
         buf = b""
         async for chunk in body_parts():

@@ -430,9 +430,9 @@ class _QueueBatcher(Generic[T]):
                 predicted_ms = self._predict(items)
                 self._own = self._own.plus(items, predicted_ms)
                 batches.append(Closed(items, plan.reason, predicted_ms))
-        except Exception:
+        except Exception as exc:  # a broken prediction: put everything back, then fail loudly
             self._items, self._own = saved_items, saved_own  # nothing taken out is lost
-            raise
+            raise exc
         return PollResult(batches, expired, too_large)
 
     def next_due_ns(self, now_ns: int, load: WorkerLoad) -> int | None:

@@ -647,16 +647,7 @@ class RouterService:
             self.metrics.duplicate_terminal.inc()
             log.warning("ignoring %s of %s from %s (re-routed away)", type(ev).__name__, request_id, ev.worker_id)
             return
-        fields = [kv_field(request_id)]
-        batch_id = self.request_batch.pop(request_id, None)
-        if batch_id is not None:
-            pending = self.batch_pending.get(batch_id)
-            if pending is not None:
-                pending.discard(request_id)
-                if not pending:
-                    del self.batch_pending[batch_id]
-                    fields.append(prefill_field(batch_id))
-        self.release_buffer.extend(fields)
+        self.release_buffer.extend(self._fields_to_release(request_id))
         if isinstance(ev, m.RequestFinished):
             self.num_finished[ev.worker_id] = self.num_finished.get(ev.worker_id, 0) + 1
         self.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
@@ -762,7 +753,9 @@ class RouterService:
             if worker_id in (handle.prefill_worker_id, handle.decode_worker_id):
                 self.records.note(rid, now, f"worker_{verdict}", worker_id=worker_id)
 
-    async def _release_request(self, request_id: str) -> None:
+    def _fields_to_release(self, request_id: str) -> list[str]:
+        """The request's ledger fields: its KV reservation, and its batch's prefill entry once
+        every member of that batch has ended."""
         fields = [kv_field(request_id)]
         batch_id = self.request_batch.pop(request_id, None)
         if batch_id is not None:
@@ -772,6 +765,10 @@ class RouterService:
                 if not pending:
                     del self.batch_pending[batch_id]
                     fields.append(prefill_field(batch_id))
+        return fields
+
+    async def _release_request(self, request_id: str) -> None:
+        fields = self._fields_to_release(request_id)
         try:
             await self.ledger.release(fields)
         except Exception as exc:  # Redis away: the TTL sweep evicts them
