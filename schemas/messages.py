@@ -325,6 +325,15 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     reason: str = ""
 
 
+class FenceEpoch(_Event, tag="cmd.fence_epoch"):
+    """The newest scheduling epoch: a worker refuses dispatches carrying an older one, so a
+    router that was replaced (restarted, or a stale replica) can no longer command it."""
+
+    worker_id: str
+    router_id: str
+    epoch: int
+
+
 class RequestKvSnapshot(_Event, tag="cmd.request_kv_snapshot"):
     """Ask a worker to publish a `KvSnapshot` (after a gap in its KV events, or a restart)."""
 
@@ -357,6 +366,7 @@ Payload = Union[
     DispatchBatch,
     StartDecode,
     CancelRequest,
+    FenceEpoch,
     RequestKvSnapshot,
 ]
 

@@ -11,6 +11,7 @@
 | PD decode hand-off           | flexlb.cmd.decode.<worker>        | work-queue stream FLEXLB_DISPATCH      |
 | cancel                       | flexlb.cmd.cancel.<worker>        | core NATS, best effort                 |
 | KV snapshot request          | flexlb.cmd.kvsnapshot.<worker>    | core NATS; the snapshot is a KV event  |
+| fencing epoch                | flexlb.cmd.epoch.<worker>         | core NATS, repeated every liveness cycle |
 | tokens                       | flexlb.tok.<router>.<request>     | core NATS                              |
 | dead letters                 | flexlb.dlq.<component>            | stream FLEXLB_DLQ                      |
 
@@ -67,6 +68,10 @@ def decode_subject(worker_id: str) -> str:
 
 def cancel_subject(worker_id: str) -> str:
     return f"{PREFIX}.cmd.cancel.{worker_id}"
+
+
+def epoch_subject(worker_id: str) -> str:
+    return f"{PREFIX}.cmd.epoch.{worker_id}"
 
 
 def kv_snapshot_request_subject(worker_id: str) -> str:

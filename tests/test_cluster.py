@@ -111,6 +111,7 @@ async def test_undecodable_messages_are_counted_dead_lettered_and_consumers_keep
 async def test_killed_router_restarts_rebuilds_its_worker_view_and_serves(spawn, nats_url, redis_url):
     stack = start_stack(spawn, nats_url, redis_url, num_workers=2)
     complete(stack["url"], "before the crash")
+    old_epoch = httpx.get(stack["url"] + "/healthz").json()["epoch"]
     stack["router"].popen.kill()  # kill -9
     stack["router"].popen.wait(10)
 
@@ -136,6 +137,23 @@ async def test_killed_router_restarts_rebuilds_its_worker_view_and_serves(spawn,
         assert {"id", "role", "state", "pid", "host", "last_heartbeat_ns"} <= set(w)
     for i in range(4):
         complete(stack["url"], f"after the restart {i}")
+    # The restarted router took a newer fencing epoch; a command from the old one is refused.
+    new_epoch = httpx.get(stack["url"] + "/healthz").json()["epoch"]
+    assert new_epoch > old_epoch
+    victim = stack["workers"][0]
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    stale = m.DispatchBatch(batch_id=_ids("stale"), router_id=stack["router_id"], worker_id=victim, epoch=old_epoch,
+                            requests=[m.BatchRequest(request_id=_ids("zombie"), prompt_token_ids=[1, 2, 3], max_tokens=2,
+                                                     decode_worker_id=victim, token_subject="flexlb.tok.nobody.x")])
+    await js.publish(dispatch_subject(victim), m.encode(m.EnvelopeFactory("old-router", "b").wrap(stale, 1)))
+
+    async def refused():
+        raw = await js.get_last_msg(STATUS_STREAM.name, status_subject(victim))
+        return m.decode(raw.data).payload.num_stale_commands_refused >= 1
+
+    await wait_async(refused, 10, "the worker to refuse the old epoch's command")
+    await nc.close()
 
     async def ledger_empty():
         return httpx.get(stack["url"] + "/admin/ledger").json()["num_entries"] == 0

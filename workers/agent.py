@@ -50,6 +50,7 @@ from schemas.subjects import (
     dispatch_consumer,
     dispatch_subject,
     dlq_subject,
+    epoch_subject,
     kv_events_subject,
     kv_snapshot_request_subject,
     status_subject,
@@ -172,6 +173,7 @@ class WorkerAgent:
         await self._ensure_streams()
         await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
         await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
+        await self.nc.subscribe(epoch_subject(cfg.worker_id), cb=self._on_fence_epoch)
         if cfg.role == "decode":
             subject, durable = decode_subject(cfg.worker_id), decode_consumer(cfg.worker_id)
         else:
@@ -311,6 +313,18 @@ class WorkerAgent:
         if self.engine.cancel(cmd.request_id):
             self.meta.pop(cmd.request_id, None)
             await self._event(m.RequestCancelled(request_id=cmd.request_id, worker_id=self.cfg.worker_id, reason=cmd.reason))
+
+    async def _on_fence_epoch(self, msg) -> None:
+        try:
+            cmd = m.decode(msg.data).payload
+            if not isinstance(cmd, m.FenceEpoch):
+                raise m.DecodeError(f"unexpected {type(cmd).__name__} on an epoch subject")
+        except m.DecodeError as exc:
+            await self._dead_letter(msg, str(exc))
+            return
+        if cmd.epoch > self.max_epoch:
+            log.info("fencing epoch %d (router %s); older commands are refused", cmd.epoch, cmd.router_id)
+            self.max_epoch = cmd.epoch
 
     async def _on_snapshot_request(self, msg) -> None:
         try:

@@ -51,6 +51,7 @@ from schemas.subjects import (
     all_tokens_subject,
     cancel_subject,
     dispatch_subject,
+    epoch_subject,
     kv_snapshot_request_subject,
     router_events_consumer,
     router_events_subject,
@@ -165,7 +166,7 @@ class RouterService:
         self.handles: dict[str, RequestHandle] = {}  # request id -> handle, until the client is answered
         self.batch_pending: dict[str, set[str]] = {}  # batch id -> member request ids without terminal event
         self.request_batch: dict[str, str] = {}  # request id -> batch id
-        self.epoch = 1  # fencing epoch (issue 5 takes it from the Redis lease)
+        self.epoch = 0  # fencing epoch: a Redis counter bumped at every router start (see start())
         self.wakeup = asyncio.Event()
         self.nc = None
         self.js = None
@@ -194,6 +195,9 @@ class RouterService:
         self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=2, socket_connect_timeout=1)
         self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
         await self._refresh_drain_flags()
+        # Each router incarnation takes a new epoch; workers refuse commands from older ones,
+        # so a replaced router (restarted, or cut off and come back) is fenced off.
+        self.epoch = int(await self.redis.incr(f"flexlb:{self.settings.cluster}:epoch"))
         self.running = True
         await self.nc.subscribe(all_tokens_subject(self.router_id), cb=self._on_token_msg)
         # Live status and KV events arrive on plain subscriptions, which nats-py re-creates
@@ -700,6 +704,7 @@ class RouterService:
                 await self._refresh_drain_flags()
                 await self._report_drained()
                 await self._check_ledger_store()
+                await self._announce_epoch()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a failed cycle must not stop liveness; the next one retries
@@ -832,6 +837,13 @@ class RouterService:
             except Exception as exc:  # Redis away: the next sweep retries
                 self.metrics.consumer_errors.labels("ledger_sweep").inc()
                 log.warning("ledger TTL sweep failed: %s", exc)
+
+    async def _announce_epoch(self) -> None:
+        """Tell every worker we schedule for our epoch (each cycle: new workers learn it too)."""
+        now = time.time_ns()
+        for w in self.scheduler.view.live():
+            cmd = m.FenceEpoch(worker_id=w.worker_id, router_id=self.router_id, epoch=self.epoch)
+            await self.nc.publish(epoch_subject(w.worker_id), m.encode(self.envelopes.wrap(cmd, now)))
 
     # ------------------------------------------------------------------ Redis outages
     def _ledger_failed(self, op: str, exc: Exception) -> None:
