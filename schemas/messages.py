@@ -325,6 +325,31 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     reason: str = ""
 
 
+class SubmitRequest(_Event, tag="cmd.submit_request"):
+    """A standby router forwards a client's request to the leader (NATS request-reply).
+    Tokens go straight to the standby's `token_subject`."""
+
+    request_id: str
+    router_id: str  # the forwarding router
+    prompt_token_ids: list[int]
+    max_tokens: int
+    token_subject: str
+    priority: int | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    timeout_s: float | None = None
+
+
+class SubmitReply(_Event, tag="cmd.submit_reply"):
+    request_id: str
+    router_id: str  # the leader
+    admitted: bool
+    code: str = ""  # when not admitted
+    message: str = ""
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+
+
 class FenceEpoch(_Event, tag="cmd.fence_epoch"):
     """The newest scheduling epoch: a worker refuses dispatches carrying an older one, so a
     router that was replaced (restarted, or a stale replica) can no longer command it."""
@@ -366,6 +391,8 @@ Payload = Union[
     DispatchBatch,
     StartDecode,
     CancelRequest,
+    SubmitRequest,
+    SubmitReply,
     FenceEpoch,
     RequestKvSnapshot,
 ]

@@ -12,6 +12,7 @@
 | cancel                       | flexlb.cmd.cancel.<worker>        | core NATS, best effort                 |
 | KV snapshot request          | flexlb.cmd.kvsnapshot.<worker>    | core NATS; the snapshot is a KV event  |
 | fencing epoch                | flexlb.cmd.epoch.<worker>         | core NATS, repeated every liveness cycle |
+| forwarded requests (standby) | flexlb.cmd.submit.<cluster>       | core NATS request-reply to the leader  |
 | tokens                       | flexlb.tok.<router>.<request>     | core NATS                              |
 | dead letters                 | flexlb.dlq.<component>            | stream FLEXLB_DLQ                      |
 
@@ -68,6 +69,14 @@ def decode_subject(worker_id: str) -> str:
 
 def cancel_subject(worker_id: str) -> str:
     return f"{PREFIX}.cmd.cancel.{worker_id}"
+
+
+def submit_subject(cluster: str) -> str:
+    """Where the leader router of a cluster takes requests forwarded by standby routers."""
+    return f"{PREFIX}.cmd.submit.{cluster}"
+
+
+ALL_ROUTER_EVENTS = f"{PREFIX}.evt.router.>"
 
 
 def epoch_subject(worker_id: str) -> str:

@@ -182,7 +182,8 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         # Liveness of this process: the event loop answers and the core is running.
         if not service.running:
             return _error("not_ready", "router is not running")
-        return {"status": "ok", "router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch}
+        return {"status": "ok", "router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
+                "role": "leader" if service.is_leader else "standby"}
 
     @app.get("/readyz")
     async def readyz():

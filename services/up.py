@@ -5,7 +5,8 @@ directory) and `redis-server` (no persistence) on free or given loopback ports â
 `FLEXLB_NATS_URL` / `FLEXLB_REDIS_URL` name servers to use instead â€” then the simulated
 workers (`--workers N` colocated, or `--prefill N --decode M` disaggregated) and the
 router. It waits until the router's `/readyz` says ready, prints the URLs, writes them and
-every started pid to `--state-file` (JSON), and runs until SIGINT/SIGTERM, when it stops
+every started pid to `--state-file` (JSON); `--routers 2` starts a second router on the
+next port (a standby that forwards to the leader and takes over if it dies), and runs until SIGINT/SIGTERM, when it stops
 every child (router first, servers last) and exits 0. A child that dies is reported on
 stderr; the rest keep running (an operator restarts what is missing, or Ctrl-C).
 """
@@ -54,6 +55,8 @@ def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float) 
 def run_up(args, settings: RouterSettings) -> int:
     if (args.prefill > 0) != (args.decode > 0):
         raise ValueError("--prefill and --decode go together (disaggregated mode needs both roles)")
+    if args.routers < 1:
+        raise ValueError("--routers must be >= 1")
     if args.prefill == 0 and args.workers < 1:
         raise ValueError("--workers must be >= 1")
     servers: list[ManagedServer] = []
@@ -89,21 +92,30 @@ def run_up(args, settings: RouterSettings) -> int:
             fleet = [(f"w{i}", "pd_fusion") for i in range(args.workers)]
         for worker_id, role in fleet:
             children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags], env)
-        router_flags = ["router", "--host", settings.host, "--port", str(settings.port), "--router-id", settings.router_id,
-                        "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
-                        "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
-                        "--decode-policy-params", json.dumps(settings.decode_policy_params),
-                        "--batcher", settings.batcher, "--batcher-params", json.dumps(settings.batcher_params_effective()),
-                        "--prefix-index", settings.prefix_index, "--slo-mode", settings.slo_mode,
-                        "--prefill-coefficients", json.dumps(settings.prefill_coefficients),
-                        "--predictor-learning", str(settings.predictor_learning).lower(),
-                        "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
-                        "--cluster", settings.cluster, "--log-level", settings.log_level]
-        children["router"] = _child(router_flags, env)
-        router_url = f"http://{settings.host}:{settings.port}"
-        _wait_ready(router_url, children, READY_TIMEOUT_S)
+        router_urls = []
+        for i in range(args.routers):
+            router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"
+            port = settings.port + i
+            router_flags = ["router", "--host", settings.host, "--port", str(port), "--router-id", router_id,
+                            "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
+                            "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
+                            "--decode-policy-params", json.dumps(settings.decode_policy_params),
+                            "--batcher", settings.batcher, "--batcher-params", json.dumps(settings.batcher_params_effective()),
+                            "--prefix-index", settings.prefix_index, "--slo-mode", settings.slo_mode,
+                            "--prefill-coefficients", json.dumps(settings.prefill_coefficients),
+                            "--predictor-learning", str(settings.predictor_learning).lower(),
+                            "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
+                            "--cluster", settings.cluster, "--log-level", settings.log_level]
+            children["router" if i == 0 else f"router-{i}"] = _child(router_flags, env)
+            router_urls.append(f"http://{settings.host}:{port}")
+            if i == 0:  # the first router takes the lease; the others start as standbys
+                _wait_ready(router_urls[0], children, READY_TIMEOUT_S)
+        router_url = router_urls[0]
+        for url in router_urls[1:]:
+            _wait_ready(url, children, READY_TIMEOUT_S)
         state = {
             "router_url": router_url,
+            "router_urls": router_urls,
             "nats_url": nats_url,
             "redis_url": redis_url,
             "workers": [{"id": w, "role": r} for w, r in fleet],
@@ -116,7 +128,7 @@ def run_up(args, settings: RouterSettings) -> int:
             with open(tmp, "w") as fh:
                 json.dump(state, fh, indent=2)
             os.replace(tmp, args.state_file)
-        print(f"FlexLB is up: {router_url}  (workers: {', '.join(f'{w}/{r}' for w, r in fleet)})", flush=True)
+        print(f"FlexLB is up: {', '.join(router_urls)}  (workers: {', '.join(f'{w}/{r}' for w, r in fleet)})", flush=True)
         print(f"  completions: curl -N {router_url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'", flush=True)
         print(f"  admin: {router_url}/admin/workers  {router_url}/admin/ledger   nats: {nats_url}   redis: {redis_url}",

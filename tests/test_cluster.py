@@ -209,3 +209,51 @@ def _ready(url: str) -> bool:
         return httpx.get(url + "/readyz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+async def test_two_routers_standby_forwards_and_takes_over_within_3_s_when_the_leader_dies(spawn, nats_url, redis_url):
+    import time
+
+    stack = start_stack(spawn, nats_url, redis_url, num_workers=2, router_id=_ids("leader"))
+    a_url = stack["url"]
+    port_b = free_port()
+    b = spawn("router", "--router-id", _ids("standby"), "--port", str(port_b), "--cluster", stack["cluster"],
+              env=stack["env"], name="standby")
+    b_url = f"http://127.0.0.1:{port_b}"
+    wait_for(lambda: b.popen.poll() is None and _ready(b_url), 60, "standby ready")
+    a_health, b_health = httpx.get(a_url + "/healthz").json(), httpx.get(b_url + "/healthz").json()
+    assert (a_health["role"], b_health["role"]) == ("leader", "standby")
+    # The standby serves clients by forwarding scheduling to the leader; tokens come straight to it.
+    complete(b_url, "through the standby")
+    async with httpx.AsyncClient(timeout=60) as c:
+        from tests.stack import stream_completion
+
+        res = await stream_completion(c, b_url, {"prompt": "streamed via standby", "max_tokens": 7})
+    assert res["done"] and not res["errors"] and "".join(res["texts"]) == expected_text(res["request_id"], 7)
+    # kill -9 the leader: the standby takes the lease (and a newer epoch) within 3 s.
+    stack["router"].popen.kill()
+    t0 = time.monotonic()
+    wait_for(lambda: httpx.get(b_url + "/healthz").json()["role"] == "leader", 10, "the standby to take over",
+             interval_s=0.05)
+    takeover_s = time.monotonic() - t0
+    print(f"takeover after {takeover_s:.2f} s")
+    assert takeover_s <= 3.0
+    new_epoch = httpx.get(b_url + "/healthz").json()["epoch"]
+    assert new_epoch > a_health["epoch"]
+    for i in range(3):
+        complete(b_url, f"after the takeover {i}")
+    # A command from the dead leader's epoch is refused by the workers.
+    victim = stack["workers"][1]
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    stale = m.DispatchBatch(batch_id=_ids("stale"), router_id=stack["router_id"], worker_id=victim, epoch=a_health["epoch"],
+                            requests=[m.BatchRequest(request_id=_ids("zombie"), prompt_token_ids=[1, 2], max_tokens=2,
+                                                     decode_worker_id=victim, token_subject="flexlb.tok.nobody.x")])
+    await js.publish(dispatch_subject(victim), m.encode(m.EnvelopeFactory("old-leader", "b").wrap(stale, 1)))
+
+    async def refused():
+        raw = await js.get_last_msg(STATUS_STREAM.name, status_subject(victim))
+        return m.decode(raw.data).payload.num_stale_commands_refused >= 1
+
+    await wait_async(refused, 10, "the worker to refuse the dead leader's epoch")
+    await nc.close()

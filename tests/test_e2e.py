@@ -157,3 +157,15 @@ async def test_decisions_are_data_in_the_event_log_and_in_admin_requests(flexlb_
     decided = [e.payload for e in envs if isinstance(e.payload, m.RouteDecided) and e.payload.request_id == rid]
     assert [d.stage for d in decided] == ["decode", "prefill"]
     assert decided[1].picked_worker_id == prefill["picked"] and len(decided[1].candidates) == 2
+
+
+async def test_flexlb_up_with_two_routers_serves_through_both(flexlb_up):
+    proc, state = flexlb_up("--time-scale", "0.01", "--workers", "2", "--routers", "2")
+    assert len(state["router_urls"]) == 2 and "router-1" in state["pids"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        roles = [(await c.get(u + "/healthz")).json()["role"] for u in state["router_urls"]]
+        assert sorted(roles) == ["leader", "standby"]
+        for u in state["router_urls"]:
+            body = (await c.post(u + "/v1/completions", json={"prompt": "two routers", "max_tokens": 5})).json()
+            assert body["choices"][0]["text"] == expected_text(body["id"], 5)
+    assert proc.stop() == 0

@@ -50,8 +50,10 @@ from schemas.subjects import (
     HDR_MSG_ID,
     all_tokens_subject,
     cancel_subject,
+    ALL_ROUTER_EVENTS,
     dispatch_subject,
     epoch_subject,
+    submit_subject,
     kv_snapshot_request_subject,
     router_events_consumer,
     router_events_subject,
@@ -72,6 +74,25 @@ RECENT_RECORDS_MAX = 10_000  # requests whose decision record /admin/requests/{i
 # restarted self): short, so the ledger entries it releases do not linger.
 EVENTS_ACK_WAIT_S = 5.0
 MAX_REROUTES = 1  # a request whose worker died is re-routed at most this many times
+LEASE_TTL_S = 2.0  # the leader's lease; a standby takes over at most this long after it dies
+LEASE_RENEW_S = 0.5  # renew (leader) / try to take (standby) this often
+FORWARD_TIMEOUT_S = 5.0  # a standby waits this long for the leader to admit a forwarded request
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+# Take the lease if it is free, or held by an earlier incarnation of this same router id
+# (router ids are unique per process: that incarnation is dead, no need to wait out its TTL).
+ACQUIRE_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or string.sub(cur, 1, string.len(ARGV[3])) == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
 SNAPSHOT_RETRY_NS = 1_000_000_000  # ask a worker for a KV snapshot at most once a second
 
 
@@ -151,6 +172,8 @@ class RequestHandle:
     admit: AdmitRequest | None = None  # what it was admitted with, for a re-route
     num_reroutes: int = 0
     timeout_s: float = 600.0  # its deadline, from arrival
+    token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
+    remote: bool = False  # forwarded by a standby: no local client reads this handle
 
 
 class RouterService:
@@ -182,6 +205,9 @@ class RouterService:
         self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
         self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
         self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
+        self.is_leader = False  # holds the Redis lease: schedules and dispatches
+        self.lease_value = f"{self.router_id}:{self.boot_id}"
+        self.submit_sub = None
         self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
         self.redis_run_id: str | None = None
 
@@ -195,11 +221,10 @@ class RouterService:
         self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=2, socket_connect_timeout=1)
         self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
         await self._refresh_drain_flags()
-        # Each router incarnation takes a new epoch; workers refuse commands from older ones,
-        # so a replaced router (restarted, or cut off and come back) is fenced off.
-        self.epoch = int(await self.redis.incr(f"flexlb:{self.settings.cluster}:epoch"))
         self.running = True
+        await self._lease_cycle()
         await self.nc.subscribe(all_tokens_subject(self.router_id), cb=self._on_token_msg)
+        await self.nc.subscribe(ALL_ROUTER_EVENTS, cb=self._on_router_event_msg)
         # Live status and KV events arrive on plain subscriptions, which nats-py re-creates
         # on every reconnect (an ephemeral JetStream consumer did not survive a server
         # restart, and the router then heard no heartbeat ever again). The streams still
@@ -220,6 +245,7 @@ class RouterService:
             asyncio.create_task(self._batch_loop(), name="batches"),
             asyncio.create_task(self._liveness_loop(), name="liveness"),
             asyncio.create_task(self._sweep_loop(), name="ledger-sweep"),
+            asyncio.create_task(self._lease_loop(), name="lease"),
         ]
         log.info("router %s (boot %s) started", self.router_id, self.boot_id)
 
@@ -268,6 +294,8 @@ class RouterService:
             return False, "nats not connected"
         try:
             await asyncio.wait_for(self.redis.ping(), 1.0)
+            if not self.is_leader and not await self.redis.exists(self._lease_key()):
+                return False, "no leader router holds the scheduling lease (failover in progress)"
         except Exception as exc:  # any failure of the ping is a "not ready" with its reason
             return False, f"redis not answering: {exc.__class__.__name__}: {exc}"
         return self.scheduler.view.readiness(time.time_ns(), self.scheduler.timeout_ns)
@@ -289,12 +317,24 @@ class RouterService:
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
         slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
     ) -> RequestHandle | Rejected:
-        """Admit (or reject) a parsed request; on admission it is queued for batching."""
+        """Admit (or reject) a parsed request; on admission it is queued for batching. A
+        standby router forwards it to the leader and relays its tokens and outcome."""
+        if not self.is_leader:
+            return await self._forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s)
+        return await self._admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
+                                       timeout_s)
+
+    async def _admit_local(
+        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None,
+        slo_ttft_ms: float | None, slo_tpot_ms: float | None, timeout_s: float | None,
+        token_subject_override: str = "",
+    ) -> RequestHandle | Rejected:
         now = time.time_ns()
         if request_id in self.handles:
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now,
-                               timeout_s=timeout_s if timeout_s is not None else self.settings.request_timeout_s)
+                               timeout_s=timeout_s if timeout_s is not None else self.settings.request_timeout_s,
+                               token_subject=token_subject_override, remote=bool(token_subject_override))
         hashes = tuple(block_hashes(prompt_token_ids, self.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
@@ -338,6 +378,117 @@ class RouterService:
                           decode_worker_id=handle.decode_worker_id)
         self.wakeup.set()
         return handle
+
+    # ------------------------------------------------------------------ leadership
+    def _lease_key(self) -> str:
+        return f"flexlb:{self.settings.cluster}:leader"
+
+    async def _lease_loop(self) -> None:
+        while self.running:
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                await self._lease_cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: a leader keeps its lease until it expires
+                self.metrics.consumer_errors.labels("lease").inc()
+                log.warning("lease cycle failed: %s", exc)
+
+    async def _lease_cycle(self) -> None:
+        """Hold or take the scheduling lease (Redis, PX TTL). Taking it bumps the fencing epoch,
+        announced to every worker, so the previous leader's commands are refused."""
+        key = self._lease_key()
+        ttl_ms = int(LEASE_TTL_S * 1000)
+        if self.is_leader:
+            renewed = await self.redis.eval(RENEW_LUA, 1, key, self.lease_value, ttl_ms)
+            if not renewed:
+                await self._step_down("lease lost")
+            return
+        if await self.redis.eval(ACQUIRE_LUA, 1, key, self.lease_value, ttl_ms, f"{self.router_id}:"):
+            self.epoch = int(await self.redis.incr(f"flexlb:{self.settings.cluster}:epoch"))
+            self.is_leader = True
+            self.submit_sub = await self.nc.subscribe(submit_subject(self.settings.cluster), cb=self._on_submit)
+            self.metrics.leader.set(1)
+            log.warning("router %s is the leader (epoch %d)", self.router_id, self.epoch)
+            await self._announce_epoch()
+
+    async def _step_down(self, why: str) -> None:
+        log.error("router %s steps down: %s", self.router_id, why)
+        self.is_leader = False
+        self.metrics.leader.set(0)
+        if self.submit_sub is not None:
+            await self.submit_sub.unsubscribe()
+            self.submit_sub = None
+        for item in self.scheduler.drain_queues():  # not dispatched: the client may retry elsewhere
+            self._finish_router(item.payload, "failed", "not_ready", f"router {self.router_id} lost the leadership")
+            await self._emit(m.RequestFailed(request_id=item.request_id, worker_id=self.router_id, code="not_ready",
+                                             message="router lost the leadership before dispatch", retryable=True))
+
+    async def _forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s):
+        handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
+                               timeout_s=timeout_s if timeout_s is not None else self.settings.request_timeout_s)
+        self.handles[request_id] = handle
+        cmd = m.SubmitRequest(
+            request_id=request_id, router_id=self.router_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
+            token_subject=token_subject(self.router_id, request_id), priority=priority, slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s,
+        )
+        try:
+            msg = await self.nc.request(submit_subject(self.settings.cluster), m.encode(self.envelopes.wrap(cmd, time.time_ns())),
+                                        timeout=FORWARD_TIMEOUT_S)
+            reply = m.decode(msg.data).payload
+            if not isinstance(reply, m.SubmitReply):
+                raise m.DecodeError(f"unexpected {type(reply).__name__} in reply to a submit")
+        except Exception as exc:  # no leader now (failover in progress) or a broken reply
+            self.handles.pop(request_id, None)
+            self.metrics.requests.labels("rejected", "not_ready").inc()
+            return Rejected("not_ready", f"no leader router answered ({exc.__class__.__name__}); retry")
+        if not reply.admitted:
+            self.handles.pop(request_id, None)
+            return Rejected(reply.code, reply.message)
+        handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
+        self.metrics.forwarded.inc()
+        return handle
+
+    async def _on_submit(self, msg) -> None:
+        """Leader: a standby forwarded a request."""
+        try:
+            cmd = m.decode(msg.data).payload
+            if not isinstance(cmd, m.SubmitRequest):
+                raise m.DecodeError(f"unexpected {type(cmd).__name__} on the submit subject")
+        except m.DecodeError as exc:
+            await self._undecodable("submit", msg, exc)
+            return
+        if not self.is_leader:
+            reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.router_id, admitted=False, code="not_ready",
+                                  message="not the leader any more")
+        else:
+            out = await self._admit_local(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.priority,
+                                          cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s, token_subject_override=cmd.token_subject)
+            if isinstance(out, Rejected):
+                reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.router_id, admitted=False,
+                                      code=out.code, message=out.message)
+            else:
+                reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.router_id, admitted=True,
+                                      prefill_worker_id=out.prefill_worker_id, decode_worker_id=out.decode_worker_id)
+        await msg.respond(m.encode(self.envelopes.wrap(reply, time.time_ns())))
+
+    async def _on_router_event_msg(self, msg) -> None:
+        """Standby: the leader's router-side terminal events for requests we forwarded."""
+        if self.is_leader:
+            return
+        try:
+            ev = m.decode(msg.data).payload
+        except m.DecodeError as exc:
+            await self._undecodable("router_events", msg, exc)
+            return
+        if not isinstance(ev, (m.RequestFailed, m.RequestTimedOut, m.RequestCancelled)):
+            return
+        handle = self.handles.get(ev.request_id)
+        if handle is None or handle.done:
+            return
+        code = getattr(ev, "code", None) or ("timed_out" if isinstance(ev, m.RequestTimedOut) else "cancelled")
+        self._finish_router(handle, "failed", code, getattr(ev, "message", "") or code)
 
     async def reject(self, request_id: str, code: str, message: str) -> Rejected:
         self.metrics.requests.labels("rejected", code).inc()
@@ -427,7 +578,8 @@ class RouterService:
             self.request_batch[item.request_id] = batch.batch_id
             requests.append(m.BatchRequest(
                 request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
-                decode_worker_id=item.decode_worker_id, token_subject=token_subject(self.router_id, item.request_id),
+                decode_worker_id=item.decode_worker_id,
+                token_subject=handle.token_subject or token_subject(self.router_id, item.request_id),
                 deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9),
             ))
             entries.append(LedgerEntry(item.decode_worker_id, kv_field(item.request_id), {
@@ -656,7 +808,8 @@ class RouterService:
             self.num_finished[ev.worker_id] = self.num_finished.get(ev.worker_id, 0) + 1
         self.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
                           **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
-        if not self.scheduler.on_terminal(request_id):
+        ours = self.scheduler.on_terminal(request_id)
+        if not ours and request_id not in self.handles:
             return  # another router's request, or one we forgot across a restart
         self.metrics.inflight.set(len(self.scheduler.inflight))
         outcome = {m.RequestFinished: "finished", m.RequestFailed: "failed", m.RequestCancelled: "cancelled", m.RequestTimedOut: "timed_out"}[type(ev)]
@@ -666,7 +819,9 @@ class RouterService:
         if handle is None or handle.done:
             return
         if isinstance(ev, m.RequestFinished):
-            if handle.next_index < ev.num_output_tokens:
+            if handle.remote:  # forwarded by a standby: it relays the tokens, we only account
+                self._finish_router(handle, "finished", None, "")
+            elif handle.next_index < ev.num_output_tokens:
                 # Tokens travel on core NATS and may still be in flight: give them a grace period.
                 handle.grace_task = asyncio.get_running_loop().create_task(self._grace(handle, ev.num_output_tokens))
             return
@@ -695,6 +850,9 @@ class RouterService:
                 continue
             try:
                 result = self.scheduler.sync(time.time_ns())
+                if not self.is_leader:  # a standby keeps its view; recovery is the leader's
+                    await self._refresh_drain_flags()
+                    continue
                 for worker_id in result.dead:
                     await self._recover_dead_worker(worker_id, "dead")
                 for worker_id in result.expired:
