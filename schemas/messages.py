@@ -323,6 +323,9 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     request_id: str
     worker_id: str
     reason: str = ""
+    # withdraw: the router has already ended this request (failed, re-routed elsewhere): drop
+    # it silently — now, or when its command arrives later — and publish no terminal event.
+    withdraw: bool = False
 
 
 class SubmitRequest(_Event, tag="cmd.submit_request"):

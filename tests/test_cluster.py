@@ -3,6 +3,7 @@ poison messages, and a router killed and restarted while workers run."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from schemas import messages as m
 from schemas.subjects import (
     DLQ_STREAM,
+    cancel_subject,
     HDR_DLQ_REASON,
     HDR_DLQ_SUBJECT,
     STATUS_STREAM,
@@ -23,7 +25,7 @@ from schemas.subjects import (
 )
 from services.infra import free_port
 from tests.conftest import wait_for
-from tests.stack import expected_text, wait_async
+from tests.stack import expected_text, read_event_log, wait_async
 
 
 def _ids(prefix: str) -> str:
@@ -256,4 +258,32 @@ async def test_two_routers_standby_forwards_and_takes_over_within_3_s_when_the_l
         return m.decode(raw.data).payload.num_stale_commands_refused >= 1
 
     await wait_async(refused, 10, "the worker to refuse the dead leader's epoch")
+    await nc.close()
+
+
+async def test_a_withdrawn_request_is_dropped_silently_even_if_its_command_comes_later(spawn, nats_url, redis_url):
+    """An uncertain dispatch (no ack) or a zombie worker: the router withdraws what it ended."""
+    stack = start_stack(spawn, nats_url, redis_url)
+    worker = stack["workers"][0]
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    rid, kept = _ids("withdrawn"), _ids("kept")
+    f = m.EnvelopeFactory("test-router", "b")
+    await nc.publish(cancel_subject(worker), m.encode(f.wrap(m.CancelRequest(request_id=rid, worker_id=worker,
+                                                                              withdraw=True), 1)))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    batch = m.DispatchBatch(batch_id=_ids("late"), router_id="test-router", worker_id=worker, epoch=10**6, requests=[
+        m.BatchRequest(request_id=r, prompt_token_ids=[5, 6, 7], max_tokens=2, decode_worker_id=worker,
+                       token_subject=f"flexlb.tok.test-router.{r}") for r in (rid, kept)])
+    await js.publish(dispatch_subject(worker), m.encode(f.wrap(batch, 2)))
+
+    async def kept_finished():
+        envs = await read_event_log(nats_url)
+        return envs if any(isinstance(e.payload, m.RequestFinished) and e.payload.request_id == kept for e in envs) else None
+
+    envs = await wait_async(kept_finished, 15, "the kept request to finish")
+    await asyncio.sleep(0.5)
+    envs = await read_event_log(nats_url)
+    assert not [e for e in envs if getattr(e.payload, "request_id", None) == rid and isinstance(e.payload, m.TERMINAL_TYPES)]
     await nc.close()

@@ -63,6 +63,7 @@ from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, StepResul
 log = logging.getLogger("flexlb.worker")
 
 SEEN_BATCHES_MAX = 100_000  # batch ids remembered for dedupe
+WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
 SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
 
 
@@ -114,6 +115,7 @@ class WorkerAgent:
         self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
         self.seen_batches: OrderedDict[str, None] = OrderedDict()
         self.max_epoch = 0
+        self.withdrawn: OrderedDict[str, None] = OrderedDict()  # requests the router ended: never run them
         self.work = asyncio.Event()
         self.state = "ready"
         self.num_batches_executed = 0
@@ -280,16 +282,19 @@ class WorkerAgent:
                     ))
                 return
             self.max_epoch = cmd.epoch
-            for r in cmd.requests:
+            requests = [r for r in cmd.requests if r.request_id not in self.withdrawn]
+            if not requests:
+                return  # every request was withdrawn by the router before the command arrived
+            for r in requests:
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns)
             self.engine.submit_batch(EngineBatch(batch_id=cmd.batch_id, requests=[
                 EngineRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, max_tokens=r.max_tokens)
-                for r in cmd.requests
+                for r in requests
             ]))
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
             key = f"{cmd.batch_id}:{cmd.request_id}"
-            if key in self.seen_batches:
+            if key in self.seen_batches or cmd.request_id in self.withdrawn:
                 return
             self.seen_batches[key] = None
             self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns)
@@ -309,6 +314,13 @@ class WorkerAgent:
                 raise m.DecodeError(f"unexpected {type(cmd).__name__} on a cancel subject")
         except m.DecodeError as exc:
             await self._dead_letter(msg, str(exc))
+            return
+        if cmd.withdraw:
+            self.withdrawn[cmd.request_id] = None
+            if len(self.withdrawn) > WITHDRAWN_MAX:
+                self.withdrawn.popitem(last=False)
+            if self.engine.cancel(cmd.request_id):
+                self.meta.pop(cmd.request_id, None)  # the router owns its terminal event
             return
         if self.engine.cancel(cmd.request_id):
             self.meta.pop(cmd.request_id, None)

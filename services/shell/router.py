@@ -604,6 +604,10 @@ class RouterService:
         except Exception as exc:  # roll back the reservation and fail the batch visibly
             self.metrics.dispatch_failures.inc()
             log.error("dispatch of batch %s to %s failed: %s", batch.batch_id, batch.worker_id, exc)
+            # Uncertain: the command may have been stored without its ack reaching us. Withdraw
+            # its requests, so that if it does arrive the worker drops them silently.
+            for item in batch.items:
+                await self._withdraw(item.request_id, {batch.worker_id, item.decode_worker_id}, "dispatch uncertain")
             try:
                 await self.ledger.release([e.field for e in entries])
             except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
@@ -892,6 +896,7 @@ class RouterService:
         for rid in not_started:
             handle = self.handles.get(rid)
             if handle is not None and not handle.done:
+                await self._withdraw(rid, {worker_id}, f"worker declared {verdict}")  # in case it is a zombie
                 await self._release_request(rid)
                 rerouted += await self._reroute(handle, f"worker {worker_id} {verdict} before starting its batch")
         for rid, handle in list(self.handles.items()):
@@ -901,6 +906,7 @@ class RouterService:
             # finished there and was handed to a live decode worker is unaffected.
             if handle.decode_worker_id == worker_id or rid in started:
                 failed += 1
+                await self._withdraw(rid, {handle.prefill_worker_id, handle.decode_worker_id}, f"worker declared {verdict}")
                 await self._fail_from_router(handle, "worker_failed", f"worker {worker_id} {verdict} while running it")
         self.records_liveness(worker_id, verdict)
         await self._emit(m.WorkerLivenessChanged(
@@ -929,6 +935,18 @@ class RouterService:
                     del self.batch_pending[batch_id]
                     fields.append(prefill_field(batch_id))
         return fields
+
+    async def _withdraw(self, request_id: str, worker_ids: set[str], reason: str) -> None:
+        """Tell workers to drop a request the router has ended (best effort, core NATS)."""
+        now = time.time_ns()
+        for worker_id in worker_ids:
+            if not worker_id:
+                continue
+            cmd = m.CancelRequest(request_id=request_id, worker_id=worker_id, reason=reason, withdraw=True)
+            try:
+                await self.nc.publish(cancel_subject(worker_id), m.encode(self.envelopes.wrap(cmd, now)))
+            except Exception as exc:  # the bus is away: the worker's own deadline still bounds it
+                log.warning("could not withdraw %s from %s: %s", request_id, worker_id, exc)
 
     async def _release_request(self, request_id: str) -> None:
         fields = self._fields_to_release(request_id)
