@@ -460,6 +460,15 @@ def decode(data: bytes) -> Envelope:
     return env
 
 
+def decode_as(data: bytes, *kinds: type) -> Envelope:
+    """Decode a message that must carry one of `kinds`; anything else is a DecodeError
+    (a well-formed message of the wrong kind on a subject is as undecodable as garbage)."""
+    env = decode(data)
+    if not isinstance(env.payload, kinds):
+        raise DecodeError(f"unexpected {type(env.payload).__name__}; expected {' or '.join(k.__name__ for k in kinds)}")
+    return env
+
+
 class EnvelopeFactory:
     """Stamps payloads with producer, a gap-free sequence and a time given by the caller."""
 

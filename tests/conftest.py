@@ -57,24 +57,21 @@ def _server(kind: str, tmp_path_factory):
     return server.url, server
 
 
+def _serve(kind: str, tmp_path_factory):
+    url, handle = _server(kind, tmp_path_factory)
+    yield handle if isinstance(handle, ManagedServer) else url
+    if handle is not None:  # our process or our container; an env-given URL is not ours to stop
+        handle.stop()
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
-    url, handle = _server("nats", tmp_path_factory)
-    yield handle if isinstance(handle, ManagedServer) else url
-    if isinstance(handle, ManagedServer):
-        handle.stop()
-    elif handle is not None:
-        handle.stop()
+    yield from _serve("nats", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    url, handle = _server("redis", tmp_path_factory)
-    yield handle if isinstance(handle, ManagedServer) else url
-    if isinstance(handle, ManagedServer):
-        handle.stop()
-    elif handle is not None:
-        handle.stop()
+    yield from _serve("redis", tmp_path_factory)
 
 
 def url_of(server) -> str:

@@ -309,9 +309,7 @@ class WorkerAgent:
 
     async def _on_cancel(self, msg) -> None:
         try:
-            cmd = m.decode(msg.data).payload
-            if not isinstance(cmd, m.CancelRequest):
-                raise m.DecodeError(f"unexpected {type(cmd).__name__} on a cancel subject")
+            cmd = m.decode_as(msg.data, m.CancelRequest).payload
         except m.DecodeError as exc:
             await self._dead_letter(msg, str(exc))
             return
@@ -328,9 +326,7 @@ class WorkerAgent:
 
     async def _on_fence_epoch(self, msg) -> None:
         try:
-            cmd = m.decode(msg.data).payload
-            if not isinstance(cmd, m.FenceEpoch):
-                raise m.DecodeError(f"unexpected {type(cmd).__name__} on an epoch subject")
+            cmd = m.decode_as(msg.data, m.FenceEpoch).payload
         except m.DecodeError as exc:
             await self._dead_letter(msg, str(exc))
             return
@@ -340,9 +336,7 @@ class WorkerAgent:
 
     async def _on_snapshot_request(self, msg) -> None:
         try:
-            cmd = m.decode(msg.data).payload
-            if not isinstance(cmd, m.RequestKvSnapshot):
-                raise m.DecodeError(f"unexpected {type(cmd).__name__} on a snapshot-request subject")
+            cmd = m.decode_as(msg.data, m.RequestKvSnapshot).payload
         except m.DecodeError as exc:
             await self._dead_letter(msg, str(exc))
             return

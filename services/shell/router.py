@@ -436,9 +436,7 @@ class RouterService:
         try:
             msg = await self.nc.request(submit_subject(self.settings.cluster), m.encode(self.envelopes.wrap(cmd, time.time_ns())),
                                         timeout=FORWARD_TIMEOUT_S)
-            reply = m.decode(msg.data).payload
-            if not isinstance(reply, m.SubmitReply):
-                raise m.DecodeError(f"unexpected {type(reply).__name__} in reply to a submit")
+            reply = m.decode_as(msg.data, m.SubmitReply).payload
         except Exception as exc:  # no leader now (failover in progress) or a broken reply
             self.handles.pop(request_id, None)
             self.metrics.requests.labels("rejected", "not_ready").inc()
@@ -453,9 +451,7 @@ class RouterService:
     async def _on_submit(self, msg) -> None:
         """Leader: a standby forwarded a request."""
         try:
-            cmd = m.decode(msg.data).payload
-            if not isinstance(cmd, m.SubmitRequest):
-                raise m.DecodeError(f"unexpected {type(cmd).__name__} on the submit subject")
+            cmd = m.decode_as(msg.data, m.SubmitRequest).payload
         except m.DecodeError as exc:
             await self._undecodable("submit", msg, exc)
             return
@@ -646,9 +642,7 @@ class RouterService:
 
     async def _on_status_msg(self, msg) -> None:
         try:
-            env = m.decode(msg.data)
-            if not isinstance(env.payload, (m.WorkerStatusReported, m.WorkerRegistered)):
-                raise m.DecodeError(f"unexpected {type(env.payload).__name__} on a status subject")
+            env = m.decode_as(msg.data, m.WorkerStatusReported, m.WorkerRegistered)
         except m.DecodeError as exc:
             await self._undecodable("status", msg, exc)
             return
@@ -674,9 +668,7 @@ class RouterService:
 
     async def _on_kv_msg(self, msg) -> None:
         try:
-            env = m.decode(msg.data)
-            if not isinstance(env.payload, (m.KvBlocksStored, m.KvBlocksRemoved, m.KvAllCleared, m.KvSnapshot)):
-                raise m.DecodeError(f"unexpected {type(env.payload).__name__} on a KV subject")
+            env = m.decode_as(msg.data, m.KvBlocksStored, m.KvBlocksRemoved, m.KvAllCleared, m.KvSnapshot)
         except m.DecodeError as exc:
             await self._undecodable("kv", msg, exc)
             return
@@ -687,9 +679,7 @@ class RouterService:
 
     async def _on_token_msg(self, msg) -> None:
         try:
-            env = m.decode(msg.data)
-            if not isinstance(env.payload, m.TokensGenerated):
-                raise m.DecodeError(f"unexpected {type(env.payload).__name__} on a token subject")
+            env = m.decode_as(msg.data, m.TokensGenerated)
         except m.DecodeError as exc:
             await self._undecodable("tokens", msg, exc)
             return
