@@ -649,3 +649,55 @@ def test_queue_wait_cache_follows_every_mutation_and_invalidate(make):
     assert b.queue_wait_ms(0, ld) == 300
     b.poll(10**12, ld)  # everything leaves
     assert len(b) == 0 and b.queue_wait_ms(10**12, ld) == 0
+
+
+# ------------------------------------------------------------------ incremental queue shape == rebuilt one
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 400), st.integers(0, 600), st.integers(0, 50)),
+    st.tuples(st.just("take"), st.integers(0, 60)),
+    st.tuples(st.just("remove_many"), st.integers(2, 5)),
+), max_size=40), size_max=st.integers(1, 6))
+def test_incremental_fixed_window_queue_wait_equals_a_fresh_computation(ops, size_max):
+    """queue_wait_ms reads a queue shape kept up to date by add/take/remove; for every cap
+    and free-KV value it must equal what a fresh batcher with the same queue computes."""
+    def predictor(batch):  # a per-batch base cost: the answer depends on how the queue splits
+        return 7.0 + 0.5 * sum(i.num_prompt_tokens for i in batch)
+
+    b = fixed(predictor, batch_size_max=size_max, wait_ms=100)
+    seqs: list[int] = []
+    n = 0
+    for op in ops:
+        if op[0] == "add":
+            _, tokens, kv, t_ms = op
+            seqs.append(b.add(req(f"r{n}", tokens, t_ms=t_ms, kv=kv)))
+            n += 1
+        elif op[0] == "take" and seqs:
+            seq = seqs.pop(op[1] % len(seqs))
+            assert b.take(seq) is not None and b.take(seq) is None
+        elif op[0] == "remove_many":
+            gone = b.remove(lambda it, k=op[1]: int(it.request_id[1:]) % k == 0)
+            seqs = [s for s in seqs if s in b._items]
+            assert all(int(i.request_id[1:]) % op[1] == 0 for i in gone)
+        for cap, free_kv in ((700, 300), (0, 10**9), (0, 500), (0, 10**9), (700, 500), (700, 2000), (700, 300)):
+            ld = load(cap=cap, free_kv=free_kv, wait_ms=3.0)
+            fresh = fixed(predictor, batch_size_max=size_max, wait_ms=100)
+            for item in b._items.values():
+                fresh.add(item)
+            assert b.queue_wait_ms(20 * MS, ld) == pytest.approx(fresh.queue_wait_ms(20 * MS, ld), abs=1e-9)
+
+
+def test_taking_a_batch_head_lets_the_next_request_join_the_batch_before():
+    """Padded cap 700: [300] [400] [200] -> take the 400 -> [300, 200] (2 x 300 <= 700): the
+    estimate must re-split from the batch before the one that lost its head."""
+    def predictor(batch):
+        return 7.0 + 0.5 * sum(i.num_prompt_tokens for i in batch)
+
+    b = fixed(predictor, batch_size_max=4, wait_ms=100)
+    ld = load(cap=700)
+    b.add(req("a", 300))
+    seq = b.add(req("b", 400))
+    b.add(req("c", 200))
+    assert b.queue_wait_ms(0, ld) == pytest.approx(7.0 + 150 + 7.0 + 200)  # [300] [400] ahead of [200]
+    b.take(seq)
+    assert b.queue_wait_ms(0, ld) == pytest.approx(100 - 0)  # one batch [300, 200]: a newcomer joins, waits the window

@@ -134,11 +134,12 @@ slo-budget waits only out of a request's slack, so that wait is not counted).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
 import msgspec
 
@@ -172,9 +173,9 @@ T = TypeVar("T", bound=Batchable)
 PredictFn = Callable[[Sequence[Batchable]], float]  # predicted prefill ms of a batch on this worker
 
 
-@dataclass(frozen=True)
-class WorkerLoad:
-    """What the batcher knows of its worker at poll time."""
+class WorkerLoad(NamedTuple):
+    """What the batcher knows of its worker at poll time (a tuple: built once per candidate
+    per routing decision, so it must be cheap)."""
 
     max_batch_tokens: int  # padded-token cap: max prompt len x batch size <= this (0/negative: no cap)
     free_kv_tokens: int  # KV budget for the non-head members of a batch (the head always goes)
@@ -262,7 +263,9 @@ class Batcher(Protocol[T]):
 
     name: str
 
-    def add(self, item: T) -> None: ...
+    def add(self, item: T) -> int: ...
+
+    def take(self, seq: int) -> T | None: ...
 
     def poll(self, now_ns: int, load: WorkerLoad) -> PollResult[T]: ...
 
@@ -394,14 +397,26 @@ class _QueueBatcher(Generic[T]):
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, item: T) -> None:
-        self._items[self._next_seq] = item
+    def add(self, item: T) -> int:
+        """Queue `item`; returns its sequence number (for `take`)."""
+        seq = self._next_seq
+        self._items[seq] = item
         self._next_seq += 1
         self._version += 1
+        return seq
 
     def remove(self, predicate: Callable[[T], bool]) -> list[T]:
         """Take out the queued items matching predicate (e.g. a cancelled request), in add order."""
         keys = [seq for seq, item in self._items.items() if predicate(item)]  # predicate errors leave the queue intact
+        return self._take(keys)
+
+    def take(self, seq: int) -> T | None:
+        """Take out the item `add` numbered `seq` (O(1)); None if it already left."""
+        if seq not in self._items:
+            return None
+        return self._take([seq])[0]
+
+    def _take(self, keys: list[int]) -> list[T]:
         if keys:
             self._version += 1
         return [self._items.pop(seq) for seq in keys]
@@ -477,6 +492,7 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         self.params = params.validate()
         super().__init__(predict_ms, params.enqueue_deadline_ms)
         self._wait_ns = _ms_to_ns(params.wait_ms)
+        self._shape: _QueueShape | None = None  # the queue's batches, for queue_wait_ms (kept incrementally)
 
     def _plan(self, now_ns: int, load: WorkerLoad, *, with_members: bool) -> _Plan:
         p = self.params
@@ -497,27 +513,161 @@ class FixedWindowBatcher(_QueueBatcher[T]):
             return _Plan(None, window_due_ns, [])
         return _Plan(reason, now_ns, [seq for seq, _ in members] if with_members else [])
 
+    def add(self, item: T) -> int:
+        fresh = self._shape is not None and self._shape.version == self._version
+        seq = super().add(item)
+        if fresh:
+            self._update_shape(lambda sh: sh.extend(((seq, item),)))
+        return seq
+
+    def _update_shape(self, update: Callable[["_QueueShape"], None]) -> None:
+        """Apply an incremental update; a broken prediction drops the shape instead, so the
+        queue itself is unaffected and queue_wait_ms rebuilds it (and raises there)."""
+        sh = self._shape
+        try:
+            update(sh)
+        except ValueError:
+            self._shape = None
+            return
+        sh.version = self._version
+
+    def _take(self, keys: list[int]) -> list[T]:
+        fresh = bool(keys) and self._shape is not None and self._shape.version == self._version
+        taken = super()._take(keys)
+        if fresh:
+            self._update_shape(lambda sh: sh.remove(set(keys)))
+        return taken
+
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:
         p = self.params
-
-        def shape() -> tuple[float, int | None]:
-            """(predicted ms of the batches ahead, enqueue time of the head of the batch a
-            newcomer joins — None if it would head one of its own, or fill the one it joins)."""
-            batches = _split(list(self._items.items()), load, p.batch_size_max)
-            if batches and len(batches[-1]) < p.batch_size_max:  # it joins the last batch
-                ahead = batches[:-1]
-                head_ns = None if len(batches[-1]) + 1 >= p.batch_size_max else batches[-1][0].enqueued_ns
-                return sum(self._predict(b) for b in ahead), head_ns
-            return sum(self._predict(b) for b in batches), -1  # heads its own: a whole window
-
-        ahead_ms, head_ns = self._cached(load, shape)
-        if head_ns is None:
-            window_ms = 0.0  # it fills the batch it joins
-        elif head_ns == -1:
+        sh = self._shape
+        if (sh is None or sh.version != self._version or sh.max_batch_tokens != load.max_batch_tokens
+                or not sh.kv_lo <= load.free_kv_tokens <= sh.kv_hi):
+            sh = self._shape = _QueueShape(list(self._items.items()), load.max_batch_tokens, load.free_kv_tokens,
+                                           p.batch_size_max, self._predict)
+            sh.version = self._version
+        batches = sh.batches
+        if batches and batches[-1].shape.count < p.batch_size_max:  # a newcomer joins the last batch
+            ahead_ms = batches[-1].predicted_ms_before
+            if batches[-1].shape.count + 1 >= p.batch_size_max:
+                window_ms = 0.0  # it fills the batch it joins
+            else:
+                window_ms = max(0, batches[-1].entries[0][1].enqueued_ns + self._wait_ns - now_ns) / NS_PER_MS
+        else:  # it heads a batch of its own: a whole window
+            ahead_ms = sh.predicted_ms_total
             window_ms = 0.0 if p.batch_size_max == 1 else p.wait_ms
+        wait = window_ms - load.wait_ms
+        return max(ahead_ms, wait, 0.0)
+
+
+class _PlannedBatch:
+    """One batch of a `_QueueShape`, with running totals of the batches before it."""
+
+    __slots__ = ("entries", "shape", "kv_before", "kv_tokens", "predicted_ms", "is_predicted", "kv_break",
+                 "predicted_ms_before", "kv_break_before")
+
+    def __init__(self, head: tuple[int, Batchable], before: "_PlannedBatch | None") -> None:
+        self.entries = [head]
+        self.shape = _Shape(head[1])
+        self.kv_tokens = head[1].kv_tokens  # of all its members
+        self.predicted_ms = 0.0
+        self.is_predicted = False
+        self.kv_break = _NO_KV_LIMIT  # free KV from which the entry that closed it would have fit
+        if before is None:
+            self.kv_before = 0  # KV tokens of every member of the batches before it
+            self.predicted_ms_before = 0.0  # Σ predicted ms of the batches before it
+            self.kv_break_before = _NO_KV_LIMIT  # min kv_break of the batches before it
         else:
-            window_ms = max(0, head_ns + self._wait_ns - now_ns) / NS_PER_MS
-        return max(ahead_ms, window_ms - load.wait_ms, 0.0)
+            self.kv_before = before.kv_before + before.kv_tokens
+            self.predicted_ms_before = before.predicted_ms_before + before.predicted_ms
+            self.kv_break_before = min(before.kv_break_before, before.kv_break)
+
+
+_NO_KV_LIMIT = 1 << 62
+
+
+class _QueueShape:
+    """The batches a FIFO queue forms back to back (what `_split` computes), for fixed-window's
+    queue-wait estimate, kept incrementally: an add extends the last batch or opens one (O(1)
+    plus one prediction); a remove re-places the entries from the first batch it touched on
+    (O(suffix)). Anything else (a poll, a drain, invalidate, another padded cap) rebuilds it.
+    It is exact for every free-KV value in [kv_lo, kv_hi]: the same batches form for all of
+    them. kv_lo is the last batch's need (needs never decrease along the queue); kv_hi is
+    where the first KV-closed batch would have taken the entry that closed it."""
+
+    __slots__ = ("version", "max_batch_tokens", "free_kv_tokens", "batch_size_max", "batches", "_predict")
+
+    def __init__(self, entries: list[tuple[int, Batchable]], max_batch_tokens: int, free_kv_tokens: int,
+                 batch_size_max: int, predict: Callable[[Sequence[Batchable]], float]) -> None:
+        self.version = -1
+        self.max_batch_tokens = max_batch_tokens
+        self.free_kv_tokens = free_kv_tokens
+        self.batch_size_max = batch_size_max
+        self.batches: list[_PlannedBatch] = []
+        self._predict = predict
+        self.extend(entries)
+
+    @property
+    def predicted_ms_total(self) -> float:
+        last = self.batches[-1] if self.batches else None
+        return 0.0 if last is None else last.predicted_ms_before + last.predicted_ms
+
+    @property
+    def kv_lo(self) -> int:
+        last = self.batches[-1] if self.batches else None
+        return 0 if last is None else last.kv_before + last.shape.non_head_kv_tokens
+
+    @property
+    def kv_hi(self) -> int:
+        last = self.batches[-1] if self.batches else None
+        return _NO_KV_LIMIT - 1 if last is None else min(last.kv_break_before, last.kv_break) - 1
+
+    def _close_predict(self, b: _PlannedBatch) -> None:
+        if not b.is_predicted:
+            b.predicted_ms = self._predict([item for _, item in b.entries])
+            b.is_predicted = True
+
+    def extend(self, entries: Sequence[tuple[int, Batchable]]) -> None:
+        """Place entries at the end, by the fill rule of `_fill`."""
+        batches = self.batches
+        for entry in entries:
+            item = entry[1]
+            last = batches[-1] if batches else None
+            if last is not None:
+                shape = last.shape
+                if shape.count >= self.batch_size_max:
+                    fits = False
+                elif (self.max_batch_tokens > 0
+                      and max(shape.max_prompt_tokens, item.num_prompt_tokens) * (shape.count + 1) > self.max_batch_tokens):
+                    fits = False
+                elif shape.non_head_kv_tokens + item.kv_tokens > self.free_kv_tokens - last.kv_before:
+                    last.kv_break = last.kv_before + shape.non_head_kv_tokens + item.kv_tokens
+                    fits = False
+                else:
+                    fits = True
+                if fits:
+                    shape.add(item)
+                    last.entries.append(entry)
+                    last.kv_tokens += item.kv_tokens
+                    last.is_predicted = False
+                    continue
+                self._close_predict(last)
+            batches.append(_PlannedBatch(entry, last))
+        if batches:
+            self._close_predict(batches[-1])
+
+    def remove(self, seqs: set[int]) -> None:
+        # Batch heads are in add order: the first touched batch holds the smallest seq.
+        first = bisect.bisect_right(self.batches, min(seqs), key=lambda b: b.entries[0][0]) - 1
+        if first < 0:
+            return
+        # Re-place everything from that batch on; extend offers the first of them to the batch
+        # before, which may take it now that the head that closed it is gone.
+        rest = [e for b in self.batches[first:] for e in b.entries if e[0] not in seqs]
+        del self.batches[first:]
+        if self.batches:
+            self.batches[-1].kv_break = _NO_KV_LIMIT  # what closed it is being re-placed
+        self.extend(rest)
 
 
 # ------------------------------------------------------------------ slo-budget
@@ -538,8 +688,8 @@ class SloBudgetBatcher(_QueueBatcher[T]):
         """The EMA of the gaps between arrivals (enqueued_ns of added items), for explain."""
         return None if self._inter_arrival_ema_ns is None else self._inter_arrival_ema_ns / NS_PER_MS
 
-    def add(self, item: T) -> None:
-        super().add(item)
+    def add(self, item: T) -> int:
+        seq = super().add(item)
         t_ns = item.enqueued_ns
         if self._last_arrival_ns is not None:
             gap_ns = max(0, t_ns - self._last_arrival_ns)  # out-of-order arrivals count as a burst
@@ -548,6 +698,7 @@ class SloBudgetBatcher(_QueueBatcher[T]):
             self._inter_arrival_ema_ns = float(gap_ns) if ema is None else a * gap_ns + (1 - a) * ema
             t_ns = max(t_ns, self._last_arrival_ns)
         self._last_arrival_ns = t_ns
+        return seq
 
     def _deadline_ns(self, item: T) -> int:
         """The request's TTFT deadline, or its expiry when that comes first (or it has none)."""

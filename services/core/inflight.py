@@ -46,8 +46,20 @@ class WorkerInflight:
     batches: dict[str, InflightBatch] = field(default_factory=dict)  # batch id -> batch
     reservations: dict[str, DecodeReservation] = field(default_factory=dict)  # request id -> reservation
     num_batch_requests: int = 0  # Σ requests over `batches`
+    predicted_ms_total: float = 0.0  # Σ predicted ms over `batches` (re-summed on completion: no drift)
+    earliest_started_ns: int | None = None  # min started_ns over `batches` (None: none started)
     hidden_hard_kv_tokens: int = 0  # Σ hard KV of reservations not yet visible
     hidden_expected_kv_tokens: int = 0  # Σ expected KV of reservations not yet visible
+
+
+    def wait_ms(self, now_ns: int) -> float:
+        """FlexLB's rule, O(1) from the aggregates (module docstring)."""
+        if not self.batches:
+            return 0.0
+        total = self.predicted_ms_total
+        if self.earliest_started_ns is not None:
+            total -= (now_ns - self.earliest_started_ns) / 1e6
+        return total if total > 0.0 else 0.0
 
 
 class InflightLedger:
@@ -68,13 +80,19 @@ class InflightLedger:
             return False
         w.batches[batch.batch_id] = batch
         w.num_batch_requests += len(batch.request_ids)
+        w.predicted_ms_total += batch.predicted_ms
+        if batch.started_ns is not None and (w.earliest_started_ns is None or batch.started_ns < w.earliest_started_ns):
+            w.earliest_started_ns = batch.started_ns
         return True
 
     def start_batch(self, worker_id: str, batch_id: str, now_ns: int) -> bool:
-        b = self.workers.get(worker_id, WorkerInflight()).batches.get(batch_id)
+        w = self.workers.get(worker_id)
+        b = w.batches.get(batch_id) if w is not None else None
         if b is None or b.started_ns is not None:
             return False
         b.started_ns = now_ns
+        if w.earliest_started_ns is None or now_ns < w.earliest_started_ns:
+            w.earliest_started_ns = now_ns
         return True
 
     def complete_batch(self, worker_id: str, batch_id: str) -> InflightBatch | None:
@@ -84,6 +102,9 @@ class InflightLedger:
         b = w.batches.pop(batch_id, None)
         if b is not None:
             w.num_batch_requests -= len(b.request_ids)
+            # Re-summed rather than subtracted, so float error never accumulates (O(batches), once per batch).
+            w.predicted_ms_total = sum(x.predicted_ms for x in w.batches.values())
+            w.earliest_started_ns = min((x.started_ns for x in w.batches.values() if x.started_ns is not None), default=None)
         return b
 
     # ---------------------------------------------------------------- decode reservations
@@ -134,17 +155,7 @@ class InflightLedger:
     # ---------------------------------------------------------------- queries
     def wait_ms(self, worker_id: str, now_ns: int) -> float:
         w = self.workers.get(worker_id)
-        if w is None or not w.batches:
-            return 0.0
-        total = 0.0
-        earliest: int | None = None
-        for b in w.batches.values():
-            total += b.predicted_ms
-            if b.started_ns is not None and (earliest is None or b.started_ns < earliest):
-                earliest = b.started_ns
-        if earliest is not None:
-            total -= (now_ns - earliest) / 1e6
-        return max(0.0, total)
+        return 0.0 if w is None else w.wait_ms(now_ns)
 
     def num_inflight_batches(self, worker_id: str) -> int:
         w = self.workers.get(worker_id)

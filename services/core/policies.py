@@ -9,7 +9,8 @@ Contract
   filter removed it — the decision is data (`route.decided`).
 - `record(pick)` is called once the pick is committed; only stateful policies (round-robin)
   change there. A rejected request leaves no trace.
-- `ctx.rng` is the only randomness: a `random.Random` seeded per decision by the caller.
+- `ctx.rng` is the only randomness: a `DecisionRng` (splitmix64) seeded per decision by the
+  caller (tests may pass a `random.Random`).
 
 Registry: `build_policy(stage, name, params)` from an explicit table; parameters are typed
 msgspec Structs that reject unknown keys; every error names the policy and the field.
@@ -58,37 +59,104 @@ import msgspec
 from services.core.view import WorkerInfo
 
 
-@dataclass(slots=True)
 class Candidate:
-    """One worker as the scheduler scored it for this request."""
+    """One worker as the scheduler scored it for this request (a snapshot: never mutated)."""
 
-    worker: WorkerInfo
-    num_cached_tokens: int = 0  # predicted prefix-cache hit of this request on this worker
-    prefill_ms: float = 0.0  # predicted prefill of this request alone, given the hit
-    wait_ms: float = 0.0  # predicted wait for the worker's inflight batches
-    queue_ms: float = 0.0  # predicted wait in the worker's batcher queue
-    num_pending: int = 0  # requests we reserved there (inflight) + queued in its batcher
-    num_cache_blocks: int = 0  # blocks the prefix index says it holds (its "tree size")
-    kv_total_tokens: int = 0
-    kv_used_tokens: int = 0  # reported used + Σ expected reservations not yet visible
-    kv_available_tokens: int = 0  # reported free − Σ hard reservations not yet visible
-    gated: bool = False  # pending above the hysteresis gate (prefill) / KV usage gate (decode)
+    __slots__ = ("worker", "worker_id", "num_cached_tokens", "prefill_ms", "wait_ms", "queue_ms", "num_pending",
+                 "num_cache_blocks", "kv_total_tokens", "kv_used_tokens", "kv_available_tokens", "gated")
+
+    def __init__(self, worker: WorkerInfo, num_cached_tokens: int = 0, prefill_ms: float = 0.0, wait_ms: float = 0.0,
+                 queue_ms: float = 0.0, num_pending: int = 0, num_cache_blocks: int = 0, kv_total_tokens: int = 0,
+                 kv_used_tokens: int = 0, kv_available_tokens: int = 0, gated: bool = False) -> None:
+        self.worker = worker
+        self.worker_id = worker.worker_id
+        self.num_cached_tokens = num_cached_tokens  # predicted prefix-cache hit of this request on this worker
+        self.prefill_ms = prefill_ms  # predicted prefill of this request alone, given the hit
+        self.wait_ms = wait_ms  # predicted wait for the worker's inflight batches
+        self.queue_ms = queue_ms  # predicted wait in the worker's batcher queue
+        self.num_pending = num_pending  # requests we reserved there (inflight) + queued in its batcher
+        self.num_cache_blocks = num_cache_blocks  # blocks the prefix index says it holds (its "tree size")
+        self.kv_total_tokens = kv_total_tokens
+        self.kv_used_tokens = kv_used_tokens  # reported used + Σ expected reservations not yet visible
+        self.kv_available_tokens = kv_available_tokens  # reported free − Σ hard reservations not yet visible
+        self.gated = gated  # pending above the hysteresis gate (prefill) / KV usage gate (decode)
+
+    def __repr__(self) -> str:
+        return f"Candidate({self.worker_id}, cost={self.prefill_ms + self.wait_ms + self.queue_ms:.1f}ms)"
+
+
+class RouteContext:
+    """One decision's inputs. `rng` is built on first use from `seed` (most decisions draw
+    nothing: seeding a Random costs more than scoring a worker); pass a Random or a seed."""
+
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "candidates", "now_ns", "_rng", "_seed",
+                 "num_prompt_blocks", "slo_ttft_ms")
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, max_tokens: int, candidates: list[Candidate],
+                 now_ns: int, rng: random.Random | int, num_prompt_blocks: int = 0, slo_ttft_ms: float = 0.0) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.candidates = candidates
+        self.now_ns = now_ns
+        self._rng = rng if isinstance(rng, random.Random) else None
+        self._seed = rng if isinstance(rng, int) else None
+        self.num_prompt_blocks = num_prompt_blocks  # full blocks of the prompt (for match ratios)
+        self.slo_ttft_ms = slo_ttft_ms  # 0: no SLO
 
     @property
-    def worker_id(self) -> str:
-        return self.worker.worker_id
+    def rng(self) -> "random.Random | DecisionRng":
+        if self._rng is None:
+            self._rng = DecisionRng(self._seed)
+        return self._rng
 
 
-@dataclass(frozen=True)
-class RouteContext:
-    request_id: str
-    num_prompt_tokens: int
-    max_tokens: int
-    candidates: list[Candidate]
-    now_ns: int
-    rng: random.Random
-    num_prompt_blocks: int = 0  # full blocks of the prompt (for match ratios)
-    slo_ttft_ms: float = 0.0  # 0: no SLO
+_MASK64 = (1 << 64) - 1
+
+
+class DecisionRng:
+    """The draws of one decision: a splitmix64 stream from the decision's seed. The subset of
+    `random.Random` the policies use, at a fraction of its cost (seeding a Mersenne Twister
+    takes longer than scoring a worker). Deterministic across platforms and versions, so a
+    replay re-draws exactly what the router drew."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, seed: int) -> None:
+        self._state = seed & _MASK64
+
+    def _next(self) -> int:
+        self._state = z = (self._state + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        """Uniform in [0, 1), 53 bits."""
+        return (self._next() >> 11) * (1.0 / 9007199254740992.0)
+
+    def randrange(self, n: int) -> int:
+        """Uniform in [0, n) (rejection sampling: no modulo bias)."""
+        if n <= 0:
+            raise ValueError(f"randrange: empty range {n}")
+        limit = (1 << 64) - (1 << 64) % n
+        while True:
+            x = self._next()
+            if x < limit:
+                return x % n
+
+    def choice(self, seq):  # noqa: ANN001, ANN201 - mirrors random.Random.choice
+        return seq[self.randrange(len(seq))]
+
+    def sample(self, population, k: int) -> list:  # noqa: ANN001 - mirrors random.Random.sample
+        """k distinct elements (partial Fisher-Yates)."""
+        pool = list(population)
+        if not 0 <= k <= len(pool):
+            raise ValueError(f"sample: k={k} out of range for {len(pool)}")
+        for i in range(k):
+            j = i + self.randrange(len(pool) - i)
+            pool[i], pool[j] = pool[j], pool[i]
+        return pool[:k]
 
 
 @dataclass(slots=True)
@@ -99,11 +167,34 @@ class Score:
     filtered_by: str | None = None
 
 
-@dataclass(frozen=True)
 class Pick:
-    worker_id: str | None  # None: nothing could be picked (see reason)
-    reason: str
-    scores: list[Score] = field(default_factory=list)
+    """The choice (None: nothing could be picked, see reason) and the score card of every
+    candidate. The cards are built on first read (`scores`) from a snapshot the policy
+    passed: building them costs more than the decision, and most readers are the shell's
+    event encoder, once."""
+
+    __slots__ = ("worker_id", "reason", "_scores", "_cards")
+
+    def __init__(self, worker_id: str | None, reason: str, scores: list[Score] | None = None,
+                 cards: Callable[[], list[Score]] | None = None) -> None:
+        self.worker_id = worker_id
+        self.reason = reason
+        self._scores = scores if scores is not None or cards is not None else []
+        self._cards = cards
+
+    @property
+    def scores(self) -> list[Score]:
+        if self._scores is None:
+            self._scores = self._cards()
+            self._cards = None
+        return self._scores
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Pick) and self.worker_id == other.worker_id and self.reason == other.reason
+                and self.scores == other.scores)
+
+    def __repr__(self) -> str:
+        return f"Pick({self.worker_id!r}, {self.reason!r})"
 
 
 class RoutingPolicy(Protocol):
@@ -174,50 +265,61 @@ class CostBased:
         cands = ctx.candidates
         if not cands:
             return _none("no live candidate", [])
-        filtered: dict[str, str] = {}
-        for c in cands:
+        k = len(cands)
+        waits = [c.wait_ms + c.queue_ms for c in cands]
+        costs = [c.prefill_ms + c.wait_ms + c.queue_ms for c in cands]
+        avg_pending = sum(c.num_pending for c in cands) / k
+        avg_wait = sum(waits) / k
+        hot_ratio, hot_abs = p.hotspot_factor * avg_pending, avg_pending + p.hotspot_min_excess
+        imb_ratio, imb_abs = p.imbalance_factor * avg_wait, avg_wait + p.imbalance_min_excess_ms
+        budget = ((ctx.slo_ttft_ms or p.default_slo_ms) - p.slo_margin_ms) if p.slo_filter else math.inf
+        filtered: list[str | None] = [None] * k
+        best = math.inf
+        num_filtered = 0
+        for i, c in enumerate(cands):
+            pending = c.num_pending
             if c.gated:
-                filtered[c.worker_id] = "pending_gate"
-        if p.slo_filter:
-            budget = (ctx.slo_ttft_ms or p.default_slo_ms) - p.slo_margin_ms
-            for c in cands:
-                if c.worker_id not in filtered and c.wait_ms + c.queue_ms + c.prefill_ms > budget:
-                    filtered[c.worker_id] = "slo"
-        avg_pending = _avg([c.num_pending for c in cands])
-        avg_wait = _avg([c.wait_ms + c.queue_ms for c in cands])
-        for c in cands:
-            if c.worker_id in filtered:
+                filtered[i] = "pending_gate"
+            elif costs[i] > budget:
+                filtered[i] = "slo"
+            elif pending > hot_ratio and pending >= hot_abs:
+                filtered[i] = "hotspot"
+            elif waits[i] > imb_ratio and waits[i] >= imb_abs:
+                filtered[i] = "imbalance"
+            elif costs[i] < best:
+                best = costs[i]
                 continue
-            wait = c.wait_ms + c.queue_ms
-            if c.num_pending > p.hotspot_factor * avg_pending and c.num_pending - avg_pending >= p.hotspot_min_excess:
-                filtered[c.worker_id] = "hotspot"
-            elif wait > p.imbalance_factor * avg_wait and wait - avg_wait >= p.imbalance_min_excess_ms:
-                filtered[c.worker_id] = "imbalance"
-        scores = [
-            Score(c.worker_id, c.prefill_ms + c.wait_ms + c.queue_ms, _components(c), filtered.get(c.worker_id))
-            for c in cands
-        ]
-        eligible = [s for s in scores if s.filtered_by is None]
-        if not eligible:
+            else:
+                continue
+            num_filtered += 1
+
+        def cards(fallback: int = -1) -> list[Score]:
+            out = [Score(c.worker_id, costs[i], _components(c), filtered[i]) for i, c in enumerate(cands)]
+            if fallback >= 0:  # the card of the fallback pick shows the filter lifted
+                out[fallback] = Score(out[fallback].worker_id, costs[fallback],
+                                      {**out[fallback].components, "fallback_from": 1.0}, None)
+            return out
+
+        if num_filtered == k:
             # FlexLB's fallback: the least-waiting worker. Its score card is marked as the
             # fallback (filter lifted) so a pick is never a worker the card shows as filtered.
-            fallback = min(cands, key=lambda c: (c.wait_ms + c.queue_ms, c.worker_id))
-            scores = [
-                Score(sc.worker_id, sc.score, {**sc.components, "fallback_from": 1.0}, None)
-                if sc.worker_id == fallback.worker_id else sc
-                for sc in scores
-            ]
-            why = filtered[fallback.worker_id]
-            return Pick(fallback.worker_id, f"every candidate filtered; least waiting {fallback.worker_id} (was {why})", scores)
-        best = min(s.score for s in eligible)
+            fb = min(range(k), key=lambda i: (waits[i], cands[i].worker_id))
+            wid = cands[fb].worker_id
+            return Pick(wid, f"every candidate filtered; least waiting {wid} (was {filtered[fb]})",
+                        cards=lambda: cards(fb))
         window = max(p.tie_rel * best, p.tie_abs_ms)
-        ties = sorted((s for s in eligible if s.score <= best + window), key=lambda s: s.worker_id)
-        pick = ties[0] if len(ties) == 1 else ties[ctx.rng.randrange(len(ties))]
+        limit = best + window
+        ties = [i for i in range(k) if filtered[i] is None and costs[i] <= limit]
+        if len(ties) == 1:
+            pick = ties[0]
+        else:
+            ties.sort(key=lambda i: cands[i].worker_id)
+            pick = ties[ctx.rng.randrange(len(ties))]
         return Pick(
-            pick.worker_id,
-            f"cost {pick.score:.1f} ms (min {best:.1f}, tie window {window:.1f} ms, {len(ties)} tied, "
-            f"{len(scores) - len(eligible)} filtered)",
-            scores,
+            cands[pick].worker_id,
+            f"cost {costs[pick]:.1f} ms (min {best:.1f}, tie window {window:.1f} ms, {len(ties)} tied, "
+            f"{num_filtered} filtered)",
+            cards=cards,
         )
 
     def record(self, pick: Pick) -> None:

@@ -266,6 +266,15 @@ class PrefillPredictor:
         t = self._a + self._b * computed + self._c * computed_sq + self._d * cached + self._e * len(requests)
         return t if t > 0.0 else 0.0
 
+    def predict_one_ms(self, num_prompt_tokens: int, num_cached_tokens: int) -> float:
+        """`predict_ms(((n, p),))` without building a batch: the routing hot path (once per
+        candidate per decision)."""
+        n, p = num_prompt_tokens, num_cached_tokens
+        if p < 0 or p > n:
+            raise ValueError(f"prefill predictor: need 0 <= cached <= prompt tokens, got ({n}, {p})")
+        t = self._a + self._b * (n - p) + self._c * (n * n - p * p) + self._d * p + self._e
+        return t if t > 0.0 else 0.0
+
     @property
     def coefficients(self) -> PrefillCoefficients:
         """The current (learned) coefficients."""

@@ -21,7 +21,7 @@ One request (`admit`):
    approximate index (if used) learns the prompt's blocks, and the request joins the
    prefill worker's batcher. Every decision is returned as data (`RouteDecision`).
 
-Randomness: decision n draws from `random.Random(decision_seed(seed, n))`, so a replay of
+Randomness: decision n draws from `DecisionRng(decision_seed(seed, n))`, so a replay of
 the same inputs re-draws the same numbers; the seed is recorded in the decision.
 
 `tick(now_ns)` polls the batchers; closed batches enter the inflight mirror and are returned
@@ -34,7 +34,6 @@ agree; the first worker's is used).
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,7 @@ from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy,
 from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
 from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex, cached_tokens
 from services.core.slo import SloParams, slo_targets
-from services.core.view import WorkerInfo, WorkerView
+from services.core.view import LIVE_STATES, WorkerInfo, WorkerView
 
 MASK64 = (1 << 64) - 1
 INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000  # sweep expired approximate-index entries once a second
@@ -80,20 +79,33 @@ class PendingPrefixes:
         self.records: deque[tuple[int, str, tuple[int, ...]]] = deque()  # (expiry, worker, hashes), in time order
 
     def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
+        """Remember the prompt on the worker for ttl. A prompt recorded there within the last
+        tenth of the ttl (its last block is that fresh) is not written again: a hot prefix
+        would otherwise rewrite all its blocks on every request. Its entries then expire up to
+        ttl/10 early, which only shortens the optimistic window."""
         expiry = now_ns + self.ttl_ns
-        self.worker_to_hashes.setdefault(worker_id, {}).update(dict.fromkeys(block_hashes, expiry))
+        held = self.worker_to_hashes.get(worker_id)
+        if held is None:
+            held = self.worker_to_hashes[worker_id] = {}
+        elif held.get(block_hashes[-1], 0) >= expiry - self.ttl_ns // 10:
+            return
+        held.update(dict.fromkeys(block_hashes, expiry))
         self.records.append((expiry, worker_id, block_hashes))
 
     def match(self, block_hashes: tuple[int, ...], now_ns: int) -> dict[str, int]:
         """Leading blocks per worker, by binary search: records always cover a prompt's
         leading blocks, and chained hashes name their whole prefix, so a worker's unexpired
         blocks of one chain form a prefix whose expiries never increase along it."""
-        first = block_hashes[0]
+        first, last = block_hashes[0], block_hashes[-1]
+        n = len(block_hashes)
         out: dict[str, int] = {}
         for worker_id, held in self.worker_to_hashes.items():
             if held.get(first, 0) <= now_ns:
                 continue
-            lo, hi = 1, len(block_hashes)  # block lo-1 is held; find the longest held prefix
+            if held.get(last, 0) > now_ns:  # the whole prompt (the common case of a repeated one)
+                out[worker_id] = n
+                continue
+            lo, hi = 1, n - 1  # block lo-1 is held, block n-1 is not; find the longest held prefix
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if held.get(block_hashes[mid - 1], 0) > now_ns:
@@ -281,6 +293,7 @@ class Scheduler:
         self.prefill_gated: set[str] = set()  # workers whose pending count closed the gate
         self.decode_gated: set[str] = set()  # workers whose KV usage closed the gate
         self.inflight: set[str] = set()  # admitted request ids without a terminal outcome
+        self.queued: dict[str, tuple[str, int]] = {}  # request id -> (prefill worker, batcher seq) while queued here
         self.num_batches = 0
         self.decision_seq = 0
         self.last_expiry_ns = 0  # when the approximate indexes were last swept
@@ -370,6 +383,7 @@ class Scheduler:
     def on_terminal(self, request_id: str) -> bool:
         """Forget a request that reached its terminal outcome; False if it was not inflight."""
         self.ledger.release(request_id)
+        self.queued.pop(request_id, None)
         if request_id in self.inflight:
             self.inflight.discard(request_id)
             return True
@@ -397,7 +411,8 @@ class Scheduler:
         info = self.view.workers.get(worker_id)
         bs = info.block_size_tokens if info else 16
         hard, _ = self.ledger.hidden_kv(worker_id)
-        # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
+        # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded
+        # (_prefill_candidates inlines the same rule).
         free_kv = (info.num_free_kv_blocks * bs - hard) if info and info.num_kv_blocks else 1 << 40
         return WorkerLoad(
             max_batch_tokens=info.max_batch_tokens if info else 0,
@@ -436,26 +451,61 @@ class Scheduler:
         return worker_id in gated
 
     def _prefill_candidates(self, workers: list[WorkerInfo], req: AdmitRequest, now_ns: int) -> list[Candidate]:
+        """Score every worker whose queue has room (the hot path: one pass, O(1) per worker —
+        the ledger keeps its wait aggregates, the batcher its queue shape)."""
         matches = self._matches(req.block_hashes, now_ns)
         cfg = self.config
+        max_queue = cfg.max_queue_per_worker
+        high = cfg.pending_gate_high
+        reopen = high * (1 - cfg.pending_gate_hysteresis)
+        gated_set = self.prefill_gated
+        num_blocks = self.index.num_blocks
         n = req.num_prompt_tokens
         out = []
         for w in workers:
             wid = w.worker_id
-            cached = cached_tokens(matches.get(wid, 0), w.block_size_tokens, n) if matches else 0
-            batcher = self.batcher(wid)
-            load = self.load(wid, now_ns)
-            pending = self.ledger.num_pending_requests(wid) + len(batcher)
-            hard, expected = self.ledger.hidden_kv(wid)
-            total = w.num_kv_blocks * w.block_size_tokens
-            free = w.num_free_kv_blocks * w.block_size_tokens
+            batcher = self.batchers.get(wid)
+            if batcher is None:
+                batcher = self.batcher(wid)
+            queued = len(batcher)
+            if queued >= max_queue:
+                continue
+            inf = self.ledger.workers.get(wid)
+            if inf is None:
+                inf = self.ledger._w(wid)
+            bs = w.block_size_tokens
+            cached = 0
+            if matches:
+                blocks = matches.get(wid)
+                if blocks:
+                    cached = blocks * bs
+                    if cached >= n:
+                        cached = n - bs  # the last block is always computed (cached_tokens)
+                    if cached < 0:
+                        cached = 0
+            wait = inf.wait_ms(now_ns)
+            total = w.num_kv_blocks * bs
+            free = w.num_free_kv_blocks * bs
+            hard = inf.hidden_hard_kv_tokens
+            # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
+            free_kv = (free - hard if free > hard else 0) if w.num_kv_blocks else 1 << 40
+            queue = batcher.queue_wait_ms(now_ns, WorkerLoad(w.max_batch_tokens, free_kv, len(inf.batches), wait))
+            pending = inf.num_batch_requests + len(inf.reservations) + queued
+            if wid in gated_set:
+                gated = pending > reopen
+                if not gated:
+                    gated_set.discard(wid)
+            elif pending >= high:
+                gated = True
+                gated_set.add(wid)
+            else:
+                gated = False
+            predictor = self.predictors.get(wid)
+            if predictor is None:
+                predictor = self.predictor(wid)
             out.append(Candidate(
-                worker=w, num_cached_tokens=cached,
-                prefill_ms=self.predictor(wid).predict_ms(((n, cached),)),
-                wait_ms=load.wait_ms, queue_ms=batcher.queue_wait_ms(now_ns, load), num_pending=pending,
-                num_cache_blocks=self.index.num_blocks(wid),
-                kv_total_tokens=total, kv_used_tokens=total - free + expected, kv_available_tokens=free - hard,
-                gated=self._gate(self.prefill_gated, wid, pending, cfg.pending_gate_high, cfg.pending_gate_hysteresis),
+                w, cached, predictor.predict_one_ms(n, cached), wait, queue, pending,
+                num_blocks(wid), total, total - free + inf.hidden_expected_kv_tokens, free - hard, gated,
             ))
         return out
 
@@ -482,11 +532,8 @@ class Scheduler:
                 slo_ttft_ms: float) -> RouteDecision:
         self.decision_seq += 1
         seed = decision_seed(self.config.seed, self.decision_seq)
-        ctx = RouteContext(
-            request_id=req.request_id, num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens,
-            candidates=cands, now_ns=now_ns, rng=random.Random(seed), num_prompt_blocks=len(req.block_hashes),
-            slo_ttft_ms=slo_ttft_ms,
-        )
+        ctx = RouteContext(req.request_id, req.num_prompt_tokens, req.max_tokens, cands, now_ns, seed,
+                           len(req.block_hashes), slo_ttft_ms)
         return RouteDecision(stage, policy.name, self.decision_seq, seed, policy.select(ctx))
 
     # ---------------------------------------------------------------- admission
@@ -499,20 +546,33 @@ class Scheduler:
             return Rejected("too_large", f"prompt of {n} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         if len(self.inflight) >= cfg.max_inflight_requests:
             return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
-        live = self.view.live(now_ns, self.timeout_ns)
-        fitting = [
-            w for w in live
-            if (w.max_seq_len_tokens <= 0 or n + req.max_tokens <= w.max_seq_len_tokens)
-            and (w.role == "decode" or w.max_batch_tokens <= 0 or n <= w.max_batch_tokens)
-        ]
-        if live and not fitting:
+        # One pass: live workers that can hold the request, by role.
+        decode_workers: list[WorkerInfo] = []
+        prefill_workers: list[WorkerInfo] = []
+        colocated: list[WorkerInfo] = []
+        total = n + req.max_tokens
+        num_live = 0
+        for w in self.view.workers.values():
+            if not (w.liveness in LIVE_STATES and w.state == "ready" and not w.draining):  # WorkerInfo.is_live
+                continue
+            num_live += 1
+            if 0 < w.max_seq_len_tokens < total:
+                continue
+            role = w.role
+            if role == "pd_fusion":
+                if 0 < w.max_batch_tokens < n:
+                    continue
+                colocated.append(w)
+            elif role == "decode":
+                decode_workers.append(w)
+            elif not 0 < w.max_batch_tokens < n:
+                prefill_workers.append(w)
+        fitting = decode_workers or prefill_workers or colocated
+        if num_live and not fitting:
             return Rejected("too_large", f"{n}+{req.max_tokens} tokens exceed every live worker's max sequence length "
                                          f"or prefill batch capacity")
         priority = cfg.slo.default_priority if req.priority is None else req.priority
         slo_ttft, slo_tpot = slo_targets(cfg.slo, n, priority, req.slo_ttft_ms, req.slo_tpot_ms)
-        decode_workers = [w for w in fitting if w.role == "decode"]
-        prefill_workers = [w for w in fitting if w.role == "prefill"]
-        colocated = [w for w in fitting if w.role == "pd_fusion"]
         decisions: list[RouteDecision] = []
         if decode_workers and prefill_workers:
             d = self._decide("decode", self.decode_policy, req, self._decode_candidates(decode_workers), now_ns, slo_ttft)
@@ -525,10 +585,9 @@ class Scheduler:
         else:
             return Rejected("no_worker", "no live worker can serve this request" if not fitting
                             else "disaggregated fleet lacks a live prefill or decode worker")
-        roomy = [w for w in prefill_pool if len(self.batcher(w.worker_id)) < cfg.max_queue_per_worker]
-        if not roomy:
+        cands = self._prefill_candidates(prefill_pool, req, now_ns)  # (only workers whose queue has room)
+        if not cands:
             return Rejected("queue_full", f"every prefill worker's queue holds {cfg.max_queue_per_worker} requests", decisions)
-        cands = self._prefill_candidates(roomy, req, now_ns)
         p = self._decide("prefill", self.prefill_policy, req, cands, now_ns, slo_ttft)
         decisions.append(p)
         if p.pick.worker_id is None:
@@ -562,7 +621,7 @@ class Scheduler:
             deadline_ns=now_ns + int(slo_ttft * 1e6), prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload,
         )
-        self.batcher(p.pick.worker_id).add(item)
+        self.queued[req.request_id] = (p.pick.worker_id, self.batcher(p.pick.worker_id).add(item))
         self.inflight.add(req.request_id)
         return Admitted(item, decisions, predicted_ttft, slo_ttft, slo_tpot, priority, best_effort)
 
@@ -594,6 +653,8 @@ class Scheduler:
 
     def _form(self, worker_id: str, closed: Closed, now_ns: int) -> FormedBatch:
         self.num_batches += 1
+        for item in closed.items:
+            self.queued.pop(item.request_id, None)
         batch = FormedBatch(f"{self.id_prefix}-{self.num_batches}", worker_id, list(closed.items), closed.reason,
                             closed.predicted_ms)
         self.ledger.add_batch(InflightBatch(
@@ -614,12 +675,17 @@ class Scheduler:
         return min(dues) if dues else None
 
     def remove_queued(self, request_id: str) -> QueuedRequest | None:
-        for b in self.batchers.values():
-            taken = b.remove(lambda it: it.request_id == request_id)
-            if taken:
-                self.on_terminal(request_id)
-                return taken[0]
-        return None
+        """Take a request out of its batcher queue (a cancel): O(1); None if it is not queued."""
+        where = self.queued.get(request_id)
+        if where is None:
+            return None
+        batcher = self.batchers.get(where[0])
+        taken = batcher.take(where[1]) if batcher is not None else None
+        if taken is None:  # left the queue by a path that forgot to tell: a bug, but not a wrong removal
+            self.queued.pop(request_id, None)
+            return None
+        self.on_terminal(request_id)
+        return taken
 
     def drain_queues(self) -> list[QueuedRequest]:
         items = [i for b in self.batchers.values() for i in b.drain()]

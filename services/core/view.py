@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from schemas.messages import WorkerRegistered, WorkerStatusReported
 
 
+LIVE_STATES = frozenset(("ready", "suspect"))  # liveness states that get new work
+
+
 @dataclass
 class WorkerInfo:
     worker_id: str
@@ -51,7 +54,7 @@ class WorkerInfo:
 
     def is_live(self, now_ns: int = 0, timeout_ns: int = 0) -> bool:
         """Eligible for new work: heard recently enough, reports ready, not drained."""
-        return self.liveness in ("ready", "suspect") and self.state == "ready" and not self.draining
+        return self.liveness in LIVE_STATES and self.state == "ready" and not self.draining
 
     def serves_prefill(self) -> bool:
         return self.role in ("pd_fusion", "prefill")
