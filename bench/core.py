@@ -3,7 +3,8 @@
 No network, no I/O: a `Scheduler` with N simulated workers (status reports with KV, a
 prefix index fed with KV events so that prompts have real cache hits) and batcher queues
 pre-filled to Q requests in total; then `admit()` is timed for new requests, each of which
-is removed again so the queue length stays at Q. One decision = one admitted request
+is removed again (an O(1) cancel, included in the time) so the queue length stays at Q. The
+virtual clock advances 50 us per decision; batchers use the shipped parameters. One decision = one admitted request
 (colocated: one prefill pick; disaggregated: a decode pick and a prefill pick).
 
     python bench/core.py [--workers 16,128] [--queued 0,1000] [--decisions 20000]
@@ -28,13 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from schemas.messages import KvBlocksStored, WorkerStatusReported  # noqa: E402
 from services.core.scheduler import AdmitRequest, Scheduler, SchedulerConfig  # noqa: E402
+from services.settings import SHIPPED_FIXED_WINDOW_WAIT_MS  # noqa: E402
 
 BLOCKS_PER_PROMPT = 128  # 2,048 tokens of 16
+STEP_NS = 50_000  # the virtual clock advances 50 us per decision (20,000 arrivals/s)
 
 
 def build(num_workers: int, policy: str, decode_policy: str, batcher: str, seed: int = 0) -> tuple[Scheduler, list[tuple[int, ...]]]:
-    cfg = SchedulerConfig(prefill_policy=policy, decode_policy=decode_policy, batcher=batcher,
-                          batcher_params={"wait_ms": 1e9} if batcher == "fixed-window" else {"window_ms": 1e9},
+    # The shipped batcher parameters (the fixed window of `flexlb up`); the benchmark never
+    # ticks, so queued requests stay queued whatever the window.
+    params = {"wait_ms": SHIPPED_FIXED_WINDOW_WAIT_MS} if batcher == "fixed-window" else {}
+    cfg = SchedulerConfig(prefill_policy=policy, decode_policy=decode_policy, batcher=batcher, batcher_params=params,
                           max_queue_per_worker=10**6, seed=seed)
     s = Scheduler(cfg, id_prefix="bench")
     rng = random.Random(seed)
@@ -59,9 +64,10 @@ def run(num_workers: int, queued: int, decisions: int, policy: str, decode_polic
                              block_hashes=rng.choice(prefixes)), 0)
     reqs = [AdmitRequest(request_id=f"r{i}", num_prompt_tokens=2048, max_tokens=128, block_hashes=rng.choice(prefixes))
             for i in range(decisions)]
+    now = [1 + (i + 1) * STEP_NS for i in range(decisions)]
     t0 = time.perf_counter()
-    for r in reqs:
-        s.admit(r, 1)
+    for r, now_ns in zip(reqs, now):
+        s.admit(r, now_ns)
         s.remove_queued(r.request_id)
     elapsed = time.perf_counter() - t0
     return {"workers": num_workers, "queued": queued, "decisions": decisions, "seconds": round(elapsed, 3),

@@ -430,6 +430,7 @@ def run_exact_model(num_workers, action_list, prompt_list):
             b = beliefs.get(worker_id)
             assert index.needs_resync(worker_id) == (b is not None and b.awaiting)
             assert index.num_blocks(worker_id) == len(believed.get(worker_id, ()))
+            assert index.block_counts.get(worker_id, 0) == index.num_blocks(worker_id)  # the routing hot path reads this
         for prompt in singletons + prompt_list + [hashes]:
             assert index.match(prompt) == naive_match(believed, prompt), prompt
 

@@ -273,6 +273,8 @@ class Batcher(Protocol[T]):
 
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float: ...
 
+    def queue_wait(self, now_ns: int, max_batch_tokens: int, free_kv_tokens: int, wait_ms: float) -> float: ...
+
     def remove(self, predicate: Callable[[T], bool]) -> list[T]: ...
 
     def drain(self) -> list[T]: ...
@@ -397,6 +399,12 @@ class _QueueBatcher(Generic[T]):
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def items_view(self) -> Mapping[int, T]:
+        """The queue (seq -> item), live and read-only by contract: `len()` of it is the
+        cheapest queue length for a hot loop. The dict is never replaced."""
+        return self._items
+
     def add(self, item: T) -> int:
         """Queue `item`; returns its sequence number (for `take`)."""
         seq = self._next_seq
@@ -446,7 +454,9 @@ class _QueueBatcher(Generic[T]):
                 self._own = self._own.plus(items, predicted_ms)
                 batches.append(Closed(items, plan.reason, predicted_ms))
         except Exception as exc:  # a broken prediction: put everything back, then fail loudly
-            self._items, self._own = saved_items, saved_own  # nothing taken out is lost
+            self._items.clear()  # restored in place: the scheduler holds a reference to the dict
+            self._items.update(saved_items)
+            self._own = saved_own  # nothing taken out is lost
             raise exc
         return PollResult(batches, expired, too_large)
 
@@ -493,6 +503,8 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         super().__init__(predict_ms, params.enqueue_deadline_ms)
         self._wait_ns = _ms_to_ns(params.wait_ms)
         self._shape: _QueueShape | None = None  # the queue's batches, for queue_wait_ms (kept incrementally)
+        self._batch_size_max = params.batch_size_max
+        self._whole_window_ms = 0.0 if params.batch_size_max == 1 else params.wait_ms
 
     def _plan(self, now_ns: int, load: WorkerLoad, *, with_members: bool) -> _Plan:
         p = self.params
@@ -517,47 +529,51 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         fresh = self._shape is not None and self._shape.version == self._version
         seq = super().add(item)
         if fresh:
-            self._update_shape(lambda sh: sh.extend(((seq, item),)))
+            try:
+                self._shape.extend(((seq, item),))
+                self._shape.version = self._version
+            except ValueError:  # a broken prediction: drop the shape; queue_wait_ms rebuilds it (and raises there)
+                self._shape = None
         return seq
-
-    def _update_shape(self, update: Callable[["_QueueShape"], None]) -> None:
-        """Apply an incremental update; a broken prediction drops the shape instead, so the
-        queue itself is unaffected and queue_wait_ms rebuilds it (and raises there)."""
-        sh = self._shape
-        try:
-            update(sh)
-        except ValueError:
-            self._shape = None
-            return
-        sh.version = self._version
 
     def _take(self, keys: list[int]) -> list[T]:
         fresh = bool(keys) and self._shape is not None and self._shape.version == self._version
         taken = super()._take(keys)
         if fresh:
-            self._update_shape(lambda sh: sh.remove(set(keys)))
+            try:
+                self._shape.remove(set(keys))
+                self._shape.version = self._version
+            except ValueError:  # as in add
+                self._shape = None
         return taken
 
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:
-        p = self.params
+        return self.queue_wait(now_ns, load.max_batch_tokens, load.free_kv_tokens, load.wait_ms)
+
+    def queue_wait(self, now_ns: int, max_batch_tokens: int, free_kv_tokens: int, wait_ms: float) -> float:
+        """queue_wait_ms with the load's fields as arguments: the routing hot path (once per
+        candidate per decision) — O(1) while the queue shape is fresh."""
         sh = self._shape
-        if (sh is None or sh.version != self._version or sh.max_batch_tokens != load.max_batch_tokens
-                or not sh.kv_lo <= load.free_kv_tokens <= sh.kv_hi):
-            sh = self._shape = _QueueShape(list(self._items.items()), load.max_batch_tokens, load.free_kv_tokens,
-                                           p.batch_size_max, self._predict)
+        if (sh is None or sh.version != self._version or sh.max_batch_tokens != max_batch_tokens
+                or not sh.kv_lo <= free_kv_tokens <= sh.kv_hi):
+            sh = self._shape = _QueueShape(list(self._items.items()), max_batch_tokens, free_kv_tokens,
+                                           self.params.batch_size_max, self._predict)
             sh.version = self._version
-        batches = sh.batches
-        if batches and batches[-1].shape.count < p.batch_size_max:  # a newcomer joins the last batch
-            ahead_ms = batches[-1].predicted_ms_before
-            if batches[-1].shape.count + 1 >= p.batch_size_max:
+        last = sh.last
+        if last is None or last.shape.count >= self._batch_size_max:  # a newcomer heads a batch: a whole window
+            ahead_ms = 0.0 if last is None else last.predicted_ms_before + last.predicted_ms
+            window_ms = self._whole_window_ms
+        else:  # it joins the last batch
+            ahead_ms = last.predicted_ms_before
+            if last.shape.count + 1 >= self._batch_size_max:
                 window_ms = 0.0  # it fills the batch it joins
             else:
-                window_ms = max(0, batches[-1].entries[0][1].enqueued_ns + self._wait_ns - now_ns) / NS_PER_MS
-        else:  # it heads a batch of its own: a whole window
-            ahead_ms = sh.predicted_ms_total
-            window_ms = 0.0 if p.batch_size_max == 1 else p.wait_ms
-        wait = window_ms - load.wait_ms
-        return max(ahead_ms, wait, 0.0)
+                window_ns = last.entries[0][1].enqueued_ns + self._wait_ns - now_ns
+                window_ms = window_ns / NS_PER_MS if window_ns > 0 else 0.0
+        window_ms -= wait_ms
+        if window_ms > ahead_ms:
+            return window_ms
+        return ahead_ms if ahead_ms > 0.0 else 0.0
 
 
 class _PlannedBatch:
@@ -595,7 +611,8 @@ class _QueueShape:
     them. kv_lo is the last batch's need (needs never decrease along the queue); kv_hi is
     where the first KV-closed batch would have taken the entry that closed it."""
 
-    __slots__ = ("version", "max_batch_tokens", "free_kv_tokens", "batch_size_max", "batches", "_predict")
+    __slots__ = ("version", "max_batch_tokens", "free_kv_tokens", "batch_size_max", "batches", "_predict", "last",
+                 "kv_lo", "kv_hi")
 
     def __init__(self, entries: list[tuple[int, Batchable]], max_batch_tokens: int, free_kv_tokens: int,
                  batch_size_max: int, predict: Callable[[Sequence[Batchable]], float]) -> None:
@@ -607,20 +624,10 @@ class _QueueShape:
         self._predict = predict
         self.extend(entries)
 
-    @property
-    def predicted_ms_total(self) -> float:
-        last = self.batches[-1] if self.batches else None
-        return 0.0 if last is None else last.predicted_ms_before + last.predicted_ms
-
-    @property
-    def kv_lo(self) -> int:
-        last = self.batches[-1] if self.batches else None
-        return 0 if last is None else last.kv_before + last.shape.non_head_kv_tokens
-
-    @property
-    def kv_hi(self) -> int:
-        last = self.batches[-1] if self.batches else None
-        return _NO_KV_LIMIT - 1 if last is None else min(last.kv_break_before, last.kv_break) - 1
+    def _refresh(self) -> None:
+        last = self.last = self.batches[-1] if self.batches else None
+        self.kv_lo = 0 if last is None else last.kv_before + last.shape.non_head_kv_tokens
+        self.kv_hi = _NO_KV_LIMIT - 1 if last is None else min(last.kv_break_before, last.kv_break) - 1
 
     def _close_predict(self, b: _PlannedBatch) -> None:
         if not b.is_predicted:
@@ -655,11 +662,12 @@ class _QueueShape:
             batches.append(_PlannedBatch(entry, last))
         if batches:
             self._close_predict(batches[-1])
+        self._refresh()
 
     def remove(self, seqs: set[int]) -> None:
         # Batch heads are in add order: the first touched batch holds the smallest seq.
         first = bisect.bisect_right(self.batches, min(seqs), key=lambda b: b.entries[0][0]) - 1
-        if first < 0:
+        if first < 0:  # (cannot happen while fresh: every queued seq is in some batch)
             return
         # Re-place everything from that batch on; extend offers the first of them to the batch
         # before, which may take it now that the head that closed it is gone.
@@ -781,6 +789,9 @@ class SloBudgetBatcher(_QueueBatcher[T]):
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:
         # Slack order does not depend on the load (see _ordered), so (version, caps) is the key.
         return self._cached(load, lambda: sum(self._predict(b) for b in _split(self._ordered(), load, self.params.batch_size_max)))
+
+    def queue_wait(self, now_ns: int, max_batch_tokens: int, free_kv_tokens: int, wait_ms: float) -> float:
+        return self.queue_wait_ms(now_ns, WorkerLoad(max_batch_tokens, free_kv_tokens, 0, wait_ms))
 
 
 # ------------------------------------------------------------------ registry

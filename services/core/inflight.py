@@ -67,6 +67,10 @@ class InflightLedger:
         self.workers: dict[str, WorkerInflight] = {}
         self.request_to_worker: dict[str, str] = {}  # request id -> decode worker id
 
+    def worker(self, worker_id: str) -> WorkerInflight:
+        """The worker's entry, created empty if absent (removed only by remove_worker)."""
+        return self._w(worker_id)
+
     def _w(self, worker_id: str) -> WorkerInflight:
         w = self.workers.get(worker_id)
         if w is None:

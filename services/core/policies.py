@@ -52,37 +52,45 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import msgspec
 
 from services.core.view import WorkerInfo
 
 
-class Candidate:
-    """One worker as the scheduler scored it for this request (a snapshot: never mutated)."""
+class _CandidateFields(NamedTuple):
+    worker: WorkerInfo
+    worker_id: str
+    num_cached_tokens: int  # predicted prefix-cache hit of this request on this worker
+    prefill_ms: float  # predicted prefill of this request alone, given the hit
+    wait_ms: float  # predicted wait for the worker's inflight batches
+    queue_ms: float  # predicted wait in the worker's batcher queue
+    num_pending: int  # requests we reserved there (inflight) + queued in its batcher
+    num_cache_blocks: int  # blocks the prefix index says it holds (its "tree size")
+    kv_total_tokens: int
+    kv_used_tokens: int  # reported used + Σ expected reservations not yet visible
+    kv_available_tokens: int  # reported free − Σ hard reservations not yet visible
+    gated: bool  # pending above the hysteresis gate (prefill) / KV usage gate (decode)
+    ttft_ms: float  # prefill_ms + wait_ms + queue_ms: predicted time to first token there
 
-    __slots__ = ("worker", "worker_id", "num_cached_tokens", "prefill_ms", "wait_ms", "queue_ms", "num_pending",
-                 "num_cache_blocks", "kv_total_tokens", "kv_used_tokens", "kv_available_tokens", "gated")
 
-    def __init__(self, worker: WorkerInfo, num_cached_tokens: int = 0, prefill_ms: float = 0.0, wait_ms: float = 0.0,
-                 queue_ms: float = 0.0, num_pending: int = 0, num_cache_blocks: int = 0, kv_total_tokens: int = 0,
-                 kv_used_tokens: int = 0, kv_available_tokens: int = 0, gated: bool = False) -> None:
-        self.worker = worker
-        self.worker_id = worker.worker_id
-        self.num_cached_tokens = num_cached_tokens  # predicted prefix-cache hit of this request on this worker
-        self.prefill_ms = prefill_ms  # predicted prefill of this request alone, given the hit
-        self.wait_ms = wait_ms  # predicted wait for the worker's inflight batches
-        self.queue_ms = queue_ms  # predicted wait in the worker's batcher queue
-        self.num_pending = num_pending  # requests we reserved there (inflight) + queued in its batcher
-        self.num_cache_blocks = num_cache_blocks  # blocks the prefix index says it holds (its "tree size")
-        self.kv_total_tokens = kv_total_tokens
-        self.kv_used_tokens = kv_used_tokens  # reported used + Σ expected reservations not yet visible
-        self.kv_available_tokens = kv_available_tokens  # reported free − Σ hard reservations not yet visible
-        self.gated = gated  # pending above the hysteresis gate (prefill) / KV usage gate (decode)
+class Candidate(_CandidateFields):
+    """One worker as the scheduler scored it for this request: an immutable snapshot (a
+    tuple: the scheduler builds one per worker per decision, so it must be cheap; its hot
+    path calls `tuple.__new__(Candidate, fields)` with every field, ttft_ms included)."""
+
+    __slots__ = ()
+
+    def __new__(cls, worker: WorkerInfo, num_cached_tokens: int = 0, prefill_ms: float = 0.0, wait_ms: float = 0.0,
+                queue_ms: float = 0.0, num_pending: int = 0, num_cache_blocks: int = 0, kv_total_tokens: int = 0,
+                kv_used_tokens: int = 0, kv_available_tokens: int = 0, gated: bool = False) -> "Candidate":
+        return tuple.__new__(cls, (worker, worker.worker_id, num_cached_tokens, prefill_ms, wait_ms, queue_ms, num_pending,
+                                   num_cache_blocks, kv_total_tokens, kv_used_tokens, kv_available_tokens, gated,
+                                   prefill_ms + wait_ms + queue_ms))
 
     def __repr__(self) -> str:
-        return f"Candidate({self.worker_id}, cost={self.prefill_ms + self.wait_ms + self.queue_ms:.1f}ms)"
+        return f"Candidate({self.worker_id}, ttft={self.ttft_ms:.1f}ms)"
 
 
 class RouteContext:
@@ -169,18 +177,28 @@ class Score:
 
 class Pick:
     """The choice (None: nothing could be picked, see reason) and the score card of every
-    candidate. The cards are built on first read (`scores`) from a snapshot the policy
-    passed: building them costs more than the decision, and most readers are the shell's
-    event encoder, once."""
+    candidate. The cards and the reason text may be built on first read (`scores`,
+    `reason`) from a snapshot the policy passed: building them costs more than the
+    decision, and most readers are the shell's event encoder, once."""
 
-    __slots__ = ("worker_id", "reason", "_scores", "_cards")
+    __slots__ = ("worker_id", "_reason", "_scores", "_cards", "_reason_fn")
 
-    def __init__(self, worker_id: str | None, reason: str, scores: list[Score] | None = None,
-                 cards: Callable[[], list[Score]] | None = None) -> None:
+    def __init__(self, worker_id: str | None, reason: str | None = None, scores: list[Score] | None = None,
+                 cards: Callable[[], list[Score]] | None = None, reason_fn: Callable[[], str] | None = None) -> None:
+        if reason is None and reason_fn is None:
+            raise ValueError("a Pick needs a reason")
         self.worker_id = worker_id
-        self.reason = reason
+        self._reason = reason
+        self._reason_fn = reason_fn
         self._scores = scores if scores is not None or cards is not None else []
         self._cards = cards
+
+    @property
+    def reason(self) -> str:
+        if self._reason is None:
+            self._reason = self._reason_fn()
+            self._reason_fn = None
+        return self._reason
 
     @property
     def scores(self) -> list[Score]:
@@ -267,8 +285,8 @@ class CostBased:
             return _none("no live candidate", [])
         k = len(cands)
         waits = [c.wait_ms + c.queue_ms for c in cands]
-        costs = [c.prefill_ms + c.wait_ms + c.queue_ms for c in cands]
-        avg_pending = sum(c.num_pending for c in cands) / k
+        costs = [c.ttft_ms for c in cands]
+        avg_pending = sum([c.num_pending for c in cands]) / k
         avg_wait = sum(waits) / k
         hot_ratio, hot_abs = p.hotspot_factor * avg_pending, avg_pending + p.hotspot_min_excess
         imb_ratio, imb_abs = p.imbalance_factor * avg_wait, avg_wait + p.imbalance_min_excess_ms
@@ -313,12 +331,13 @@ class CostBased:
         if len(ties) == 1:
             pick = ties[0]
         else:
-            ties.sort(key=lambda i: cands[i].worker_id)
+            ties.sort(key=[c.worker_id for c in cands].__getitem__)
             pick = ties[ctx.rng.randrange(len(ties))]
+        num_ties = len(ties)
         return Pick(
             cands[pick].worker_id,
-            f"cost {costs[pick]:.1f} ms (min {best:.1f}, tie window {window:.1f} ms, {len(ties)} tied, "
-            f"{num_filtered} filtered)",
+            reason_fn=lambda: (f"cost {costs[pick]:.1f} ms (min {best:.1f}, tie window {window:.1f} ms, {num_ties} tied, "
+                               f"{num_filtered} filtered)"),
             cards=cards,
         )
 

@@ -117,7 +117,7 @@ driven by one task).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgspec
 
@@ -248,6 +248,7 @@ class PrefillPredictor:
         self._residual_scale = params.initial_residual_scale
         # Absolute coefficients for the hot path, refreshed after every learning step.
         self._a, self._b, self._c, self._d, self._e = prior_values
+        self.hot_coefficients = prior_values  # (a, b, c, d, e) now: for callers that inline predict_one_ms
         self._coefficients: PrefillCoefficients | None = coefficients
         self.num_observations = 0
         self.num_rejected_observations = 0
@@ -264,6 +265,22 @@ class PrefillPredictor:
             return 0.0
         computed, computed_sq, cached = _batch_features(requests)
         t = self._a + self._b * computed + self._c * computed_sq + self._d * cached + self._e * len(requests)
+        return t if t > 0.0 else 0.0
+
+    def predict_items_ms(self, items: Sequence[Any]) -> float:
+        """`predict_ms` of queued requests (objects with num_prompt_tokens and
+        num_cached_tokens), without building the (n, p) pairs: the batcher's hot path."""
+        if not items:
+            return 0.0
+        computed = computed_sq = cached = 0
+        for item in items:
+            n, p = item.num_prompt_tokens, item.num_cached_tokens
+            if p < 0 or p > n:
+                raise ValueError(f"prefill predictor: need 0 <= cached <= prompt tokens, got ({n}, {p})")
+            computed += n - p
+            computed_sq += n * n - p * p
+            cached += p
+        t = self._a + self._b * computed + self._c * computed_sq + self._d * cached + self._e * len(items)
         return t if t > 0.0 else 0.0
 
     def predict_one_ms(self, num_prompt_tokens: int, num_cached_tokens: int) -> float:
@@ -378,6 +395,7 @@ class PrefillPredictor:
             max(params.min_residual_scale, self._residual_scale + alpha * (target_scale - self._residual_scale)),
         )
         self._a, self._b, self._c, self._d, self._e = (f * r for f, r in zip(self._phi, ref))
+        self.hot_coefficients = (self._a, self._b, self._c, self._d, self._e)
         self._coefficients = None
 
     def _initial_covariance(self) -> list[list[float]]:
@@ -386,49 +404,62 @@ class PrefillPredictor:
 
 def _project_onto_box(phi: list[float], p: list[list[float]], max_phi: float) -> list[float]:
     """The point of the box [0, max_phi]^n nearest to `phi` in the metric of P⁻¹ (the
-    estimate projection of constrained Kalman filtering), by a small active-set loop.
+    estimate projection of constrained Kalman filtering), by the primal active-set method
+    for a strictly convex QP.
 
     With the set A of coordinates pinned to a bound b_A, the nearest point is
     φ − P[:, A]·w with w = P[A, A]⁻¹·(φ_A − b_A): the free coordinates move along their
-    covariance with the pinned ones. Each round pins the coordinates that left the box, or,
-    when none did, releases the pinned one whose multiplier w_i has the wrong sign (a lower
-    bound needs w_i <= 0, an upper one w_i >= 0: else moving off the bound is nearer). At
-    the end both hold: that is the optimum (KKT). Clamping each coordinate alone instead
-    keeps the compensating moves of its correlated partners (b up when c goes down) without
-    the move itself, and can drive the prediction the wrong way, batch after batch.
-    The number of rounds is capped (a cycle is possible in theory); a final clamp
-    guarantees the box whatever happens."""
+    covariance with the pinned ones, and w are the multipliers (a lower bound needs
+    w_i <= 0, an upper one w_i >= 0: else moving off the bound is nearer). Start from the
+    clamp of φ (feasible) with the clamped coordinates pinned; each round moves toward the
+    nearest point for the current pins, stopping at the first free coordinate that would
+    leave the box (it is pinned there), or, when that point is inside the box, releases the
+    pin whose multiplier has the wrong sign; when none has, that is the optimum (KKT).
+    Clamping each coordinate alone instead keeps the compensating moves of its correlated
+    partners (b up when c goes down) without the move itself, and can drive the prediction
+    the wrong way, batch after batch. Rounds are capped (n pins and releases each, with
+    room); a final clamp guarantees the box whatever happens."""
     n = len(phi)
-    pinned: dict[int, float] = {}
-    active: list[int] = []
-    weights: list[float] = []
-    projected = list(phi)
-    for _ in range(4 * n):
-        crossed = {
-            i: (0.0 if projected[i] < 0.0 else max_phi)
-            for i in range(n)
-            if i not in pinned and not 0.0 <= projected[i] <= max_phi
-        }
-        if crossed:
-            pinned.update(crossed)
-        else:
-            wrong = [(abs(w), i) for i, w in zip(active, weights) if (w > 0.0 if pinned[i] == 0.0 else w < 0.0)]
-            if not wrong:
-                break
-            del pinned[max(wrong)[1]]
+    x = [min(max(v, 0.0), max_phi) for v in phi]
+    pinned: dict[int, float] = {i: x[i] for i in range(n) if x[i] != phi[i]}
+    for _ in range(8 * n + 8):
         active = sorted(pinned)
-        if not active:
-            weights = []
-            projected = list(phi)
+        if active:
+            w = _solve([[p[i][j] for j in active] for i in active], [phi[i] - pinned[i] for i in active])
+            if w is None:  # P[A, A] numerically singular: keep the feasible point we have
+                break
+            target = [phi[k] - sum(p[k][i] * wi for i, wi in zip(active, w)) for k in range(n)]
+            for i in active:
+                target[i] = pinned[i]
+        else:
+            w = []
+            target = list(phi)
+        # Step from x toward target, up to the first free coordinate that hits a bound.
+        step, blocking = 1.0, None
+        for k in range(n):
+            if k in pinned:
+                continue
+            d = target[k] - x[k]
+            if d < 0.0 and target[k] < 0.0:
+                t = (0.0 - x[k]) / d
+                bound = 0.0
+            elif d > 0.0 and target[k] > max_phi:
+                t = (max_phi - x[k]) / d
+                bound = max_phi
+            else:
+                continue
+            if t < step:
+                step, blocking = t, (k, bound)
+        x = [xk + step * (tk - xk) for xk, tk in zip(x, target)]
+        if blocking is not None:
+            x[blocking[0]] = blocking[1]
+            pinned[blocking[0]] = blocking[1]
             continue
-        solved = _solve([[p[i][j] for j in active] for i in active], [phi[i] - pinned[i] for i in active])
-        if solved is None:  # P[A, A] numerically singular: fall back to the clamp below
+        wrong = [(abs(wi), i) for i, wi in zip(active, w) if (wi > 0.0 if pinned[i] == 0.0 else wi < 0.0)]
+        if not wrong:
             break
-        weights = solved
-        projected = [phi[k] - sum(p[k][i] * w for i, w in zip(active, weights)) for k in range(n)]
-        for i in active:
-            projected[i] = pinned[i]
-    return [min(max(v, 0.0), max_phi) for v in projected]
+        del pinned[max(wrong)[1]]
+    return [min(max(v, 0.0), max_phi) for v in x]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -165,9 +165,17 @@ class PrefixIndex:
         self.max_retired_boots_per_worker = max_retired_boots_per_worker
         self._workers: dict[str, _WorkerKv] = {}  # worker id -> belief
         self._hash_to_worker_ids: dict[int, set[str]] = {}  # block hash -> workers holding it (never empty)
+        self.block_counts: dict[str, int] = {}  # worker id -> num_blocks(worker id), kept by apply (read-only)
 
     # ------------------------------------------------------------------ events
     def apply(self, event: KvEvent) -> IndexUpdate:
+        update = self._apply(event)
+        state = self._workers.get(event.worker_id)
+        if state is not None:
+            self.block_counts[event.worker_id] = len(state.block_hashes)
+        return update
+
+    def _apply(self, event: KvEvent) -> IndexUpdate:
         is_snapshot = isinstance(event, KvSnapshot)
         if event.kv_seq < (0 if is_snapshot else 1):
             raise ValueError(f"malformed {type(event).__name__} from {event.worker_id}: kv_seq {event.kv_seq}")
@@ -211,14 +219,16 @@ class PrefixIndex:
     def remove_worker(self, worker_id: str) -> None:
         """The worker expired: forget its blocks, boots and sequence numbers."""
         state = self._workers.pop(worker_id, None)
+        self.block_counts.pop(worker_id, None)
         if state is not None:
             self._clear_blocks(worker_id, state)
 
     # ------------------------------------------------------------------ queries
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Worker id -> number of leading blocks of the prompt it holds (only workers with >= 1).
-        Each holder of the first block walks its own block set: one set probe per block, the
-        cheapest walk in CPython (the shared walk in `_match_leading` gives the same answer)."""
+        Per holder of the first block, in its own block set (the shared walk in
+        `_match_leading` gives the same answer; the property tests compare both with a naive
+        model)."""
         if not block_hashes:
             return {}
         holders = self._hash_to_worker_ids.get(block_hashes[0])
@@ -228,10 +238,22 @@ class PrefixIndex:
         n = len(block_hashes)
         for worker_id in holders:
             held = self._workers[worker_id].block_hashes
-            depth = 1
-            while depth < n and block_hashes[depth] in held:
-                depth += 1
-            out[worker_id] = depth
+            # Engines evict from the tail of a cached chain, so the held blocks of a prompt
+            # are almost always a prefix: binary-search its end, then prove it (every block
+            # before it held — one C-level superset test — and the next one not). A set that
+            # is not prefix-closed fails the proof and gets the plain walk.
+            lo, hi = 1, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if block_hashes[mid - 1] in held:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if not ((lo == n or block_hashes[lo] not in held) and held.issuperset(block_hashes[:lo])):
+                lo = 1
+                while lo < n and block_hashes[lo] in held:
+                    lo += 1
+            out[worker_id] = lo
         return out
 
     def num_blocks(self, worker_id: str) -> int:

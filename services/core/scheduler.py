@@ -34,7 +34,9 @@ agree; the first worker's is used).
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,12 +49,12 @@ from schemas.messages import (
     WorkerStatusReported,
 )
 from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher
-from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger
+from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy, build_policy
 from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
 from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex, cached_tokens
 from services.core.slo import SloParams, slo_targets
-from services.core.view import LIVE_STATES, WorkerInfo, WorkerView
+from services.core.view import WorkerInfo, WorkerView
 
 MASK64 = (1 << 64) - 1
 INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000  # sweep expired approximate-index entries once a second
@@ -203,17 +205,30 @@ class AdmitRequest:
     payload: object = None
 
 
-@dataclass(frozen=True)
 class RouteDecision:
-    stage: str  # "prefill" | "decode"
-    policy: str
-    decision_seq: int
-    seed: int
-    pick: Pick
+    """One routing decision (immutable by convention; a plain slots class: one per request)."""
+
+    __slots__ = ("stage", "policy", "decision_seq", "seed", "pick")
+
+    def __init__(self, stage: str, policy: str, decision_seq: int, seed: int, pick: Pick) -> None:
+        self.stage = stage  # "prefill" | "decode"
+        self.policy = policy
+        self.decision_seq = decision_seq
+        self.seed = seed
+        self.pick = pick
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RouteDecision) and (self.stage, self.policy, self.decision_seq, self.seed, self.pick) == (
+            other.stage, other.policy, other.decision_seq, other.seed, other.pick)
+
+    def __repr__(self) -> str:
+        return f"RouteDecision({self.stage}, {self.policy}, seq={self.decision_seq}, {self.pick!r})"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Admitted:
+    """(Immutable by convention: not frozen, as a frozen dataclass costs a microsecond to build.)"""
+
     request: QueuedRequest
     decisions: list[RouteDecision]
     predicted_ttft_ms: float
@@ -293,6 +308,7 @@ class Scheduler:
         self.prefill_gated: set[str] = set()  # workers whose pending count closed the gate
         self.decode_gated: set[str] = set()  # workers whose KV usage closed the gate
         self.inflight: set[str] = set()  # admitted request ids without a terminal outcome
+        self._slots: dict[str, tuple[Batcher, Mapping[int, QueuedRequest], WorkerInflight, PrefillPredictor]] = {}  # see _slot
         self.queued: dict[str, tuple[str, int]] = {}  # request id -> (prefill worker, batcher seq) while queued here
         self.num_batches = 0
         self.decision_seq = 0
@@ -337,6 +353,7 @@ class Scheduler:
 
     def remove_worker(self, worker_id: str) -> list[QueuedRequest]:
         """Forget a worker everywhere (operator removal or expiry); returns its queued requests."""
+        self._slots.pop(worker_id, None)
         batcher = self.batchers.pop(worker_id, None)
         orphans = batcher.drain() if batcher is not None else []
         self.view.remove(worker_id)
@@ -401,11 +418,17 @@ class Scheduler:
         if b is None:
             predictor = self.predictor(worker_id)
 
-            def predict(items, predictor=predictor) -> float:
-                return predictor.predict_ms([(i.num_prompt_tokens, i.num_cached_tokens) for i in items])
-
-            b = self.batchers[worker_id] = build_batcher(self.config.batcher, self.config.batcher_params, predict)
+            b = self.batchers[worker_id] = build_batcher(self.config.batcher, self.config.batcher_params,
+                                                         predictor.predict_items_ms)
         return b
+
+    def _slot(self, worker_id: str) -> tuple[Batcher, Mapping[int, QueuedRequest], WorkerInflight, PrefillPredictor]:
+        """The worker's batcher, inflight entry and predictor in one lookup (the routing hot
+        path); dropped with the worker in remove_worker, which is the only place any of the
+        three is removed."""
+        batcher = self.batcher(worker_id)
+        slot = self._slots[worker_id] = (batcher, batcher.items_view, self.ledger.worker(worker_id), self.predictor(worker_id))
+        return slot
 
     def load(self, worker_id: str, now_ns: int) -> WorkerLoad:
         info = self.view.workers.get(worker_id)
@@ -433,13 +456,10 @@ class Scheduler:
         if self.config.pending_prefix_ttl_ms <= 0:
             return exact
         pending = self.pending_index.match(block_hashes, now_ns)
-        if not pending:
-            return exact
-        merged = dict(exact)
-        for worker_id, n in pending.items():
-            if n > merged.get(worker_id, 0):
-                merged[worker_id] = n
-        return merged
+        for worker_id, n in pending.items():  # (exact is a fresh dict: merged in place)
+            if n > exact.get(worker_id, 0):
+                exact[worker_id] = n
+        return exact
 
     def _gate(self, gated: set[str], worker_id: str, value: float, high: float, hysteresis: float) -> bool:
         """Hysteresis: closes at `high`, reopens at high × (1 − hysteresis). Folds the state."""
@@ -459,20 +479,21 @@ class Scheduler:
         high = cfg.pending_gate_high
         reopen = high * (1 - cfg.pending_gate_hysteresis)
         gated_set = self.prefill_gated
-        num_blocks = self.index.num_blocks
+        block_counts = self.index.block_counts
         n = req.num_prompt_tokens
+        n_sq = n * n
+        new_candidate = tuple.__new__  # Candidate's fields in order (see Candidate)
         out = []
+        slots = self._slots
         for w in workers:
             wid = w.worker_id
-            batcher = self.batchers.get(wid)
-            if batcher is None:
-                batcher = self.batcher(wid)
-            queued = len(batcher)
+            slot = slots.get(wid)
+            if slot is None:
+                slot = self._slot(wid)
+            batcher, queue_items, inf, predictor = slot
+            queued = len(queue_items)
             if queued >= max_queue:
                 continue
-            inf = self.ledger.workers.get(wid)
-            if inf is None:
-                inf = self.ledger._w(wid)
             bs = w.block_size_tokens
             cached = 0
             if matches:
@@ -483,13 +504,20 @@ class Scheduler:
                         cached = n - bs  # the last block is always computed (cached_tokens)
                     if cached < 0:
                         cached = 0
-            wait = inf.wait_ms(now_ns)
+            if inf.batches:  # InflightLedger's wait rule, inlined (WorkerInflight.wait_ms)
+                wait = inf.predicted_ms_total
+                if inf.earliest_started_ns is not None:
+                    wait -= (now_ns - inf.earliest_started_ns) / 1e6
+                if wait < 0.0:
+                    wait = 0.0
+            else:
+                wait = 0.0
             total = w.num_kv_blocks * bs
             free = w.num_free_kv_blocks * bs
             hard = inf.hidden_hard_kv_tokens
             # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
             free_kv = (free - hard if free > hard else 0) if w.num_kv_blocks else 1 << 40
-            queue = batcher.queue_wait_ms(now_ns, WorkerLoad(w.max_batch_tokens, free_kv, len(inf.batches), wait))
+            queue = batcher.queue_wait(now_ns, w.max_batch_tokens, free_kv, wait)
             pending = inf.num_batch_requests + len(inf.reservations) + queued
             if wid in gated_set:
                 gated = pending > reopen
@@ -500,13 +528,14 @@ class Scheduler:
                 gated_set.add(wid)
             else:
                 gated = False
-            predictor = self.predictors.get(wid)
-            if predictor is None:
-                predictor = self.predictor(wid)
-            out.append(Candidate(
-                w, cached, predictor.predict_one_ms(n, cached), wait, queue, pending,
-                num_blocks(wid), total, total - free + inf.hidden_expected_kv_tokens, free - hard, gated,
-            ))
+            a, b, c, d, e = predictor.hot_coefficients  # PrefillPredictor.predict_one_ms, inlined (0 <= cached < n)
+            prefill = a + b * (n - cached) + c * (n_sq - cached * cached) + d * cached + e
+            if prefill < 0.0:
+                prefill = 0.0
+            out.append(new_candidate(Candidate, (
+                w, wid, cached, prefill, wait, queue, pending, block_counts.get(wid, 0), total,
+                total - free + inf.hidden_expected_kv_tokens, free - hard, gated, prefill + wait + queue,
+            )))
         return out
 
     def _kv(self, w: WorkerInfo) -> dict[str, int]:
@@ -546,29 +575,18 @@ class Scheduler:
             return Rejected("too_large", f"prompt of {n} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         if len(self.inflight) >= cfg.max_inflight_requests:
             return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
-        # One pass: live workers that can hold the request, by role.
-        decode_workers: list[WorkerInfo] = []
-        prefill_workers: list[WorkerInfo] = []
-        colocated: list[WorkerInfo] = []
+        # Live workers that can hold the request, by role (the view caches the partition;
+        # only a request beyond the smallest limit among them needs a filtering pass).
+        routable = self.view.routable()
         total = n + req.max_tokens
-        num_live = 0
-        for w in self.view.workers.values():
-            if not (w.liveness in LIVE_STATES and w.state == "ready" and not w.draining):  # WorkerInfo.is_live
-                continue
-            num_live += 1
-            if 0 < w.max_seq_len_tokens < total:
-                continue
-            role = w.role
-            if role == "pd_fusion":
-                if 0 < w.max_batch_tokens < n:
-                    continue
-                colocated.append(w)
-            elif role == "decode":
-                decode_workers.append(w)
-            elif not 0 < w.max_batch_tokens < n:
-                prefill_workers.append(w)
+        colocated, prefill_workers, decode_workers = routable.colocated, routable.prefill, routable.decode
+        if 0 < routable.min_seq_len_tokens < total or 0 < routable.min_batch_tokens < n:
+            colocated = [w for w in colocated if not (0 < w.max_seq_len_tokens < total or 0 < w.max_batch_tokens < n)]
+            prefill_workers = [w for w in prefill_workers
+                               if not (0 < w.max_seq_len_tokens < total or 0 < w.max_batch_tokens < n)]
+            decode_workers = [w for w in decode_workers if not 0 < w.max_seq_len_tokens < total]
         fitting = decode_workers or prefill_workers or colocated
-        if num_live and not fitting:
+        if routable.num_live and not fitting:
             return Rejected("too_large", f"{n}+{req.max_tokens} tokens exceed every live worker's max sequence length "
                                          f"or prefill batch capacity")
         priority = cfg.slo.default_priority if req.priority is None else req.priority
@@ -592,9 +610,15 @@ class Scheduler:
         decisions.append(p)
         if p.pick.worker_id is None:
             return Rejected("no_worker", f"no prefill worker can take it: {p.pick.reason}", decisions)
-        chosen = next(c for c in cands if c.worker_id == p.pick.worker_id)
-        predicted_ttft = chosen.wait_ms + chosen.queue_ms + chosen.prefill_ms
-        best_ttft = min(c.wait_ms + c.queue_ms + c.prefill_ms for c in cands)
+        picked = p.pick.worker_id
+        chosen = cands[0]
+        best_ttft = math.inf
+        for c in cands:
+            if c.ttft_ms < best_ttft:
+                best_ttft = c.ttft_ms
+            if c.worker_id == picked:
+                chosen = c
+        predicted_ttft = chosen.ttft_ms
         best_effort = best_ttft > slo_ttft
         if best_effort and cfg.slo.mode == "reject":
             return Rejected(

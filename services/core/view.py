@@ -28,6 +28,19 @@ from schemas.messages import WorkerRegistered, WorkerStatusReported
 LIVE_STATES = frozenset(("ready", "suspect"))  # liveness states that get new work
 
 
+@dataclass(frozen=True)
+class Routable:
+    """Live workers by role (lists owned by the view: read, never mutate) and the smallest
+    positive limits among them (0: none set): a request within both fits every one."""
+
+    colocated: list["WorkerInfo"]
+    prefill: list["WorkerInfo"]
+    decode: list["WorkerInfo"]
+    num_live: int
+    min_seq_len_tokens: int
+    min_batch_tokens: int
+
+
 @dataclass
 class WorkerInfo:
     worker_id: str
@@ -68,12 +81,25 @@ class WorkerView:
         self.workers: dict[str, WorkerInfo] = {}  # worker id -> info
         self.roles_seen: set[str] = set()
         self.drain_flags: set[str] = set()  # worker ids an operator drained (may not be known yet)
+        # Bumped whenever who may get work, or what a request must fit, can have changed
+        # (liveness, state, drain, role, limits, membership): keys the scheduler's cache of
+        # routable workers. Every write of those fields goes through this class.
+        self.routing_version = 0
+        self._routable: tuple[int, Routable] | None = None
 
     def set_drain_flags(self, worker_ids: set[str]) -> None:
         """The operator's drain flags, as stored (Redis): applied to known and future workers."""
         self.drain_flags = set(worker_ids)
         for w in self.workers.values():
             w.draining = w.worker_id in self.drain_flags
+        self.routing_version += 1
+
+    def mark_dead(self, worker_id: str) -> None:
+        """Take a worker out of routing now (the shell's recovery, before its re-routes)."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.liveness = "dead"
+            self.routing_version += 1
 
     def apply(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
         """Fold one event heard at `now_ns`. `stale`: an old report replayed from the status
@@ -84,7 +110,10 @@ class WorkerView:
             info = WorkerInfo(worker_id=event.worker_id, role=event.role, boot_id=event.boot_id, first_seen_ns=now_ns,
                               draining=event.worker_id in self.drain_flags)
             self.workers[event.worker_id] = info
-        elif info.boot_id != event.boot_id:
+            before = None
+        else:
+            before = (info.role, info.state, info.liveness, info.max_seq_len_tokens, info.max_batch_tokens)
+        if info.boot_id != event.boot_id:
             info.boot_id = event.boot_id
             info.num_restarts += 1
         info.role = event.role
@@ -111,6 +140,8 @@ class WorkerView:
                 info.liveness = "ready"
         else:
             info.num_kv_blocks = event.num_kv_blocks
+        if before != (info.role, info.state, info.liveness, info.max_seq_len_tokens, info.max_batch_tokens):
+            self.routing_version += 1
         return info
 
     def live(self, now_ns: int = 0, timeout_ns: int = 0) -> list[WorkerInfo]:
@@ -120,6 +151,7 @@ class WorkerView:
         """One liveness cycle. Returns (workers that just became dead, workers that expired)."""
         newly_dead: list[str] = []
         expired: list[str] = []
+        self.routing_version += 1  # (liveness moves here; one bump per cycle is cheap)
         for w in list(self.workers.values()):
             if w.heard_since_sync:
                 w.heard_since_sync = False
@@ -140,7 +172,26 @@ class WorkerView:
         return newly_dead, expired
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
+        self.routing_version += 1
         return self.workers.pop(worker_id, None)
+
+    def routable(self) -> "Routable":
+        """Live workers by role, with the smallest limits among them (cached per routing_version)."""
+        cached = self._routable
+        if cached is not None and cached[0] == self.routing_version:
+            return cached[1]
+        live = [w for w in self.workers.values() if w.is_live()]
+        r = Routable(
+            colocated=[w for w in live if w.role == "pd_fusion"],
+            prefill=[w for w in live if w.role == "prefill"],
+            decode=[w for w in live if w.role == "decode"],
+            num_live=len(live),
+            min_seq_len_tokens=min((w.max_seq_len_tokens for w in live if w.max_seq_len_tokens > 0), default=0),
+            min_batch_tokens=min((w.max_batch_tokens for w in live if w.role != "decode" and w.max_batch_tokens > 0),
+                                 default=0),
+        )
+        self._routable = (self.routing_version, r)
+        return r
 
     def roles_in_use(self) -> set[str]:
         """pd_fusion if colocated workers were seen; prefill+decode if either PD role was."""

@@ -1113,7 +1113,7 @@ class RouterService:
         if held and not force:
             return False, {"code": "conflict", "message": f"worker {worker_id} holds {held} requests; drain it first or force"}
         moved = 0
-        self.scheduler.view.workers[worker_id].liveness = "dead"  # re-routes must go elsewhere
+        self.scheduler.view.mark_dead(worker_id)  # re-routes must go elsewhere
         if held:
             await self._recover_dead_worker(worker_id, "removed")
             moved = held
