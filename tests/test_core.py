@@ -299,3 +299,20 @@ def test_pending_prefixes_match_the_longest_unexpired_leading_run_and_expire():
     assert p.worker_to_hashes == {"w0": {1: 15 * MS, 2: 15 * MS}}
     p.expire(16 * MS)
     assert p.worker_to_hashes == {}
+
+
+def test_pending_counts_each_request_once_plus_unknown_engine_tasks():
+    """FlexLB's pending = our requests on the worker + engine tasks we don't know. A request
+    routed to a colocated worker is queued AND holds a decode reservation there: one request."""
+    s = make_scheduler(workers=("w0",), prefill_policy="round-robin")
+    for i in range(3):
+        assert isinstance(s.admit(req(f"r{i}", n=100), 1), Admitted)
+    cand = s._prefill_candidates(s.view.live(), req("probe", n=100), 2)[0]
+    assert cand.num_pending == 3
+    # The worker reports r0 running (visible) plus two tasks we never sent (e.g. from before a restart).
+    s.on_worker_event(status("w0", num_running_requests=3, running_request_ids=["r0"]), 3)
+    cand = s._prefill_candidates(s.view.live(), req("probe", n=100), 4)[0]
+    assert cand.num_pending == 3 + 2
+    s.on_terminal("r0")
+    cand = s._prefill_candidates(s.view.live(), req("probe", n=100), 5)[0]
+    assert cand.num_pending == 2 + 3 - 0  # r1, r2 ours; 3 reported running, none visible any more: 3 unknown

@@ -50,6 +50,17 @@ class WorkerInflight:
     earliest_started_ns: int | None = None  # min started_ns over `batches` (None: none started)
     hidden_hard_kv_tokens: int = 0  # Σ hard KV of reservations not yet visible
     hidden_expected_kv_tokens: int = 0  # Σ expected KV of reservations not yet visible
+    num_visible: int = 0  # reservations the worker reports running
+
+    def num_requests(self, num_queued: int, num_reported_running: int, colocated: bool) -> int:
+        """FlexLB's pending count: the requests of ours the worker holds or will hold, each
+        once, plus engine tasks we don't know. A request routed to a colocated worker holds a
+        reservation there from admission to its end, so its queue and batch entries are not
+        counted again; a prefill-only worker holds no reservations; reported running requests
+        beyond the visible reservations are the ones we don't know."""
+        ours = len(self.reservations) if colocated else len(self.reservations) + self.num_batch_requests + num_queued
+        unknown = num_reported_running - self.num_visible
+        return ours + unknown if unknown > 0 else ours
 
 
     def wait_ms(self, now_ns: int) -> float:
@@ -129,7 +140,9 @@ class InflightLedger:
             return None
         w = self.workers[worker_id]
         r = w.reservations.pop(request_id)
-        if not r.visible:
+        if r.visible:
+            w.num_visible -= 1
+        else:
             w.hidden_hard_kv_tokens -= r.hard_kv_tokens
             w.hidden_expected_kv_tokens -= r.expected_kv_tokens
         return r
@@ -144,6 +157,7 @@ class InflightLedger:
             r = w.reservations.get(rid)
             if r is not None and not r.visible:
                 r.visible = True
+                w.num_visible += 1
                 w.hidden_hard_kv_tokens -= r.hard_kv_tokens
                 w.hidden_expected_kv_tokens -= r.expected_kv_tokens
                 n += 1

@@ -518,7 +518,7 @@ class Scheduler:
             # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
             free_kv = (free - hard if free > hard else 0) if w.num_kv_blocks else 1 << 40
             queue = batcher.queue_wait(now_ns, w.max_batch_tokens, free_kv, wait)
-            pending = inf.num_batch_requests + len(inf.reservations) + queued
+            pending = inf.num_requests(queued, w.num_running_requests, w.role == "pd_fusion")
             if wid in gated_set:
                 gated = pending > reopen
                 if not gated:
@@ -551,7 +551,7 @@ class Scheduler:
             kv = self._kv(w)
             usage = kv["kv_used_tokens"] / kv["kv_total_tokens"] if kv["kv_total_tokens"] else 1.0
             out.append(Candidate(
-                worker=w, num_pending=self.ledger.num_pending_requests(w.worker_id) + w.num_running_requests,
+                worker=w, num_pending=self.ledger.worker(w.worker_id).num_requests(0, w.num_running_requests, True),
                 gated=self._gate(self.decode_gated, w.worker_id, usage, cfg.max_kv_usage, cfg.kv_usage_hysteresis),
                 **kv,
             ))
