@@ -561,6 +561,8 @@ class FixedWindowBatcher(_QueueBatcher[T]):
             sh.version = self._version
         last = sh.last
         if last is None or last.shape.count >= self._batch_size_max:  # a newcomer heads a batch: a whole window
+            if last is not None:
+                sh.close_predict(last)
             ahead_ms = 0.0 if last is None else last.predicted_ms_before + last.predicted_ms
             window_ms = self._whole_window_ms
         else:  # it joins the last batch
@@ -629,7 +631,7 @@ class _QueueShape:
         self.kv_lo = 0 if last is None else last.kv_before + last.shape.non_head_kv_tokens
         self.kv_hi = _NO_KV_LIMIT - 1 if last is None else min(last.kv_break_before, last.kv_break) - 1
 
-    def _close_predict(self, b: _PlannedBatch) -> None:
+    def close_predict(self, b: _PlannedBatch) -> None:
         if not b.is_predicted:
             b.predicted_ms = self._predict([item for _, item in b.entries])
             b.is_predicted = True
@@ -658,13 +660,25 @@ class _QueueShape:
                     last.kv_tokens += item.kv_tokens
                     last.is_predicted = False
                     continue
-                self._close_predict(last)
+                self.close_predict(last)
             batches.append(_PlannedBatch(entry, last))
-        if batches:
-            self._close_predict(batches[-1])
-        self._refresh()
+        self._refresh()  # (the last batch is predicted lazily: a newcomer that joins it does not need it)
 
     def remove(self, seqs: set[int]) -> None:
+        last = self.last
+        if last is not None and min(seqs) > last.entries[0][0]:
+            # Only non-head members of the last batch: the rest still fits under every cap
+            # (fewer members), and no batch comes after it. Rebuild just its totals.
+            entries = last.entries = [e for e in last.entries if e[0] not in seqs]
+            shape = last.shape = _Shape(entries[0][1])
+            kv = entries[0][1].kv_tokens
+            for _, item in entries[1:]:
+                shape.add(item)
+                kv += item.kv_tokens
+            last.kv_tokens = kv
+            last.is_predicted = False
+            self._refresh()
+            return
         # Batch heads are in add order: the first touched batch holds the smallest seq.
         first = bisect.bisect_right(self.batches, min(seqs), key=lambda b: b.entries[0][0]) - 1
         if first < 0:  # (cannot happen while fresh: every queued seq is in some batch)

@@ -144,14 +144,10 @@ class DecisionRng:
         return (self._next() >> 11) * (1.0 / 9007199254740992.0)
 
     def randrange(self, n: int) -> int:
-        """Uniform in [0, n) (rejection sampling: no modulo bias)."""
+        """Uniform in [0, n)."""
         if n <= 0:
             raise ValueError(f"randrange: empty range {n}")
-        limit = (1 << 64) - (1 << 64) % n
-        while True:
-            x = self._next()
-            if x < limit:
-                return x % n
+        return (self._next() * n) >> 64  # multiply-shift: bias <= n / 2^64
 
     def choice(self, seq):  # noqa: ANN001, ANN201 - mirrors random.Random.choice
         return seq[self.randrange(len(seq))]
