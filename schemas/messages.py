@@ -112,12 +112,15 @@ class WorkerDrainChanged(_Event, tag="worker.drain_changed"):
 
 
 class LedgerEntryEvicted(_Event, tag="ledger.entry_evicted"):
-    """A reservation nobody confirmed within its TTL was removed from the ledger."""
+    """A reservation was removed from the ledger without a terminal event: nobody confirmed
+    it within its TTL ("ttl"), or the worker stopped reporting a request it had reported
+    running ("calibration")."""
 
     worker_id: str
     router_id: str
     field: str  # "pf:<batch id>" | "kv:<request id>"
     ttl_s: float
+    reason: str = "ttl"  # "ttl" | "calibration"
 
 
 # --------------------------------------------------------------------------- request life

@@ -60,6 +60,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_inflight_requests: int = 100_000  # global cap: queue_full
     liveness_sync_ms: int = 500  # one liveness cycle; a cycle without a report is a missed beat
     dead_after_missed_syncs: int = 3  # consecutive missed cycles before a worker is dead (1.5 s)
+    settle_after_missed_reports: int = 2  # a request a worker reported running, then left out of this many reports: settled
     expire_after_ms: int = 10_000  # no report this long: the worker is removed everywhere
     token_buffer_max: int = 4096  # token chunks buffered per request before stream_overflow
     finish_grace_ms: int = 2000  # after a finish event, wait this long for straggling tokens
@@ -78,7 +79,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise SettingsError(str(exc)) from None
         positive = [
             "port", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
-            "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs", "expire_after_ms", "token_buffer_max",
+            "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs", "settle_after_missed_reports", "expire_after_ms", "token_buffer_max",
             "ledger_ttl_s", "ledger_sweep_s", "request_timeout_s",
         ]
         for name in positive:
@@ -129,6 +130,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             max_prompt_tokens=self.max_prompt_tokens, max_queue_per_worker=self.max_queue_per_worker,
             max_inflight_requests=self.max_inflight_requests,
             dead_after_missed_syncs=self.dead_after_missed_syncs, expire_after_ms=self.expire_after_ms,
+            settle_after_missed_reports=self.settle_after_missed_reports,
             prefill_policy=self.prefill_policy, prefill_policy_params=dict(self.prefill_policy_params),
             decode_policy=self.decode_policy, decode_policy_params=dict(self.decode_policy_params),
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),

@@ -316,3 +316,28 @@ def test_pending_counts_each_request_once_plus_unknown_engine_tasks():
     s.on_terminal("r0")
     cand = s._prefill_candidates(s.view.live(), req("probe", n=100), 5)[0]
     assert cand.num_pending == 2 + 3 - 0  # r1, r2 ours; 3 reported running, none visible any more: 3 unknown
+
+
+def test_calibration_settles_a_running_request_the_worker_stops_reporting():
+    """Status reports are authoritative: a request the worker reported running and then
+    leaves out of 2 consecutive reports is settled (its terminal event was lost); one it
+    never reported is not (its dispatch may still be on the way), nor one back in time."""
+    s = make_scheduler(workers=("w0",))
+    for rid in ("lost", "kept", "unseen"):
+        assert isinstance(s.admit(req(rid, n=100), 1), Admitted)
+    s.on_worker_event(status("w0", num_running_requests=2, running_request_ids=["lost", "kept"]), 2)
+    assert s.take_settled() == []
+    s.on_worker_event(status("w0", num_running_requests=1, running_request_ids=["kept"]), 3)
+    assert s.take_settled() == []  # one report without it: maybe its terminal event is on the way
+    s.on_worker_event(status("w0", num_running_requests=1, running_request_ids=["kept", "lost"]), 4)
+    s.on_worker_event(status("w0", num_running_requests=1, running_request_ids=["kept"]), 5)
+    assert s.take_settled() == []  # the count restarted when it was reported again
+    s.on_worker_event(status("w0", num_running_requests=1, running_request_ids=["kept"]), 6)
+    assert s.take_settled() == [("w0", "lost")] and s.take_settled() == []
+    assert s.ledger.request_to_worker.keys() == {"kept", "unseen"}
+    w = s.ledger.workers["w0"]
+    assert w.num_visible == 1 and w.hidden_hard_kv_tokens == 100  # only "unseen" is still hidden
+    # A stale report (replayed at a router restart) is no evidence either way.
+    s.on_worker_event(status("w0", running_request_ids=[]), 7, stale=True)
+    s.on_worker_event(status("w0", running_request_ids=[]), 8, stale=True)
+    assert s.take_settled() == []

@@ -259,3 +259,68 @@ async def test_a_request_past_its_deadline_is_stopped_on_the_worker_and_times_ou
             return (await c2.get(url + "/admin/ledger")).json()["num_entries"] == 0
 
     await wait_async(ledger_empty, 10, "an empty ledger")
+
+
+async def test_a_request_the_worker_stops_reporting_without_a_terminal_event_is_settled(flexlb_up):
+    """Status reports are authoritative. The worker is frozen (SIGSTOP) mid-request and two
+    status reports in its name that no longer list the request are published (what a worker
+    that lost a request, and whose terminal event was lost, would send): the router settles
+    it — the client gets worker_failed, one terminal event, a calibration eviction event, and
+    its Redis ledger entry is gone — instead of holding it until the TTL sweep."""
+    import msgspec
+    import nats
+
+    from schemas.subjects import status_subject
+
+    _, state = flexlb_up("--time-scale", "1.0", "--workers", "1")
+    url, nats_url = state["router_url"], state["nats_url"]
+    nc = await nats.connect(nats_url)
+    reports: list[m.WorkerStatusReported] = []
+
+    async def on_status(msg):
+        env = m.decode(msg.data)
+        if isinstance(env.payload, m.WorkerStatusReported):
+            reports.append(env.payload)
+
+    await nc.subscribe(status_subject("w0"), cb=on_status)
+    worker_pid = state["pids"]["worker-w0"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        task = asyncio.create_task(c.post(url + "/v1/completions", json={"prompt": "settle me", "max_tokens": 600}))
+        async def running():
+            return any(r.running_request_ids for r in reports)
+
+        await wait_async(running, 20, "the worker to report the request running")
+        seen = len(reports)
+
+        async def two_more():
+            return len(reports) > seen + 1
+
+        await wait_async(two_more, 10, "two more reports listing it (the router saw it running)")
+        rid = reports[-1].running_request_ids[0]
+        os.kill(worker_pid, signal.SIGSTOP)
+        try:
+            factory = m.EnvelopeFactory("w0", reports[-1].boot_id + "-probe")
+            for _ in range(2):
+                lost = msgspec.structs.replace(reports[-1], running_request_ids=[], num_running_requests=0)
+                await nc.publish(status_subject("w0"), m.encode(factory.wrap(lost, time.time_ns())))
+                await asyncio.sleep(0.1)
+            resp = await asyncio.wait_for(task, 10)
+        finally:
+            os.kill(worker_pid, signal.SIGCONT)
+        assert resp.status_code >= 500, resp.text
+        assert resp.json()["error"]["code"] == "worker_failed" and "stopped reporting" in resp.json()["error"]["message"]
+        ledger = (await c.get(url + "/admin/ledger")).json()
+        assert not any(e.get("field") == f"kv:{rid}" for e in ledger.get("entries", [])), ledger
+    await nc.close()
+
+    async def events_for_rid():
+        envs = await read_event_log(nats_url)
+        terminal = [e.payload for e in envs if isinstance(e.payload, m.TERMINAL_TYPES) and e.payload.request_id == rid]
+        evicted = [e.payload for e in envs if isinstance(e.payload, m.LedgerEntryEvicted) and e.payload.field == f"kv:{rid}"]
+        return (terminal, evicted) if terminal and evicted else None
+
+    terminal, evicted = await wait_async(events_for_rid, 10, "the terminal and eviction events")
+    await asyncio.sleep(1.0)  # the thawed worker may still say something about it: still exactly one terminal
+    terminal, evicted = await events_for_rid()
+    assert len(terminal) == 1 and isinstance(terminal[0], m.RequestFailed) and terminal[0].code == "worker_failed"
+    assert [e.reason for e in evicted] == ["calibration"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,9 +33,10 @@ def test_reservations_count_until_the_worker_reports_them_then_never_twice():
     led.reserve(DecodeReservation("r1", "d", hard_kv_tokens=100, expected_kv_tokens=300, created_ns=0))
     led.reserve(DecodeReservation("r2", "d", hard_kv_tokens=50, expected_kv_tokens=70, created_ns=0))
     assert led.hidden_kv("d") == (150, 370)
-    assert led.calibrate("d", ["r1", "unknown"]) == 1
+    assert led.calibrate("d", ["r1", "unknown"]) == []  # r1 visible now; r2 never reported: not settled
     assert led.hidden_kv("d") == (50, 70)
-    assert led.calibrate("d", ["r1"]) == 0  # already visible
+    assert led.calibrate("d", ["r1"]) == []  # already visible
+    assert led.hidden_kv("d") == (50, 70)
     assert led.release("r1") is not None and led.release("r1") is None
     assert led.hidden_kv("d") == (50, 70)
     led.release("r2")
@@ -85,5 +87,7 @@ def test_reservations_and_counts_never_go_negative_and_match_a_recount(steps):
             assert w.hidden_hard_kv_tokens == sum(r.hard_kv_tokens for r in hidden) >= 0
             assert w.hidden_expected_kv_tokens == sum(r.expected_kv_tokens for r in hidden) >= 0
             assert w.num_batch_requests == sum(len(b.request_ids) for b in w.batches.values()) >= 0
+            assert w.num_visible == sum(r.visible for r in w.reservations.values()) >= 0
+            assert w.predicted_ms_total == pytest.approx(sum(b.predicted_ms for b in w.batches.values()))
             assert all(led.request_to_worker[rid] == wid for rid in w.reservations)
         assert set(led.request_to_worker) == {rid for w in led.workers.values() for rid in w.reservations}

@@ -39,6 +39,7 @@ class DecodeReservation:
     expected_kv_tokens: int
     created_ns: int
     visible: bool = False  # the worker reports it running: its KV is in the reported numbers
+    num_missed_reports: int = 0  # consecutive status reports of the worker without it, once visible
 
 
 @dataclass
@@ -147,21 +148,30 @@ class InflightLedger:
             w.hidden_expected_kv_tokens -= r.expected_kv_tokens
         return r
 
-    def calibrate(self, worker_id: str, running_request_ids: list[str]) -> int:
-        """The worker reports these requests as held: their KV is visible now."""
+    def calibrate(self, worker_id: str, running_request_ids: list[str], settle_after: int = 2) -> list[DecodeReservation]:
+        """Status reports are authoritative. A reservation the worker reports becomes visible
+        (its KV is in the reported numbers). A visible one the worker then leaves out of
+        `settle_after` consecutive reports is settled: released and returned, so the caller
+        can end the request (its terminal event was lost). Reservations never reported are
+        left to the TTL sweep: their dispatch may still be on its way."""
         w = self.workers.get(worker_id)
         if w is None or not w.reservations:
-            return 0
-        n = 0
-        for rid in running_request_ids:
-            r = w.reservations.get(rid)
-            if r is not None and not r.visible:
-                r.visible = True
-                w.num_visible += 1
-                w.hidden_hard_kv_tokens -= r.hard_kv_tokens
-                w.hidden_expected_kv_tokens -= r.expected_kv_tokens
-                n += 1
-        return n
+            return []
+        reported = set(running_request_ids)
+        settled: list[DecodeReservation] = []
+        for rid, r in list(w.reservations.items()):
+            if rid in reported:
+                r.num_missed_reports = 0
+                if not r.visible:
+                    r.visible = True
+                    w.num_visible += 1
+                    w.hidden_hard_kv_tokens -= r.hard_kv_tokens
+                    w.hidden_expected_kv_tokens -= r.expected_kv_tokens
+            elif r.visible:
+                r.num_missed_reports += 1
+                if r.num_missed_reports >= settle_after:
+                    settled.append(self.release(rid))
+        return settled
 
     def remove_worker(self, worker_id: str) -> WorkerInflight | None:
         w = self.workers.pop(worker_id, None)

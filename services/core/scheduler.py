@@ -155,6 +155,7 @@ class SchedulerConfig:
     # (the trace benchmark saw 31k predicted vs 95k actual cached tokens). 0 disables.
     pending_prefix_ttl_ms: float = 30_000.0
     dead_after_missed_syncs: int = 3  # liveness: dead after this many sync cycles without a report
+    settle_after_missed_reports: int = 2  # calibration: a running request missing from this many reports is settled
     expire_after_ms: int = 10_000  # liveness: removed everywhere after this long without a report
     expected_output_cap_tokens: int = 1000  # expected decode KV = prompt + min(max_tokens, this)
     pending_gate_high: int = 64  # prefill gate: closes at this many pending requests ...
@@ -167,7 +168,7 @@ class SchedulerConfig:
         if self.prefix_index not in ("exact", "approximate"):
             raise ValueError(f"prefix_index must be exact or approximate, got {self.prefix_index!r}")
         for name in ("max_prompt_tokens", "max_queue_per_worker", "max_inflight_requests", "dead_after_missed_syncs", "expire_after_ms",
-                     "pending_gate_high"):
+                     "pending_gate_high", "settle_after_missed_reports"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         build_policy("prefill", self.prefill_policy, self.prefill_policy_params)
@@ -313,6 +314,7 @@ class Scheduler:
         self.num_batches = 0
         self.decision_seq = 0
         self.last_expiry_ns = 0  # when the approximate indexes were last swept
+        self.settled: list[tuple[str, str]] = []  # see take_settled
         self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
 
     @property
@@ -323,9 +325,17 @@ class Scheduler:
     # ---------------------------------------------------------------- inputs
     def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
         info = self.view.apply(event, now_ns, stale)
-        if isinstance(event, WorkerStatusReported) and event.running_request_ids:
-            self.ledger.calibrate(event.worker_id, event.running_request_ids)
+        if isinstance(event, WorkerStatusReported) and not stale:
+            for r in self.ledger.calibrate(event.worker_id, event.running_request_ids, self.config.settle_after_missed_reports):
+                self.settled.append((event.worker_id, r.request_id))
         return info
+
+    def take_settled(self) -> list[tuple[str, str]]:
+        """(worker id, request id) of requests calibration settled since the last call: the
+        worker stopped reporting them and no terminal event came. Their reservations are
+        released; the shell ends each request (and its Redis ledger entry)."""
+        out, self.settled = self.settled, []
+        return out
 
     def sync(self, now_ns: int) -> "SyncResult":
         """One liveness cycle. Dead workers get no new work, and the requests queued for them

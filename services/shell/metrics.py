@@ -34,6 +34,9 @@ class RouterMetrics:
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
         self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total", "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart", registry=r)
         self.ledger_evictions = Counter("flexlb_ledger_evictions_total", "Ledger entries evicted by the TTL sweep (unconfirmed)", registry=r)
+        self.ledger_settlements = Counter("flexlb_ledger_settlements_total",
+                                          "Requests settled by calibration: the worker stopped reporting them, no terminal event came",
+                                          registry=r)
         self.leader = Gauge("flexlb_router_leader", "1 while this router holds the scheduling lease", registry=r)
         self.forwarded = Counter("flexlb_forwarded_requests_total", "Requests this standby forwarded to the leader", registry=r)
         self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)

@@ -649,11 +649,29 @@ class RouterService:
         now = time.time_ns()
         stale_ns = self.settings.dead_after_missed_syncs * self.settings.liveness_sync_ms * 1_000_000
         info = self.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=now - env.time_ns > stale_ns)
+        for worker_id, rid in self.scheduler.take_settled():
+            await self._settle(worker_id, rid)
         if self.settings.prefix_index == "exact" and info.worker_id not in self.scheduler.index.workers():
             await self._request_snapshot(info.worker_id, "no KV state for this worker yet", now)
         if self.view_ready_after_ms is None and self.scheduler.view.readiness(now, self.scheduler.timeout_ns)[0]:
             self.view_ready_after_ms = round((now - self.started_ns) / 1e6, 1)
             log.info("worker view complete %.1f ms after start", self.view_ready_after_ms)
+
+    async def _settle(self, worker_id: str, request_id: str) -> None:
+        """Calibration settled a request: the worker reported it running, then stopped
+        reporting it, and no terminal event came (lost). End it once, release its Redis
+        entry, and say so."""
+        self.metrics.ledger_settlements.inc()
+        why = f"worker {worker_id} stopped reporting it and no terminal event arrived"
+        handle = self.handles.get(request_id)
+        if handle is not None and not handle.done:
+            await self._fail_from_router(handle, "worker_failed", why)
+        else:
+            self.scheduler.on_terminal(request_id)
+            await self._release_request(request_id)
+        log.warning("settled %s: %s", request_id, why)
+        await self._emit(m.LedgerEntryEvicted(worker_id=worker_id, router_id=self.router_id, field=kv_field(request_id),
+                                              ttl_s=0.0, reason="calibration"))
 
     async def _request_snapshot(self, worker_id: str, reason: str, now_ns: int) -> None:
         last = self.snapshot_requested_ns.get(worker_id, 0)
