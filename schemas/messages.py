@@ -84,6 +84,7 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     num_requests_finished: int = 0
     num_undecodable_messages: int = 0
     num_stale_commands_refused: int = 0
+    num_stream_overflows: int = 0  # requests stopped: their tokens did not fit the outbound buffer
     last_step_ms: float = 0.0
     heartbeat_interval_ms: int = 200
 

@@ -52,6 +52,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="most prompt tokens per prefill batch (default 65536)")
     p.add_argument("--max-seq-len-tokens", type=int, help="longest prompt + output (default 40960)")
     p.add_argument("--profile", help="timing profile JSON (default: llama2-70b H100 TP8, Splitwise fit)")
+    p.add_argument("--outbound-buffer-bytes", type=int,
+                   help="bytes of outputs a worker holds while NATS is away (default 2 MiB); beyond: stream_overflow")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -82,7 +82,7 @@ def run_up(args, settings: RouterSettings) -> int:
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url)
         worker_flags: list[str] = []
         for flag in ("time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
-                     "max_seq_len_tokens", "profile"):
+                     "max_seq_len_tokens", "profile", "outbound_buffer_bytes"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]

@@ -287,3 +287,38 @@ async def test_a_withdrawn_request_is_dropped_silently_even_if_its_command_comes
     envs = await read_event_log(nats_url)
     assert not [e for e in envs if getattr(e.payload, "request_id", None) == rid and isinstance(e.payload, m.TERMINAL_TYPES)]
     await nc.close()
+
+
+async def test_requests_a_dead_leader_held_undispatched_fail_retryable_at_once_on_the_standby(spawn, nats_url, redis_url):
+    """The leader holds forwarded requests in its batch queue (a 20 s window) and is killed:
+    nothing will ever dispatch them, so the standby fails them with a retryable not_ready as
+    soon as it sees the leader gone, not at their 600 s deadline."""
+    import time
+
+    env = {"FLEXLB_NATS_URL": nats_url, "FLEXLB_REDIS_URL": redis_url}
+    worker = _ids("w")
+    spawn("worker", "--id", worker, "--time-scale", "0.01", env=env, name=worker)
+    cluster = _ids("c")
+    port_a, port_b = free_port(), free_port()
+    leader = spawn("router", "--router-id", _ids("leader"), "--port", str(port_a), "--cluster", cluster,
+                   "--batch-wait-ms", "20000", "--batch-size-max", "64", env=env, name="leader")
+    a_url, b_url = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
+    wait_for(lambda: leader.popen.poll() is None and _ready(a_url), 60, "leader ready")
+    b = spawn("router", "--router-id", _ids("standby"), "--port", str(port_b), "--cluster", cluster,
+              "--batch-wait-ms", "20000", "--batch-size-max", "64", env=env, name="standby")
+    wait_for(lambda: b.popen.poll() is None and _ready(b_url), 60, "standby ready")
+    assert httpx.get(b_url + "/healthz").json()["role"] == "standby"
+    async with httpx.AsyncClient(timeout=60) as c:
+        tasks = [asyncio.create_task(c.post(b_url + "/v1/completions", json={"prompt": f"held {i}", "max_tokens": 3}))
+                 for i in range(3)]
+
+        await asyncio.sleep(1.0)  # admitted and queued at the leader (its window is 20 s)
+        assert not any(t.done() for t in tasks)
+        leader.popen.kill()
+        t0 = time.monotonic()
+        responses = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+        elapsed = time.monotonic() - t0
+    for r in responses:
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "not_ready" and "had not dispatched" in r.json()["error"]["message"]
+    assert elapsed < 6.0, elapsed  # takeover (~2 s) plus a lease cycle, not the 600 s deadline

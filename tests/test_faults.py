@@ -324,3 +324,47 @@ async def test_a_request_the_worker_stops_reporting_without_a_terminal_event_is_
     terminal, evicted = await events_for_rid()
     assert len(terminal) == 1 and isinstance(terminal[0], m.RequestFailed) and terminal[0].code == "worker_failed"
     assert [e.reason for e in evicted] == ["calibration"]
+
+
+async def test_a_worker_outbound_buffer_overflow_stops_the_request_visibly(flexlb_up):
+    """NATS goes away while a worker streams a long request; its outbound buffer (4 KiB
+    here) fills: the worker stops the request, counts it (num_stream_overflows in its
+    status), and the client gets an error with a code instead of a silent hole or a hang."""
+    import subprocess
+
+    import nats as nats_client
+
+    from schemas.subjects import STATUS_STREAM, status_subject
+    from services.infra import find_binary, wait_port
+
+    proc, state = flexlb_up("--time-scale", "1.0", "--workers", "1", "--outbound-buffer-bytes", "4096")
+    url, nats_url = state["router_url"], state["nats_url"]
+    port = int(nats_url.rsplit(":", 1)[1])
+    async with httpx.AsyncClient(timeout=120) as c:
+        from tests.stack import stream_completion
+
+        stream = asyncio.create_task(stream_completion(c, url, {"prompt": "a long answer", "max_tokens": 3000}))
+        await asyncio.sleep(1.5)  # streaming by now
+        assert not stream.done()
+        os.kill(state["pids"]["nats-server"], signal.SIGKILL)
+        await asyncio.sleep(3.0)  # ~100 token chunks of ~200 bytes: far beyond 4 KiB
+        restarted = subprocess.Popen([find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
+                                      state["nats_data_dir"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_port(port, 10, restarted)
+            res = await asyncio.wait_for(stream, 60)  # bounded: it must end
+            assert res["done"] and res["errors"], res
+            assert res["errors"][0]["code"] in {"stream_overflow", "worker_failed"}, res["errors"]
+            nc = await nats_client.connect(nats_url)
+            js = nc.jetstream()
+
+            async def overflow_counted():
+                raw = await js.get_last_msg(STATUS_STREAM.name, status_subject("w0"))
+                return m.decode(raw.data).payload.num_stream_overflows >= 1
+
+            await wait_async(overflow_counted, 15, "the worker to count the overflow in its status")
+            await nc.close()
+        finally:
+            proc.stop()
+            restarted.terminate()
+            restarted.wait(10)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import msgspec
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.errors import OutboundBufferLimitError
 from nats.js.errors import BadRequestError
 
 from schemas import messages as m
@@ -79,6 +80,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch
     max_seq_len_tokens: int = 40960  # longest prompt + output
     profile: str | None = None  # timing profile JSON; default: llama2-70b H100 TP8 (Splitwise fit)
+    # While NATS is away, outputs wait in the client's buffer, up to this many bytes (shared by
+    # all requests). A request whose tokens do not fit is stopped and failed with
+    # stream_overflow (counted in num_stream_overflows), never silently truncated.
+    outbound_buffer_bytes: int = 2 * 1024 * 1024
 
     def validate(self) -> "WorkerConfig":
         validate_token("worker_id", self.worker_id)
@@ -87,7 +92,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"engine {self.engine!r} is not available; known: sim")
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
-        for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens"):
+        for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens",
+                     "outbound_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         return self
@@ -122,6 +128,7 @@ class WorkerAgent:
         self.num_requests_finished = 0
         self.num_undecodable = 0
         self.num_stale_refused = 0
+        self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.last_step_ms = 0.0
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
         self.nc = None
@@ -153,6 +160,7 @@ class WorkerAgent:
             num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(),
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
+            num_stream_overflows=self.num_stream_overflows,
             last_step_ms=self.last_step_ms, heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
         )
 
@@ -169,7 +177,7 @@ class WorkerAgent:
 
         self.nc = await nats.connect(
             cfg.nats_url, name=f"flexlb-worker-{cfg.worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-            connect_timeout=5, error_cb=error_cb,
+            connect_timeout=5, error_cb=error_cb, pending_size=cfg.outbound_buffer_bytes,
         )
         self.js = self.nc.jetstream()
         await self._ensure_streams()
@@ -384,6 +392,22 @@ class WorkerAgent:
             except Exception:  # keep the engine going; the lost outputs surface as client errors
                 log.exception("publishing a step's outputs failed")
 
+    async def _stream_overflow(self, request_id: str) -> None:
+        """Its tokens no longer fit the outbound buffer (NATS away too long): stop it and say
+        so. The failure event may not fit either; then the router learns it from the status
+        reports, which stop listing the request (calibration), or from the token gap."""
+        self.num_stream_overflows += 1
+        self.engine.cancel(request_id)
+        self.meta.pop(request_id, None)
+        log.warning("request %s: outbound buffer of %d bytes full; stopped (stream_overflow)", request_id,
+                    self.cfg.outbound_buffer_bytes)
+        try:
+            await self._event(m.RequestFailed(request_id=request_id, worker_id=self.cfg.worker_id, code="stream_overflow",
+                                              message=f"worker {self.cfg.worker_id}: outbound buffer full while NATS was away",
+                                              retryable=True))
+        except OutboundBufferLimitError:
+            log.warning("request %s: its stream_overflow event did not fit the buffer either", request_id)
+
     async def _enforce_deadlines(self) -> None:
         """Stop requests past their deadline (they would run on for nobody): timed_out."""
         now = time.time_ns()
@@ -406,10 +430,13 @@ class WorkerAgent:
                 continue  # cancelled meanwhile
             ids = [t.token_id for t in toks]
             fin = finished.get(request_id)
-            await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
-                request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
-                text=decode_tokens(ids), finish_reason=fin.finish_reason if fin else None,
-            )))
+            try:
+                await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
+                    request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
+                    text=decode_tokens(ids), finish_reason=fin.finish_reason if fin else None,
+                )))
+            except OutboundBufferLimitError:
+                await self._stream_overflow(request_id)
         if step.kind == "prefill" and step.batch_id:
             self.num_batches_executed += 1
             await self._event(m.PrefillCompleted(

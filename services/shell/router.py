@@ -174,6 +174,8 @@ class RequestHandle:
     timeout_s: float = 600.0  # its deadline, from arrival
     token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
     remote: bool = False  # forwarded by a standby: no local client reads this handle
+    leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
+    dispatched: bool = False  # standby: the leader's batch.dispatched listed it
 
 
 class RouterService:
@@ -411,6 +413,26 @@ class RouterService:
             self.metrics.leader.set(1)
             log.warning("router %s is the leader (epoch %d)", self.router_id, self.epoch)
             await self._announce_epoch()
+            await self._fail_stranded_forwards(self.router_id)
+            return
+        holder = await self.redis.get(key)
+        if holder:
+            await self._fail_stranded_forwards((holder.decode() if isinstance(holder, bytes) else holder).split(":")[0])
+
+    async def _fail_stranded_forwards(self, leader_id: str) -> None:
+        """Standby: requests we forwarded to a leader that is gone, and that it never
+        dispatched, were queued in its memory only: nothing will ever answer them. Fail them
+        now (retryable) instead of at their deadline. One it dispatched is running on a worker
+        that streams to us directly and is left alone. (A lost batch.dispatched event makes
+        us fail a request that is running: the client retries; its tokens are dropped.)"""
+        for handle in list(self.handles.values()):
+            if (handle.leader_id and handle.leader_id != leader_id and not handle.remote and not handle.done
+                    and not handle.dispatched and handle.next_index == 0):
+                self.metrics.requests.labels("failed", "not_ready").inc()
+                self.records.note(handle.request_id, time.time_ns(), "failed_by_router", code="not_ready",
+                                  message=f"leader {handle.leader_id} gone before dispatching it")
+                self._finish_router(handle, "failed", "not_ready",
+                                    f"leader router {handle.leader_id} is gone and had not dispatched it; retry")
 
     async def _step_down(self, why: str) -> None:
         log.error("router %s steps down: %s", self.router_id, why)
@@ -445,6 +467,7 @@ class RouterService:
             self.handles.pop(request_id, None)
             return Rejected(reply.code, reply.message)
         handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
+        handle.leader_id = reply.router_id
         self.metrics.forwarded.inc()
         return handle
 
@@ -477,6 +500,12 @@ class RouterService:
             ev = m.decode(msg.data).payload
         except m.DecodeError as exc:
             await self._undecodable("router_events", msg, exc)
+            return
+        if isinstance(ev, m.BatchDispatched):
+            for rid in ev.request_ids:
+                handle = self.handles.get(rid)
+                if handle is not None:
+                    handle.dispatched = True
             return
         if not isinstance(ev, (m.RequestFailed, m.RequestTimedOut, m.RequestCancelled)):
             return
