@@ -368,3 +368,45 @@ async def test_a_worker_outbound_buffer_overflow_stops_the_request_visibly(flexl
             proc.stop()
             restarted.terminate()
             restarted.wait(10)
+
+
+async def test_a_frozen_worker_with_its_connection_open_is_dead_after_exactly_3_missed_cycles(flexlb_up):
+    """SIGSTOP keeps the worker's TCP connection to NATS open but stops its heartbeats: the
+    router's missed-cycle counter must accumulate across cycles — suspect at 1 and 2, dead at
+    exactly 3 (dead_after_missed_syncs) — and a report brings it back to ready."""
+    _, state = flexlb_up("--workers", "2", "--time-scale", "0.01")
+    url = state["router_url"]
+    pid = state["pids"]["worker-w0"]
+    seen: list[tuple[str, int]] = []
+    async with httpx.AsyncClient(timeout=10) as c:
+        async def view():
+            return {w["id"]: w for w in (await c.get(url + "/admin/workers")).json()["workers"]}
+
+        async def both_ready():
+            v = await view()
+            return v.get("w0", {}).get("liveness") == "ready" and v.get("w1", {}).get("liveness") == "ready"
+
+        await wait_async(both_ready, 20, "both workers ready")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                v = await view()
+                w0 = v["w0"]
+                if not seen or seen[-1] != (w0["liveness"], w0["num_missed_syncs"]):
+                    seen.append((w0["liveness"], w0["num_missed_syncs"]))
+                assert v["w1"]["liveness"] in ("ready", "suspect")  # the healthy one is untouched
+                if w0["liveness"] == "dead":
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print("w0 liveness seen:", seen)
+        assert seen[-1] == ("dead", 3), seen
+        assert all(missed in (1, 2) for liveness, missed in seen if liveness == "suspect"), seen
+        assert ("suspect", 2) in seen, seen  # the count went up across cycles, not reset each one
+
+        async def back():
+            return (await view())["w0"]["liveness"] == "ready"
+
+        await wait_async(back, 10, "the thawed worker back to ready")
