@@ -374,7 +374,22 @@ class RequestKvSnapshot(_Event, tag="cmd.request_kv_snapshot"):
     reason: str = ""
 
 
+class CoreRecorded(_Event, tag="core.recorded"):
+    """One call into a router's scheduling core, in call order: the journal from which
+    `flexlb replay` rebuilds the core's state at any instant and re-makes every decision.
+    `op` names the call (`config` first: the configuration in force), `args` its inputs as
+    builtins, `out` a summary of what it decided (compared at replay). The envelope's seq
+    is gap-free per router process, so a lost record is detected, never skipped silently."""
+
+    router_id: str
+    op: str
+    now_ns: int = 0
+    args: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+
+
 Payload = Union[
+    CoreRecorded,
     WorkerRegistered,
     WorkerStatusReported,
     WorkerLivenessChanged,

@@ -173,7 +173,22 @@ DLQ_STREAM = StreamSpec(
     max_age_s=7 * 24 * 3600,
     max_bytes=256 * 1024 * 1024,
 )
-ALL_STREAMS: tuple[StreamSpec, ...] = (STATUS_STREAM, EVENTS_STREAM, DISPATCH_STREAM, DLQ_STREAM)
+# The core journal (`core.recorded`, one subject per router): what replay folds. Its
+# retention defaults to the event log's; the router's settings journal_max_age_s /
+# journal_max_bytes (and events_max_age_s / events_max_bytes) override them.
+JOURNAL_STREAM = StreamSpec(
+    name="FLEXLB_JOURNAL",
+    subjects=[f"{PREFIX}.journal.>"],
+    retention="limits",
+    max_age_s=24 * 3600,
+    max_bytes=1024 * 1024 * 1024,
+)
+ALL_STREAMS: tuple[StreamSpec, ...] = (STATUS_STREAM, EVENTS_STREAM, DISPATCH_STREAM, DLQ_STREAM, JOURNAL_STREAM)
+
+
+def journal_subject(router_id: str) -> str:
+    """Where a router's core journal goes (captured by FLEXLB_JOURNAL)."""
+    return f"{PREFIX}.journal.{router_id}"
 
 # Header names
 HDR_MSG_ID = "Nats-Msg-Id"

@@ -90,6 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL, default http://127.0.0.1:8000)")
     workers.add_argument("--token", help="admin bearer token (env FLEXLB_ADMIN_TOKEN)")
 
+    events = sub.add_parser("events", help="export the event log and core journal to a file, or tail them live")
+    events.add_argument("action", choices=["export", "tail"])
+    events.add_argument("--nats-url", help="NATS server URL (env FLEXLB_NATS_URL, default nats://127.0.0.1:4222)")
+    events.add_argument("--out", help="export: the file (.gz: gzip'd JSON lines)")
+    events.add_argument("--since", help="export: from this stream seq, ISO time or epoch seconds")
+    events.add_argument("--until", help="export: up to this stream seq, ISO time or epoch seconds")
+    events.add_argument("--streams", default="FLEXLB_JOURNAL,FLEXLB_EVENTS", help="export: streams, comma-separated")
+    events.add_argument("--kind", action="append", default=[], help="tail: only event types starting with this (repeatable)")
+    events.add_argument("--request", help="tail: only events of this request id")
+
+    rp = sub.add_parser("replay", help="re-decide a recorded run through the core; check every decision is identical")
+    rp.add_argument("file", help="an export of `flexlb events export`")
+    rp.add_argument("--router", help="only this router's journal")
+    rp.add_argument("--json", action="store_true", help="print a summary object (events, decisions, matched, first_divergence)")
+    rp.add_argument("--at", help="stop at this instant (epoch seconds or ISO time) and show the state")
+    rp.add_argument("--show", default="workers", help="with --at: workers | ledger | queues | index")
+
+    ex = sub.add_parser("explain", help="one request's timeline and decisions, from an export or the live router")
+    ex.add_argument("request_id")
+    ex.add_argument("--file", help="an export (default: ask the live router at --url)")
+    ex.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL, default http://127.0.0.1:8000)")
+    ex.add_argument("--token", help="admin bearer token (env FLEXLB_ADMIN_TOKEN)")
+    ex.add_argument("--json", action="store_true", help="JSON instead of a table")
+
     schema = sub.add_parser("schema", help="print the JSON Schema of every bus message")
     schema.add_argument("--out", help="write to this file instead of stdout")
     return parser
@@ -173,6 +197,78 @@ def run_workers_admin(args: argparse.Namespace) -> int:
     return 0 if resp.is_success else 1
 
 
+def run_eventlog(args: argparse.Namespace) -> int:
+    """`flexlb events export|tail`, `flexlb replay`, `flexlb explain` (services/eventlog.py).
+    Exit 0: done (replay: every decision identical, no gap); 1: a divergence, a gap, or
+    nothing found; 2: bad arguments or an unreadable source."""
+    import os
+
+    from services import eventlog
+
+    nats_url = getattr(args, "nats_url", None) or os.environ.get("FLEXLB_NATS_URL") or "nats://127.0.0.1:4222"
+    try:
+        if args.command == "events" and args.action == "export":
+            if not args.out:
+                print("flexlb events export: --out FILE is required", file=sys.stderr)
+                return 2
+            header = asyncio.run(eventlog.export(nats_url, args.out, args.streams.split(","), args.since, args.until,
+                                                 progress=sys.stderr.isatty()))
+            for name, st in header["streams"].items():
+                flag = " TRUNCATED: " + st["note"] if st["truncated"] else ""
+                print(f"{name}: {st['exported']} messages (stream seqs {st['first_seq']}..{st['last_seq']}){flag}")
+            print(f"wrote {args.out}")
+            return 0
+        if args.command == "events":
+            stop = asyncio.Event()
+
+            async def run_tail() -> None:
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await eventlog.tail(nats_url, args.kind, args.request, stop=stop)
+
+            asyncio.run(run_tail())
+            return 0
+        if args.command == "replay":
+            summary, reports = eventlog.replay_file(args.file, args.router, args.at, progress=sys.stderr.isatty())
+            if args.at:
+                for r in reports:
+                    print(f"# {r.router_id}/{r.boot_id} at {r.last_now_ns} ({r.events} records folded)")
+                    if r.scheduler is not None:
+                        eventlog.show_state(r.scheduler, args.show)
+                return 0
+            if args.json:
+                print(json.dumps(summary, indent=2, default=str))
+            else:
+                eventlog.print_replay(summary)
+            ok = summary["matched"] == summary["decisions"] and not summary["first_divergence"] and not summary["gaps"]
+            return 0 if ok and not summary["errors"] else 1
+        # explain
+        if args.file:
+            data = eventlog.explain_file(args.file, args.request_id)
+        else:
+            import httpx
+
+            url = (args.url or os.environ.get("FLEXLB_ADMIN_URL") or "http://127.0.0.1:8000").rstrip("/")
+            token = args.token or os.environ.get("FLEXLB_ADMIN_TOKEN") or ""
+            resp = httpx.get(f"{url}/admin/requests/{args.request_id}", timeout=10,
+                             headers={"Authorization": f"Bearer {token}"} if token else {})
+            if resp.status_code == 404:
+                print(f"request {args.request_id}: unknown to {url}", file=sys.stderr)
+                return 1
+            data = resp.json()
+            print(json.dumps(data, indent=2))
+            return 0 if resp.is_success else 1
+        if args.json:
+            print(json.dumps(data, indent=2, default=str))
+        else:
+            eventlog.print_explain(data)
+        return 0 if data["found"] else 1
+    except (OSError, ValueError) as exc:
+        print(f"flexlb {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -190,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "workers":
         return run_workers_admin(args)
+    if args.command in ("events", "replay", "explain"):
+        return run_eventlog(args)
     if args.command == "schema":
         from schemas.messages import json_schema
 

@@ -68,6 +68,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ledger_sweep_s: float = 60.0  # how often the TTL sweep runs
     request_timeout_s: float = 600.0  # the client waits at most this long for a terminal outcome
     seed: int = 0  # the router's RNG seed (decisions are reproducible)
+    journal: bool = True  # record every call into the scheduling core (FLEXLB_JOURNAL; `flexlb replay`)
+    events_max_age_s: float = 24 * 3600  # retention of the event log (FLEXLB_EVENTS) ...
+    events_max_bytes: int = 1024 * 1024 * 1024  # ... whichever limit comes first
+    journal_max_age_s: float = 24 * 3600  # retention of the core journal (FLEXLB_JOURNAL) ...
+    journal_max_bytes: int = 1024 * 1024 * 1024  # ... whichever limit comes first
     admin_token: str = ""  # bearer token of /admin/*; required when host is not loopback
     log_level: str = "info"
 

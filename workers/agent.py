@@ -146,8 +146,8 @@ class WorkerAgent:
             config = StreamConfig.from_response(spec.api_config())
             try:
                 await self.js.add_stream(config)
-            except BadRequestError:
-                await self.js.update_stream(config)
+            except BadRequestError:  # it exists: its limits are the router's settings, not ours to reset
+                log.debug("stream %s exists; keeping its configuration", spec.name)
 
     def status(self) -> m.WorkerStatusReported:
         e = self.engine

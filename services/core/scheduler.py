@@ -700,9 +700,23 @@ class Scheduler:
 
     def rollback(self, batch: FormedBatch) -> None:
         """The batch could not be dispatched: forget it and its requests."""
-        self.ledger.complete_batch(batch.worker_id, batch.batch_id)
-        for item in batch.items:
-            self.on_terminal(item.request_id)
+        self.rollback_ids(batch.worker_id, batch.batch_id, [item.request_id for item in batch.items])
+
+    def rollback_ids(self, worker_id: str, batch_id: str, request_ids: list[str]) -> None:
+        self.ledger.complete_batch(worker_id, batch_id)
+        for request_id in request_ids:
+            self.on_terminal(request_id)
+
+    def forget_batch(self, worker_id: str, batch_id: str) -> None:
+        """Drop an inflight batch from the mirror without teaching the predictor (its worker
+        died with it)."""
+        self.ledger.complete_batch(worker_id, batch_id)
+
+    def set_drain_flags(self, worker_ids: set[str]) -> None:
+        self.view.set_drain_flags(worker_ids)
+
+    def mark_dead(self, worker_id: str) -> None:
+        self.view.mark_dead(worker_id)
 
     def next_due_ns(self, now_ns: int) -> int | None:
         dues = [d for w, b in self.batchers.items() if len(b) and (d := b.next_due_ns(now_ns, self.load(w, now_ns))) is not None]

@@ -41,9 +41,9 @@ async def connect(url: str, name: str, on_state: Callable[[str], Awaitable[None]
     )
 
 
-async def ensure_streams(js) -> None:
+async def ensure_streams(js, specs=ALL_STREAMS) -> None:
     """Create every FlexLB stream, or bring an existing one to the current definition."""
-    for spec in ALL_STREAMS:
+    for spec in specs:
         config = StreamConfig.from_response(spec.api_config())
         try:
             await js.add_stream(config)

@@ -34,6 +34,9 @@ class RouterMetrics:
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
         self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total", "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart", registry=r)
         self.ledger_evictions = Counter("flexlb_ledger_evictions_total", "Ledger entries evicted by the TTL sweep (unconfirmed)", registry=r)
+        self.journal_records = Counter("flexlb_journal_records_total", "Core journal records published", registry=r)
+        self.journal_lost = Counter("flexlb_journal_lost_total", "Core journal records the bus refused (replay sees a gap)",
+                                    registry=r)
         self.ledger_settlements = Counter("flexlb_ledger_settlements_total",
                                           "Requests settled by calibration: the worker stopped reporting them, no terminal event came",
                                           registry=r)

@@ -32,15 +32,19 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import messages as m
 from schemas.errors import ErrorBody, error_code
 from schemas.subjects import (
+    ALL_STREAMS,
+    JOURNAL_STREAM,
     DISPATCH_STREAM,
     STATUS_STREAM,
     ALL_KV_EVENTS,
@@ -53,6 +57,7 @@ from schemas.subjects import (
     ALL_ROUTER_EVENTS,
     dispatch_subject,
     epoch_subject,
+    journal_subject,
     submit_subject,
     kv_snapshot_request_subject,
     router_events_consumer,
@@ -60,6 +65,7 @@ from schemas.subjects import (
     token_subject,
 )
 from schemas.tokens import block_hashes
+from services.core.journal import Recorder
 from services.core.scheduler import AdmitRequest, Admitted, FormedBatch, QueueFailure, Rejected, RouteDecision, Scheduler
 from services.settings import RouterSettings
 from services.shell.bus import connect, dead_letter, ensure_streams
@@ -184,7 +190,11 @@ class RouterService:
         self.router_id = settings.router_id
         self.boot_id = secrets.token_hex(4)
         self.metrics = RouterMetrics()
-        self.scheduler = Scheduler(settings.scheduler_config(), id_prefix=f"{self.router_id}-{self.boot_id}")
+        self.journal_queue: deque[bytes] = deque()  # core.recorded events not yet published, in call order
+        self.journal_wakeup = asyncio.Event()
+        self.journal_envelopes = m.EnvelopeFactory(self.router_id, f"{self.boot_id}.journal")  # gap-free seq of its own
+        core = Scheduler(settings.scheduler_config(), id_prefix=f"{self.router_id}-{self.boot_id}")
+        self.scheduler = Recorder(core, self._journal) if settings.journal else core
         self.records = RequestRecords(RECENT_RECORDS_MAX)
         self.snapshot_requested_ns: dict[str, int] = {}  # worker id -> when we last asked for a KV snapshot
         self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)
@@ -219,7 +229,7 @@ class RouterService:
         self.nc = await connect(self.settings.nats_url, f"flexlb-router-{self.router_id}", self._on_bus_state)
         self.bus_state = "connected"
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js)
+        await ensure_streams(self.js, self._stream_specs())
         self.redis = aioredis.from_url(self.settings.redis_url, socket_timeout=2, socket_connect_timeout=1)
         self.ledger = Ledger(self.redis, self.settings.cluster, self.settings.ledger_ttl_s)
         await self._refresh_drain_flags()
@@ -248,6 +258,7 @@ class RouterService:
             asyncio.create_task(self._liveness_loop(), name="liveness"),
             asyncio.create_task(self._sweep_loop(), name="ledger-sweep"),
             asyncio.create_task(self._lease_loop(), name="lease"),
+            asyncio.create_task(self._journal_loop(), name="journal"),
         ]
         log.info("router %s (boot %s) started", self.router_id, self.boot_id)
 
@@ -260,6 +271,7 @@ class RouterService:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.nc is not None:
+            await self._flush_journal()
             try:
                 await asyncio.wait_for(self.nc.drain(), 3.0)
             except Exception as exc:  # bus gone at shutdown: close without draining, say so
@@ -301,6 +313,42 @@ class RouterService:
         except Exception as exc:  # any failure of the ping is a "not ready" with its reason
             return False, f"redis not answering: {exc.__class__.__name__}: {exc}"
         return self.scheduler.view.readiness(time.time_ns(), self.scheduler.timeout_ns)
+
+    # ------------------------------------------------------------------ the core journal
+    def _stream_specs(self) -> tuple:
+        st = self.settings
+        return tuple(
+            msgspec.structs.replace(spec, max_age_s=st.events_max_age_s, max_bytes=st.events_max_bytes)
+            if spec.name == EVENTS_STREAM.name else
+            msgspec.structs.replace(spec, max_age_s=st.journal_max_age_s, max_bytes=st.journal_max_bytes)
+            if spec.name == JOURNAL_STREAM.name else spec
+            for spec in ALL_STREAMS
+        )
+
+    def _journal(self, op: str, now_ns: int, args: dict, out: dict) -> None:
+        """The Recorder's sink: called synchronously, in the core's call order."""
+        rec = m.CoreRecorded(router_id=self.router_id, op=op, now_ns=now_ns, args=args, out=out)
+        self.journal_queue.append(m.encode(self.journal_envelopes.wrap(rec, time.time_ns())))
+        self.journal_wakeup.set()
+
+    async def _journal_loop(self) -> None:
+        while self.running:
+            await self.journal_wakeup.wait()
+            self.journal_wakeup.clear()
+            await self._flush_journal()
+
+    async def _flush_journal(self) -> None:
+        """Publish queued records in order (fire-and-forget into FLEXLB_JOURNAL, like events).
+        A record the bus refuses is lost and counted; replay sees the seq gap and says so."""
+        subject = journal_subject(self.router_id)
+        while self.journal_queue:
+            data = self.journal_queue.popleft()
+            try:
+                await self.nc.publish(subject, data)
+                self.metrics.journal_records.inc()
+            except Exception as exc:  # bus gone: the record is lost; counted, and replay reports the gap
+                self.metrics.journal_lost.inc()
+                log.error("journal record lost: %s", exc)
 
     # ------------------------------------------------------------------ events out
     async def _emit(self, payload: Any) -> None:
@@ -925,7 +973,7 @@ class RouterService:
         inflight = self.scheduler.ledger.workers.get(worker_id)
         for batch_id, batch in list(inflight.batches.items()) if inflight else []:
             if batch.started_ns is None:
-                self.scheduler.ledger.complete_batch(worker_id, batch_id)
+                self.scheduler.forget_batch(worker_id, batch_id)
                 not_started.extend(batch.request_ids)
             else:
                 started.update(batch.request_ids)
@@ -1119,7 +1167,7 @@ class RouterService:
         except Exception as exc:  # Redis away: keep the flags we have
             log.warning("could not read drain flags: %s", exc)
             return
-        self.scheduler.view.set_drain_flags(flags)
+        self.scheduler.set_drain_flags(flags)
         self.reported_drained &= flags
 
     async def _report_drained(self) -> None:
@@ -1160,7 +1208,7 @@ class RouterService:
         if held and not force:
             return False, {"code": "conflict", "message": f"worker {worker_id} holds {held} requests; drain it first or force"}
         moved = 0
-        self.scheduler.view.mark_dead(worker_id)  # re-routes must go elsewhere
+        self.scheduler.mark_dead(worker_id)  # re-routes must go elsewhere
         if held:
             await self._recover_dead_worker(worker_id, "removed")
             moved = held

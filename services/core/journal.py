@@ -1,0 +1,294 @@
+"""The core's journal: every call that changes a scheduler's state, with its inputs and a
+summary of what it decided, in call order. Replaying the calls through a fresh `Scheduler`
+with the recorded configuration rebuilds its state at any instant and re-makes every
+decision; comparing the summaries checks that the core is pure and the journal complete.
+
+Pure like the rest of the core: `Recorder` hands records to a sink the shell provides (it
+publishes them as `core.recorded` events), `replay` folds records it is given.
+
+One table (`OPS`) says, per operation, how its arguments become builtins and back, and how
+its result is summarized — the recorder and the replayer use the same entries, so a
+summary differs only if the decision did. Reads (`view`, `batchers`, `holds_work`,
+`next_due_ns`, ...) are not journaled: they change nothing. Randomness needs nothing extra:
+each decision draws from `decision_seed(config.seed, decision_seq)`, and the sequence is
+part of the state the replay rebuilds.
+
+Decisions (counted by replay): admissions, ticks that formed batches or failed requests,
+liveness cycles that killed or expired workers, worker removals, and status reports that
+settled requests. Every other record is compared too: any difference is a divergence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from schemas import messages as m
+from services.core.scheduler import Admitted, AdmitRequest, Rejected, Scheduler, SchedulerConfig, SyncResult, TickResult
+
+Sink = Callable[[str, int, dict[str, Any], dict[str, Any]], None]  # (op, now_ns, args, out)
+
+
+# ------------------------------------------------------------------ summaries
+def _decisions(decisions) -> list[list[Any]]:
+    return [[d.stage, d.policy, d.decision_seq, d.seed, d.pick.worker_id] for d in decisions]
+
+
+def summarize_admit(res: Admitted | Rejected) -> dict[str, Any]:
+    if isinstance(res, Admitted):
+        return {"ok": True, "prefill": res.request.prefill_worker_id, "decode": res.request.decode_worker_id,
+                "cached": res.request.num_cached_tokens, "predicted_ttft_ms": res.predicted_ttft_ms,
+                "slo_ttft_ms": res.slo_ttft_ms, "best_effort": res.best_effort, "decisions": _decisions(res.decisions)}
+    return {"ok": False, "code": res.code, "predicted_ttft_ms": res.predicted_ttft_ms,
+            "decisions": _decisions(res.decisions)}
+
+
+def summarize_tick(res: TickResult) -> dict[str, Any]:
+    return {"batches": [[b.batch_id, b.worker_id, [i.request_id for i in b.items], b.reason, b.predicted_ms]
+                        for b in res.batches],
+            "failures": [[f.item.request_id, f.code] for f in res.failures]}
+
+
+def summarize_sync(res: SyncResult) -> dict[str, Any]:
+    return {"dead": list(res.dead), "expired": list(res.expired), "orphans": [i.request_id for i in res.orphans]}
+
+
+def _event_out(e) -> dict[str, Any]:
+    return msgspec.to_builtins(e)
+
+
+def _event_in(d: dict[str, Any]):
+    return msgspec.convert(d, m.Payload)
+
+
+def _request_out(req: AdmitRequest) -> dict[str, Any]:
+    return {"request_id": req.request_id, "num_prompt_tokens": req.num_prompt_tokens, "max_tokens": req.max_tokens,
+            "block_hashes": list(req.block_hashes), "priority": req.priority, "slo_ttft_ms": req.slo_ttft_ms,
+            "slo_tpot_ms": req.slo_tpot_ms}
+
+
+def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
+    return AdmitRequest(request_id=d["request_id"], num_prompt_tokens=d["num_prompt_tokens"], max_tokens=d["max_tokens"],
+                        block_hashes=tuple(d["block_hashes"]), priority=d["priority"], slo_ttft_ms=d["slo_ttft_ms"],
+                        slo_tpot_ms=d["slo_tpot_ms"])
+
+
+# ------------------------------------------------------------------ the operations
+@dataclass(frozen=True)
+class Op:
+    """Run one journaled call on a scheduler from builtin args; return (result, out)."""
+
+    run: Callable[[Scheduler, int, dict[str, Any]], tuple[Any, dict[str, Any]]]
+    is_decision: Callable[[dict[str, Any]], bool] = lambda out: False
+
+
+def _worker_event(s: Scheduler, now: int, a: dict[str, Any]):
+    before = len(s.settled)
+    info = s.on_worker_event(_event_in(a["event"]), now, a["stale"])
+    return info, {"settled": [list(x) for x in s.settled[before:]]}
+
+
+OPS: dict[str, Op] = {
+    "on_worker_event": Op(_worker_event, lambda out: bool(out["settled"])),
+    "on_kv_event": Op(lambda s, now, a: (u := s.on_kv_event(_event_in(a["event"])), {"status": u.status})),
+    "admit": Op(lambda s, now, a: (r := s.admit(request_from_builtins(a["request"]), now), summarize_admit(r)),
+                lambda out: True),
+    "tick": Op(lambda s, now, a: (r := s.tick(now), summarize_tick(r)),
+               lambda out: bool(out["batches"] or out["failures"])),
+    "sync": Op(lambda s, now, a: (r := s.sync(now), summarize_sync(r)),
+               lambda out: bool(out["dead"] or out["expired"] or out["orphans"])),
+    "on_batch_started": Op(lambda s, now, a: (r := s.on_batch_started(a["worker_id"], a["batch_id"], now), {"ok": r})),
+    "on_prefill_completed": Op(lambda s, now, a: (
+        r := s.on_prefill_completed(a["worker_id"], a["batch_id"], a["measured_ms"], a["num_cached_tokens"]),
+        {"ok": r is not None})),
+    "on_terminal": Op(lambda s, now, a: (r := s.on_terminal(a["request_id"]), {"ok": r})),
+    "remove_queued": Op(lambda s, now, a: (r := s.remove_queued(a["request_id"]), {"removed": r is not None})),
+    "remove_worker": Op(lambda s, now, a: (r := s.remove_worker(a["worker_id"]), {"orphans": [i.request_id for i in r]}),
+                        lambda out: True),
+    "rollback_ids": Op(lambda s, now, a: (s.rollback_ids(a["worker_id"], a["batch_id"], a["request_ids"]), {})),
+    "forget_batch": Op(lambda s, now, a: (s.forget_batch(a["worker_id"], a["batch_id"]), {})),
+    "drain_queues": Op(lambda s, now, a: (r := s.drain_queues(), {"items": [i.request_id for i in r]})),
+    "set_drain_flags": Op(lambda s, now, a: (s.set_drain_flags(set(a["worker_ids"])), {})),
+    "mark_dead": Op(lambda s, now, a: (s.mark_dead(a["worker_id"]), {})),
+    "take_settled": Op(lambda s, now, a: (r := s.take_settled(), {"settled": [list(x) for x in r]})),
+}
+
+
+def config_builtins(config: SchedulerConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(config)
+
+
+def config_from_builtins(d: dict[str, Any]) -> SchedulerConfig:
+    return msgspec.convert(d, SchedulerConfig)
+
+
+# ------------------------------------------------------------------ recording
+class Recorder:
+    """A Scheduler whose state-changing calls are journaled. Reads pass through."""
+
+    def __init__(self, scheduler: Scheduler, sink: Sink) -> None:
+        self._s = scheduler
+        self._sink = sink
+        sink("config", 0, {"config": config_builtins(scheduler.config), "id_prefix": scheduler.id_prefix}, {})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+    def _call(self, op: str, now_ns: int, args: dict[str, Any], run_args: dict[str, Any] | None = None) -> Any:
+        """Apply `op` (with `run_args`: live objects, e.g. the request's payload) and record it
+        with `args` (builtins)."""
+        result, out = OPS[op].run(self._s, now_ns, run_args if run_args is not None else args)
+        self._sink(op, now_ns, args, out)
+        return result
+
+    def on_worker_event(self, event, now_ns: int, stale: bool = False):
+        before = len(self._s.settled)
+        info = self._s.on_worker_event(event, now_ns, stale)
+        self._sink("on_worker_event", now_ns, {"event": _event_out(event), "stale": stale},
+                   {"settled": [list(x) for x in self._s.settled[before:]]})
+        return info
+
+    def on_kv_event(self, event):
+        update = self._s.on_kv_event(event)
+        self._sink("on_kv_event", 0, {"event": _event_out(event)}, {"status": update.status})
+        return update
+
+    def admit(self, req: AdmitRequest, now_ns: int):
+        res = self._s.admit(req, now_ns)
+        self._sink("admit", now_ns, {"request": _request_out(req)}, summarize_admit(res))
+        return res
+
+    def tick(self, now_ns: int) -> TickResult:
+        return self._call("tick", now_ns, {})
+
+    def sync(self, now_ns: int) -> SyncResult:
+        return self._call("sync", now_ns, {})
+
+    def on_batch_started(self, worker_id: str, batch_id: str, now_ns: int) -> bool:
+        return self._call("on_batch_started", now_ns, {"worker_id": worker_id, "batch_id": batch_id})
+
+    def on_prefill_completed(self, worker_id: str, batch_id: str, measured_ms: float, num_cached_tokens: int):
+        return self._call("on_prefill_completed", 0, {"worker_id": worker_id, "batch_id": batch_id,
+                                                      "measured_ms": measured_ms, "num_cached_tokens": num_cached_tokens})
+
+    def on_terminal(self, request_id: str) -> bool:
+        return self._call("on_terminal", 0, {"request_id": request_id})
+
+    def remove_queued(self, request_id: str):
+        return self._call("remove_queued", 0, {"request_id": request_id})
+
+    def remove_worker(self, worker_id: str):
+        return self._call("remove_worker", 0, {"worker_id": worker_id})
+
+    def rollback(self, batch) -> None:
+        self._call("rollback_ids", 0, {"worker_id": batch.worker_id, "batch_id": batch.batch_id,
+                                       "request_ids": [i.request_id for i in batch.items]})
+
+    def forget_batch(self, worker_id: str, batch_id: str) -> None:
+        self._call("forget_batch", 0, {"worker_id": worker_id, "batch_id": batch_id})
+
+    def drain_queues(self):
+        return self._call("drain_queues", 0, {})
+
+    def set_drain_flags(self, worker_ids: set[str]) -> None:
+        self._call("set_drain_flags", 0, {"worker_ids": sorted(worker_ids)})
+
+    def mark_dead(self, worker_id: str) -> None:
+        self._call("mark_dead", 0, {"worker_id": worker_id})
+
+    def take_settled(self):
+        return self._call("take_settled", 0, {})
+
+
+# ------------------------------------------------------------------ replay
+@dataclass
+class Divergence:
+    index: int  # position of the record in its journal (0 = the config record)
+    seq: int  # the envelope's seq
+    op: str
+    now_ns: int
+    args: dict[str, Any]
+    recorded: dict[str, Any]
+    remade: dict[str, Any]
+
+
+@dataclass
+class ReplayReport:
+    router_id: str
+    boot_id: str
+    events: int = 0  # records folded
+    decisions: int = 0
+    matched: int = 0  # decisions whose re-made summary equals the recorded one
+    records_matched: int = 0  # all records, decisions or not
+    first_divergence: Divergence | None = None
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # missing envelope seqs (first, last)
+    errors: list[str] = field(default_factory=list)
+    scheduler: Scheduler | None = None  # the state at the end (or at `until_ns`)
+    last_now_ns: int = 0
+
+
+def replay(records: Iterable[m.Envelope], until_ns: int | None = None,
+           on_record: Callable[[int], None] | None = None) -> ReplayReport:
+    """Fold one router boot's journal (envelopes of `core.recorded`, in seq order, starting
+    with its `config` record) through a fresh Scheduler. With `until_ns`, stop before the
+    first record stamped later (the state "at" that instant)."""
+    report: ReplayReport | None = None
+    s: Scheduler | None = None
+    last_seq = 0
+    for index, env in enumerate(records):
+        rec = env.payload
+        if not isinstance(rec, m.CoreRecorded):
+            continue
+        if report is None:
+            report = ReplayReport(router_id=rec.router_id, boot_id=env.event_id.split(":")[1] if ":" in env.event_id else "")
+        if last_seq and env.seq != last_seq + 1:
+            report.gaps.append((last_seq + 1, env.seq - 1))
+        last_seq = env.seq
+        if until_ns is not None and rec.now_ns and rec.now_ns > until_ns:
+            break
+        report.events += 1
+        if on_record is not None:
+            on_record(index)
+        if rec.op == "config":
+            s = Scheduler(config_from_builtins(rec.args["config"]), id_prefix=rec.args["id_prefix"])
+            report.records_matched += 1
+            continue
+        if s is None:
+            report.errors.append(f"record {env.seq} ({rec.op}) before any config record: the journal starts mid-run")
+            break
+        op = OPS.get(rec.op)
+        if op is None:
+            report.errors.append(f"record {env.seq}: unknown op {rec.op!r}")
+            continue
+        try:
+            _, out = op.run(s, rec.now_ns, rec.args)
+        except (ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:  # a corrupt record: say which
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        out = msgspec.json.decode(msgspec.json.encode(out))  # the recorded side went through JSON
+        same = out == rec.out
+        report.records_matched += same
+        if op.is_decision(rec.out) or op.is_decision(out):
+            report.decisions += 1
+            report.matched += same
+        if not same and report.first_divergence is None:
+            report.first_divergence = Divergence(index, env.seq, rec.op, rec.now_ns, rec.args, rec.out, out)
+        report.last_now_ns = max(report.last_now_ns, rec.now_ns)
+    if report is None:
+        report = ReplayReport(router_id="", boot_id="", errors=["no core.recorded events"])
+    report.scheduler = s
+    return report
+
+
+def split_journals(envs: Iterable[m.Envelope]) -> dict[tuple[str, str], list[m.Envelope]]:
+    """Group `core.recorded` envelopes by (router id, boot), each in seq order."""
+    out: dict[tuple[str, str], list[m.Envelope]] = {}
+    for env in envs:
+        if isinstance(env.payload, m.CoreRecorded):
+            boot = env.event_id.split(":")[1] if env.event_id.count(":") >= 2 else ""
+            out.setdefault((env.payload.router_id, boot), []).append(env)
+    for records in out.values():
+        records.sort(key=lambda e: e.seq)
+    return out

@@ -1,0 +1,152 @@
+"""The flight recorder on a running stack: record, export, replay with a determinism check,
+tamper, explain a re-routed request. Real NATS, Redis, router and workers (`flexlb up`)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import httpx
+
+from schemas import messages as m
+from tests.stack import run_concurrent_streams, wait_async
+
+
+def shared_prefix_bodies(n: int, seed: int, length: tuple[int, int] = (300, 900)) -> list[dict]:
+    """Prompts drawn from a few long shared prefixes (prefix hits) plus a unique tail."""
+    rng = random.Random(seed)
+    prefixes = ["".join(rng.choice("abcdefghij ") for _ in range(rng.randint(*length))) for _ in range(5)]
+    return [{"prompt": rng.choice(prefixes) + f" tail {i} " + "x" * rng.randint(1, 80), "max_tokens": rng.randint(2, 20)}
+            for i in range(n)]
+
+
+def flexlb(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def export(state: dict, out: str) -> None:
+    res = flexlb("events", "export", "--nats-url", state["nats_url"], "--out", out)
+    assert res.returncode == 0, res.stderr
+    assert "FLEXLB_JOURNAL" in res.stdout and "TRUNCATED" not in res.stdout, res.stdout
+
+
+def replay_json(path: str) -> tuple[int, dict]:
+    res = flexlb("replay", path, "--json")
+    assert res.returncode in (0, 1), res.stderr
+    return res.returncode, json.loads(res.stdout)
+
+
+async def wait_quiet(url: str) -> None:
+    async def idle():
+        async with httpx.AsyncClient() as c:
+            return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0
+
+    await wait_async(idle, 30, "an empty ledger")
+    await asyncio.sleep(1.0)  # a liveness cycle or two more in the journal
+
+
+async def test_record_export_replay_identical_then_a_tampered_status_diverges_at_or_after_it(flexlb_up, tmp_path):
+    _, state = flexlb_up("--workers", "4", "--time-scale", "0.02", "--prefill-policy", "cost-based")
+    url = state["router_url"]
+    results = await run_concurrent_streams(url, shared_prefix_bodies(120, seed=11))
+    assert all(r["done"] and not r["errors"] for r in results)
+    await wait_quiet(url)
+    path = str(tmp_path / "run.jsonl.gz")
+    export(state, path)
+    rc, summary = replay_json(path)
+    print({k: summary[k] for k in ("events", "decisions", "matched", "first_divergence", "gaps", "errors")})
+    assert rc == 0 and summary["errors"] == [] and summary["gaps"] == []
+    assert summary["decisions"] >= 120 and summary["matched"] == summary["decisions"]
+    assert summary["first_divergence"] is None
+
+    # Alter one status report in the middle of the journal: the latest report, before a
+    # mid-run admission, of the worker that admission picked now says "stopping" — so the
+    # re-made pick must differ. The first divergence is at or after the altered record.
+    with gzip.open(path, "rb") as f:
+        lines = f.read().splitlines()
+    journal_idx = [i for i, line in enumerate(lines[1:], 1) if b'"core.recorded"' in line]
+    recs = {i: json.loads(lines[i])["payload"] for i in journal_idx}
+    admits = [i for i in journal_idx if recs[i]["op"] == "admit" and recs[i]["out"]["ok"]]
+    target = None
+    for a in admits[len(admits) // 2:]:
+        picked = recs[a]["out"]["prefill"]
+        reports = [i for i in journal_idx if i < a and recs[i]["op"] == "on_worker_event"
+                   and recs[i]["args"]["event"]["worker_id"] == picked and recs[i]["args"]["event"]["type"] == "worker.status_reported"]
+        if reports:
+            target = reports[-1]
+            break
+    assert target is not None
+    env = json.loads(lines[target])
+    env["payload"]["args"]["event"]["state"] = "stopping"  # the worker says it takes no new work
+    lines[target] = json.dumps(env).encode()
+    tampered = str(tmp_path / "tampered.jsonl.gz")
+    with gzip.open(tampered, "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    rc, bad = replay_json(tampered)
+    assert rc == 1 and bad["first_divergence"] is not None, bad
+    position_in_journal = journal_idx.index(target)  # the replay's record index counts journal records only
+    assert bad["first_divergence"]["index"] >= position_in_journal, (bad["first_divergence"], position_in_journal)
+    # The human form names the record and shows recorded vs re-made side by side.
+    text = flexlb("replay", tampered).stdout
+    assert "first divergence: record" in text and "recorded" in text and "re-made" in text
+
+
+async def test_a_run_with_a_killed_and_a_drained_worker_replays_identically_and_explain_shows_the_reroute(flexlb_up, tmp_path):
+    _, state = flexlb_up("--workers", "4", "--time-scale", "1.0", "--prefill-policy", "cost-based")
+    url = state["router_url"]
+    # Long prompts: at the kill, w2 still has prefill batches it has not started (re-routed).
+    bodies = [dict(b, max_tokens=b["max_tokens"] + 20) for b in shared_prefix_bodies(200, seed=5, length=(2500, 4000))]
+    load = asyncio.create_task(run_concurrent_streams(url, bodies))
+    await asyncio.sleep(1.0)
+    assert not load.done()
+    os.kill(state["pids"]["worker-w2"], signal.SIGKILL)
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.post(url + "/admin/workers/w3/drain")).status_code == 200
+
+        async def w2_dead():
+            ws = {w["id"]: w for w in (await c.get(url + "/admin/workers")).json()["workers"]}
+            return "w2" not in ws or ws["w2"]["liveness"] == "dead"
+
+        await wait_async(w2_dead, 20, "the router to declare w2 dead")
+    results = await asyncio.wait_for(load, 180)
+    assert all(r["done"] for r in results)
+    await wait_quiet(url)
+    path = str(tmp_path / "faulty.jsonl.gz")
+    export(state, path)
+    rc, summary = replay_json(path)
+    print({k: summary[k] for k in ("events", "decisions", "matched", "first_divergence", "gaps", "errors")})
+    assert rc == 0 and summary["matched"] == summary["decisions"] and summary["first_divergence"] is None
+
+    from services.eventlog import read_export
+
+    _, envs, _ = read_export(path)
+    journal = [e.payload for e in envs if isinstance(e.payload, m.CoreRecorded)]
+    assert any(r.op == "sync" and "w2" in r.out["dead"] for r in journal)  # the liveness decision was replayed
+    assert any(r.op == "set_drain_flags" and r.args["worker_ids"] == ["w3"] for r in journal)
+    admits: dict[str, list] = {}
+    for r in journal:
+        if r.op == "admit" and r.out["ok"]:
+            admits.setdefault(r.args["request"]["request_id"], []).append(r.out["prefill"])
+    rerouted = [rid for rid, ws in admits.items() if len(ws) >= 2 and ws[0] == "w2"]
+    assert rerouted, "no request was re-routed off the killed worker"
+    res = flexlb("explain", rerouted[0], "--file", path, "--json")
+    assert res.returncode == 0, res.stderr
+    timeline = json.loads(res.stdout)["timeline"]
+    whats = [s["what"] for s in timeline]
+    print(whats)
+    first_admit = whats.index("admitted")
+    died = whats.index("worker_died", first_admit)
+    second_admit = whats.index("admitted", died)
+    terminal = next(i for i, w in enumerate(whats) if w in ("request.finished", "request.failed") and i > second_admit)
+    assert first_admit < died < second_admit < terminal
+    assert timeline[first_admit]["worker"] == "w2" and timeline[second_admit]["worker"] != "w2"
+    assert timeline[first_admit]["decisions"][0]["candidates"]  # every candidate with its score components
+    text = flexlb("explain", rerouted[0], "--file", path).stdout
+    assert "worker_died" in text and "picked" in text
