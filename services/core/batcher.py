@@ -136,6 +136,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from itertools import islice
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -439,21 +440,28 @@ class _QueueBatcher(Generic[T]):
     def poll(self, now_ns: int, load: WorkerLoad) -> PollResult[T]:
         """All or nothing: if it raises (a broken prediction), the queue is as it was."""
         saved_items, saved_own = dict(self._items), self._own
-        self._version += 1
+        values = self._items.values()
         try:
-            too_large = self.remove(lambda item: self._is_too_large(item, load))
-            expired = self.remove(lambda item: now_ns >= self._expiry_ns(item))
+            # (Scans only when one can find something: a poll that changes nothing leaves the
+            # version, and so the queue-shape cache, alone.)
+            cap = load.max_batch_tokens
+            too_large = (self.remove(lambda item: self._is_too_large(item, load))
+                         if values and cap > 0 and max(i.num_prompt_tokens for i in values) > cap else [])
+            expired = (self.remove(lambda item: now_ns >= self._expiry_ns(item))
+                       if values and min(i.enqueued_ns for i in values) + self._enqueue_deadline_ns <= now_ns else [])
             self._own = _OwnDispatches(load=load)
             batches: list[Closed[T]] = []
             while self._items:
                 plan = self._plan(now_ns, self._own.effective(load), with_members=True)
                 if plan.reason is None:
                     break
+                self._version += 1
                 items = [self._items.pop(seq) for seq in plan.members]
                 predicted_ms = self._predict(items)
                 self._own = self._own.plus(items, predicted_ms)
                 batches.append(Closed(items, plan.reason, predicted_ms))
         except Exception as exc:  # a broken prediction: put everything back, then fail loudly
+            self._version += 1
             self._items.clear()  # restored in place: the scheduler holds a reference to the dict
             self._items.update(saved_items)
             self._own = saved_own  # nothing taken out is lost
@@ -510,10 +518,21 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         p = self.params
         if self._is_held(load, p.max_inflight_batches):
             return _Plan(None, None, [])
-        entries = list(self._items.items())
+        n = len(self._items)
+        if n < p.batch_size_max and p.predicted_ms_threshold <= 0:
+            # Fast path: only the window can fire unless the padded cap could stop a batch
+            # (longest prompt × queue length over the cap); the head decides the window.
+            head = next(iter(self._items.values()))
+            window_due_ns = head.enqueued_ns + self._wait_ns
+            cap = load.max_batch_tokens
+            capped = (p.dispatch_when_capped and n > 1 and cap > 0
+                      and max(i.num_prompt_tokens for i in self._items.values()) * n > cap)
+            if not capped and now_ns < window_due_ns:
+                return _Plan(None, window_due_ns, [])
+        entries = list(islice(self._items.items(), p.batch_size_max + 1))  # all _fill can look at
         members, stop = _fill(entries, load, p.batch_size_max)
         window_due_ns = entries[0][1].enqueued_ns + self._wait_ns
-        if len(entries) >= p.batch_size_max:
+        if len(self._items) >= p.batch_size_max:
             reason: str | None = "full"
         elif p.dispatch_when_capped and stop == "padded":
             reason = "capacity"
