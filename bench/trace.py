@@ -823,6 +823,13 @@ async def run_policy(stack: Stack, reqs: list[TraceRequest], args: argparse.Name
     client = client_summary(results, args.time_scale)
     print(f"  reading the event log ...", file=sys.stderr, flush=True)
     envs = await read_events(stack.state["nats_url"])
+    if args.export_dir:  # the flight recorder's export, for `flexlb replay` / `flexlb whatif`
+        from services.eventlog import DEFAULT_STREAMS, export
+
+        path = str(Path(args.export_dir) / f"{stack.policy}.jsonl.gz")
+        Path(args.export_dir).mkdir(parents=True, exist_ok=True)
+        await export(stack.state["nats_url"], path, DEFAULT_STREAMS, progress=False)
+        print(f"  exported the event log to {path}", file=sys.stderr, flush=True)
     records = await asyncio.to_thread(fetch_records, stack.url, [r.request_id for r in reqs])
     events = analyze_events(envs, reqs, records, profile)
     predicted_ttft = events.pop("admitted_predicted_ttft_ms")
@@ -992,6 +999,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-interval-s", type=float, default=1.0)
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "trace_mooncake500.json"), help="JSON report path")
+    p.add_argument("--export-dir", help="also export each run's event log and core journal here (<policy>.jsonl.gz)")
     args = p.parse_args(argv)
     args.policy_list = [x.strip() for x in args.policies.split(",") if x.strip()]
     if not args.policy_list:

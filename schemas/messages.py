@@ -85,6 +85,7 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     num_undecodable_messages: int = 0
     num_stale_commands_refused: int = 0
     num_stream_overflows: int = 0  # requests stopped: their tokens did not fit the outbound buffer
+    time_scale: float = 1.0  # simulated engines: wall time = profile time × this (1.0 for real engines)
     last_step_ms: float = 0.0
     heartbeat_interval_ms: int = 200
 
@@ -223,6 +224,7 @@ class RequestFinished(_Event, tag="request.finished"):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    first_token_ns: int = 0  # when the worker produced its first output token (wall clock; 0: unknown)
 
 
 class RequestFailed(_Event, tag="request.failed"):

@@ -114,6 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--token", help="admin bearer token (env FLEXLB_ADMIN_TOKEN)")
     ex.add_argument("--json", action="store_true", help="JSON instead of a table")
 
+    wi = sub.add_parser("whatif", help="re-run a recorded run's arrivals in virtual time under another configuration")
+    wi.add_argument("file", help="an export of `flexlb events export`")
+    wi.add_argument("--prefill-policy", help="default: the recorded one")
+    wi.add_argument("--decode-policy", help="default: the recorded one")
+    wi.add_argument("--batcher", help="default: the recorded one (with its parameters)")
+    wi.add_argument("--workers", type=int, help="this many workers like the first recorded one (default: as recorded)")
+    wi.add_argument("--profile", help="engine timing profile JSON (default: the sim workers' default)")
+    wi.add_argument("--json", action="store_true", help="print {recorded, rerun} as JSON")
+    wi.add_argument("--plot", help="draw both TTFT CDFs to this PNG (needs matplotlib: pip install 'flexlb[plot]')")
+
     schema = sub.add_parser("schema", help="print the JSON Schema of every bus message")
     schema.add_argument("--out", help="write to this file instead of stdout")
     return parser
@@ -269,6 +279,33 @@ def run_eventlog(args: argparse.Namespace) -> int:
         return 2
 
 
+def run_whatif(args: argparse.Namespace) -> int:
+    from services import whatif
+
+    try:
+        rec = whatif.load_recording(args.file)
+        config = whatif.with_overrides(rec.config, args.prefill_policy, args.decode_policy, args.batcher)
+        recorded = whatif.recorded_metrics(rec)
+        rerun, cdf = whatif.simulate(rec, config, args.workers, profile_path=args.profile, with_ttfts=True)
+    except (OSError, ValueError) as exc:
+        print(f"flexlb whatif: {exc}", file=sys.stderr)
+        return 2
+    label = "re-run: " + "/".join([config.prefill_policy, config.decode_policy, config.batcher]) + (
+        f" x{args.workers}" if args.workers else "")
+    if args.json:
+        print(json.dumps({"recorded": recorded, "rerun": rerun, "config": label}, indent=2))
+    else:
+        whatif.print_side_by_side(recorded, rerun, label)
+    if args.plot:
+        try:
+            whatif.plot_cdfs(whatif.recorded_ttfts(rec), cdf, label, args.plot)
+        except ImportError:
+            print("flexlb whatif: --plot needs matplotlib (pip install 'flexlb[plot]')", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -288,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_workers_admin(args)
     if args.command in ("events", "replay", "explain"):
         return run_eventlog(args)
+    if args.command == "whatif":
+        return run_whatif(args)
     if args.command == "schema":
         from schemas.messages import json_schema
 

@@ -65,6 +65,18 @@ async def test_record_export_replay_identical_then_a_tampered_status_diverges_at
     assert rc == 0 and summary["errors"] == [] and summary["gaps"] == []
     assert summary["decisions"] >= 120 and summary["matched"] == summary["decisions"]
     assert summary["first_divergence"] is None
+    # The state at an instant mid-run, and a what-if under another policy, from the same file.
+    from services.eventlog import read_export
+
+    _, envs, _ = read_export(path)
+    mid = sorted(e.payload.now_ns for e in envs if isinstance(e.payload, m.CoreRecorded) and e.payload.now_ns)
+    at = flexlb("replay", path, "--at", str(mid[len(mid) // 2] / 1e9), "--show", "workers")
+    assert at.returncode == 0 and '"liveness": "ready"' in at.stdout, at.stdout + at.stderr
+    for extra in ([], ["--prefill-policy", "round-robin"]):
+        res = flexlb("whatif", path, "--json", *extra)
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        assert out["recorded"]["ttft_ms"]["n"] == 120 and out["rerun"]["ttft_ms"]["n"] == 120, out
 
     # Alter one status report in the middle of the journal: the latest report, before a
     # mid-run admission, of the worker that admission picked now says "stopping" — so the

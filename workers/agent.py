@@ -129,12 +129,18 @@ class WorkerAgent:
         self.num_undecodable = 0
         self.num_stale_refused = 0
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
+        self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
         self.last_step_ms = 0.0
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
         self.nc = None
         self.js = None
 
     # ------------------------------------------------------------------ plumbing
+    def _forget(self, request_id: str) -> ReqMeta | None:
+        """The request left this worker: drop what we kept for it."""
+        self.first_token_ns.pop(request_id, None)
+        return self.meta.pop(request_id, None)
+
     def _env(self, payload) -> bytes:
         return m.encode(self.envelopes.wrap(payload, time.time_ns()))
 
@@ -160,7 +166,7 @@ class WorkerAgent:
             num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(),
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
-            num_stream_overflows=self.num_stream_overflows,
+            num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
             last_step_ms=self.last_step_ms, heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
         )
 
@@ -225,7 +231,7 @@ class WorkerAgent:
     async def _fail_everything(self, reason: str) -> None:
         for request_id in list(self.meta):
             self.engine.cancel(request_id)
-            self.meta.pop(request_id, None)
+            self._forget(request_id)
             await self._event(m.RequestFailed(
                 request_id=request_id, worker_id=self.cfg.worker_id, code="worker_failed", message=reason, retryable=True,
             ))
@@ -326,10 +332,10 @@ class WorkerAgent:
             if len(self.withdrawn) > WITHDRAWN_MAX:
                 self.withdrawn.popitem(last=False)
             if self.engine.cancel(cmd.request_id):
-                self.meta.pop(cmd.request_id, None)  # the router owns its terminal event
+                self._forget(cmd.request_id)  # the router owns its terminal event
             return
         if self.engine.cancel(cmd.request_id):
-            self.meta.pop(cmd.request_id, None)
+            self._forget(cmd.request_id)
             await self._event(m.RequestCancelled(request_id=cmd.request_id, worker_id=self.cfg.worker_id, reason=cmd.reason))
 
     async def _on_fence_epoch(self, msg) -> None:
@@ -398,7 +404,7 @@ class WorkerAgent:
         reports, which stop listing the request (calibration), or from the token gap."""
         self.num_stream_overflows += 1
         self.engine.cancel(request_id)
-        self.meta.pop(request_id, None)
+        self._forget(request_id)
         log.warning("request %s: outbound buffer of %d bytes full; stopped (stream_overflow)", request_id,
                     self.cfg.outbound_buffer_bytes)
         try:
@@ -414,7 +420,7 @@ class WorkerAgent:
         late = [rid for rid, meta in self.meta.items() if 0 < meta.deadline_ns <= now]
         for rid in late:
             if self.engine.cancel(rid):
-                self.meta.pop(rid, None)
+                self._forget(rid)
                 await self._event(m.RequestTimedOut(request_id=rid, worker_id=self.cfg.worker_id, phase="running"))
 
     async def _publish_step(self, step: StepResult, measured_ms: float) -> None:
@@ -424,10 +430,13 @@ class WorkerAgent:
         chunks: dict[str, list] = {}
         for t in step.tokens:
             chunks.setdefault(t.request_id, []).append(t)
+        now_ns = time.time_ns()
         for request_id, toks in chunks.items():
             meta = self.meta.get(request_id)
             if meta is None:
                 continue  # cancelled meanwhile
+            if toks[0].index == 0:
+                self.first_token_ns[request_id] = now_ns
             ids = [t.token_id for t in toks]
             fin = finished.get(request_id)
             try:
@@ -445,7 +454,7 @@ class WorkerAgent:
                 num_cached_tokens=step.num_cached_tokens,
             ))
         for h in step.handoffs:
-            meta = self.meta.pop(h.request_id, None)
+            meta = self._forget(h.request_id)
             if meta is None:
                 continue
             cmd = m.StartDecode(
@@ -466,14 +475,16 @@ class WorkerAgent:
                     message=f"hand-off to decode worker {meta.decode_worker_id} failed: {exc}",
                 ))
         for f in step.finished:
-            if self.meta.pop(f.request_id, None) is None:
+            first_ns = self.first_token_ns.get(f.request_id, 0)
+            if self._forget(f.request_id) is None:
                 continue
             self.num_requests_finished += 1
             await self._event(m.RequestFinished(
                 request_id=f.request_id, worker_id=wid, finish_reason=f.finish_reason, num_prompt_tokens=f.num_prompt_tokens,
                 num_output_tokens=f.num_output_tokens, num_cached_tokens=f.num_cached_tokens,
+                first_token_ns=first_ns,
             ))
         for f in step.failed:
-            if self.meta.pop(f.request_id, None) is None:
+            if self._forget(f.request_id) is None:
                 continue
             await self._event(m.RequestFailed(request_id=f.request_id, worker_id=wid, code=f.code, message=f.message))

@@ -41,7 +41,8 @@ def summarize_admit(res: Admitted | Rejected) -> dict[str, Any]:
     if isinstance(res, Admitted):
         return {"ok": True, "prefill": res.request.prefill_worker_id, "decode": res.request.decode_worker_id,
                 "cached": res.request.num_cached_tokens, "predicted_ttft_ms": res.predicted_ttft_ms,
-                "slo_ttft_ms": res.slo_ttft_ms, "best_effort": res.best_effort, "decisions": _decisions(res.decisions)}
+                "slo_ttft_ms": res.slo_ttft_ms, "slo_tpot_ms": res.slo_tpot_ms, "best_effort": res.best_effort,
+                "decisions": _decisions(res.decisions)}
     return {"ok": False, "code": res.code, "predicted_ttft_ms": res.predicted_ttft_ms,
             "decisions": _decisions(res.decisions)}
 

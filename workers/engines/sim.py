@@ -136,6 +136,9 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int  # output tokens to generate (the only stop rule: finish_reason "length")
+    # The prompt's chained block hashes when the caller already has them (what-if runs from a
+    # journal, which records hashes, not tokens); None: computed from the token ids.
+    block_hashes: list[int] | None = None
 
 
 class EngineBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -473,6 +476,8 @@ class SimEngine:
         return -(-(len(request.prompt_token_ids) + num_output_tokens) // self.block_size_tokens)
 
     def _hashes(self, request: EngineRequest) -> list[int]:
+        if request.block_hashes is not None:
+            return request.block_hashes
         return block_hashes(request.prompt_token_ids, self.block_size_tokens)
 
     def _num_hit_blocks(self, seq: _Sequence) -> int:

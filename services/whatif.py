@@ -1,0 +1,355 @@
+"""`flexlb whatif FILE`: re-run a recorded incident's arrivals, in virtual time, through the
+scheduling core against the simulated engine, under another configuration; print the
+recorded run and the re-run side by side.
+
+This module is the wiring: the core (`services/core/`) still imports no engine. A discrete-
+event loop in virtual nanoseconds drives one `Scheduler` and one `SimEngine` per worker the
+way the router and the worker agents do on the bus: arrivals are admitted, `tick` runs when
+`next_due_ns` says, each formed batch goes to its worker's engine, each engine step takes
+`duration_ms × time_scale` (the recorded workers' time scale), its outputs come back as the
+same inputs the router gets (batch started, prefill completed with the measured time, KV
+events, first tokens, finishes), status reports every `heartbeat_ms` and a liveness cycle
+every `liveness_ms`. Nothing fails here: a what-if answers "which configuration", not
+"what if a worker dies".
+
+From the file: the arrivals (each request's first `admit` in the journal: time, prompt
+length, block hashes, max_tokens, SLO overrides), the fleet (workers, roles, KV blocks,
+block size, batch and sequence limits, time scale: from their status reports) and the
+recorded configuration. The recorded run's numbers come from its events: TTFT = the
+worker's first token (`request.finished.first_token_ns`) minus the arrival; TPOT =
+(finish − first token) / (tokens − 1); hit rate = Σ cached / Σ prompt over
+`prefill.completed`. Times are reported in engine ms (wall ms ÷ time scale), as bench/ does.
+
+SLO attainment: TTFT ≤ the request's TTFT target and TPOT ≤ its TPOT target (the targets
+admission gave it). Goodput: requests meeting both, per second of virtual (engine) time from
+the first arrival to the last finish.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from schemas import messages as m
+from services.core.journal import config_from_builtins, request_from_builtins, split_journals
+from services.core.scheduler import Admitted, AdmitRequest, Scheduler, SchedulerConfig
+from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, load_profile
+
+MS = 1_000_000
+
+
+@dataclass
+class Arrival:
+    t_ns: int
+    request: AdmitRequest
+
+
+@dataclass
+class WorkerSpec:
+    worker_id: str
+    role: str
+    num_kv_blocks: int
+    block_size_tokens: int
+    max_batch_tokens: int
+    max_seq_len_tokens: int
+    time_scale: float
+
+
+@dataclass
+class Recording:
+    config: SchedulerConfig
+    arrivals: list[Arrival]
+    workers: list[WorkerSpec]
+    envs: list[m.Envelope]
+
+
+def load_recording(path: str) -> Recording:
+    from services.eventlog import read_export
+
+    _, envs, _ = read_export(path)
+    journals = split_journals(envs)
+    if not journals:
+        raise ValueError(f"{path}: no core journal (core.recorded events) to take arrivals from")
+    records = max(journals.values(), key=len)  # the boot that did the scheduling
+    config = next(config_from_builtins(e.payload.args["config"]) for e in records if e.payload.op == "config")
+    arrivals: list[Arrival] = []
+    seen: set[str] = set()
+    workers: dict[str, WorkerSpec] = {}
+    for e in records:
+        rec = e.payload
+        if rec.op == "admit":
+            req = request_from_builtins(rec.args["request"])
+            if req.request_id not in seen:
+                seen.add(req.request_id)
+                arrivals.append(Arrival(rec.now_ns, req))
+        elif rec.op == "on_worker_event" and rec.args["event"].get("type") == "worker.status_reported":
+            ev = rec.args["event"]
+            workers.setdefault(ev["worker_id"], WorkerSpec(
+                ev["worker_id"], ev["role"], ev["num_kv_blocks"], ev["block_size_tokens"], ev["max_batch_tokens"],
+                ev["max_seq_len_tokens"], ev.get("time_scale", 1.0)))
+    if not arrivals or not workers:
+        raise ValueError(f"{path}: the journal holds {len(arrivals)} arrivals and {len(workers)} workers; need both")
+    return Recording(config, sorted(arrivals, key=lambda a: a.t_ns), sorted(workers.values(), key=lambda w: w.worker_id),
+                     envs)
+
+
+# ------------------------------------------------------------------ metrics
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def summarize(ttft: dict[str, float], tpot: dict[str, float], slos: dict[str, tuple[float, float]], cached: int,
+              prompt: int, rejected: dict[str, int], span_ms: float, n: int) -> dict[str, Any]:
+    def stats(d: dict[str, float]) -> dict[str, float]:
+        vals = list(d.values())
+        return {"n": len(vals), "mean": round(sum(vals) / len(vals), 1) if vals else float("nan"),
+                "p90": round(_pct(vals, 0.9), 1), "p99": round(_pct(vals, 0.99), 1)}
+
+    met = [rid for rid, (t_slo, p_slo) in slos.items()
+           if rid in ttft and ttft[rid] <= t_slo and tpot.get(rid, 0.0) <= p_slo]
+    return {"requests": n, "ttft_ms": stats(ttft), "tpot_ms": stats(tpot),
+            "slo_attainment": round(len(met) / len(slos), 4) if slos else float("nan"),
+            "goodput_rps": round(len(met) / (span_ms / 1000), 3) if span_ms > 0 else float("nan"),
+            "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            "rejected": dict(rejected)}
+
+
+def recorded_metrics(rec: Recording) -> dict[str, Any]:
+    scale = rec.workers[0].time_scale or 1.0
+    arrival = {a.request.request_id: a.t_ns for a in rec.arrivals}
+    slos: dict[str, tuple[float, float]] = {}
+    for e in rec.envs:
+        p = e.payload
+        if isinstance(p, m.CoreRecorded) and p.op == "admit" and p.out.get("ok"):
+            slos.setdefault(p.args["request"]["request_id"], (p.out["slo_ttft_ms"], p.out.get("slo_tpot_ms", float("inf"))))
+    ttft: dict[str, float] = {}
+    tpot: dict[str, float] = {}
+    cached = prompt = 0
+    rejected: dict[str, int] = defaultdict(int)
+    last_ns = 0
+    for e in rec.envs:
+        p = e.payload
+        if isinstance(p, m.RequestFinished) and p.request_id in arrival and p.first_token_ns:
+            ttft[p.request_id] = (p.first_token_ns - arrival[p.request_id]) / MS / scale
+            if p.num_output_tokens > 1:
+                tpot[p.request_id] = (e.time_ns - p.first_token_ns) / MS / scale / (p.num_output_tokens - 1)
+            last_ns = max(last_ns, e.time_ns)
+        elif isinstance(p, m.PrefillCompleted):
+            cached += p.num_cached_tokens
+            prompt += p.num_prompt_tokens
+        elif isinstance(p, m.RequestRejected):
+            rejected[p.code] += 1
+    span_ms = (last_ns - rec.arrivals[0].t_ns) / MS / scale if last_ns else 0.0
+    return summarize(ttft, tpot, slos, cached, prompt, rejected, span_ms, len(rec.arrivals))
+
+
+# ------------------------------------------------------------------ the simulation
+@dataclass(order=True)
+class _Ev:
+    t_ns: int
+    seq: int
+    kind: str = field(compare=False)
+    data: Any = field(compare=False, default=None)
+
+
+def simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None = None, heartbeat_ms: float = 200.0,
+             liveness_ms: float = 500.0, profile_path: str | None = None, with_ttfts: bool = False):
+    """The re-run's metrics (and, with_ttfts, also its TTFTs in engine ms, for the plot)."""
+    profile = load_profile(profile_path)
+    specs = list(rec.workers)
+    if num_workers is not None:  # more or fewer workers like the first one
+        base = specs[0]
+        specs = [WorkerSpec(f"w{i}", base.role, base.num_kv_blocks, base.block_size_tokens, base.max_batch_tokens,
+                            base.max_seq_len_tokens, base.time_scale) for i in range(num_workers)]
+    scale = specs[0].time_scale or 1.0
+    s = Scheduler(config, id_prefix="whatif")
+    engines = {w.worker_id: SimEngine(profile, w.role, w.num_kv_blocks, w.block_size_tokens, w.max_seq_len_tokens)
+               for w in specs}
+    spec_of = {w.worker_id: w for w in specs}
+    busy: dict[str, bool] = {w: False for w in engines}
+    kv_seq: dict[str, int] = defaultdict(int)
+    heap: list[_Ev] = []
+    counter = 0
+
+    def push(t: int, kind: str, data: Any = None) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(heap, _Ev(t, counter, kind, data))
+
+    def status(w: str, t: int) -> None:
+        e, sp = engines[w], spec_of[w]
+        s.on_worker_event(m.WorkerStatusReported(
+            worker_id=w, role=sp.role, boot_id="whatif", block_size_tokens=sp.block_size_tokens,
+            num_kv_blocks=sp.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks, max_batch_tokens=sp.max_batch_tokens,
+            max_seq_len_tokens=sp.max_seq_len_tokens, num_running_requests=e.num_running_requests,
+            num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(), time_scale=scale), t)
+        s.take_settled()
+
+    arrival_ns: dict[str, int] = {}
+    requests: dict[str, AdmitRequest] = {}
+    slos: dict[str, tuple[float, float]] = {}
+    first_ns: dict[str, int] = {}
+    ttft: dict[str, float] = {}
+    tpot: dict[str, float] = {}
+    rejected: dict[str, int] = defaultdict(int)
+    cached = prompt = 0
+    last_finish = 0
+    t0 = rec.arrivals[0].t_ns
+    for w in engines:
+        status(w, t0)
+    for a in rec.arrivals:
+        push(a.t_ns, "arrival", a.request)
+    push(t0 + int(heartbeat_ms * MS), "heartbeat")
+    push(t0 + int(liveness_ms * MS), "sync")
+
+    def start_step(w: str, t: int) -> None:
+        step = engines[w].step()
+        if step is None:
+            busy[w] = False
+            return
+        busy[w] = True
+        if step.kind == "prefill" and step.batch_id:
+            s.on_batch_started(w, step.batch_id, t)
+        push(t + int(step.duration_ms * scale * MS), "step_done", (w, step))
+
+    def tick(t: int) -> None:
+        res = s.tick(t)
+        for b in res.batches:
+            engines[b.worker_id].submit_batch(EngineBatch(batch_id=b.batch_id, requests=[
+                EngineRequest(request_id=i.request_id, prompt_token_ids=[0] * i.num_prompt_tokens, max_tokens=i.max_tokens,
+                              block_hashes=list(requests[i.request_id].block_hashes)) for i in b.items]))
+            if not busy[b.worker_id]:
+                start_step(b.worker_id, t)
+        for f in res.failures:
+            rejected[f.code] += 1
+        due = s.next_due_ns(t)
+        if due is not None:
+            push(max(due, t + 1), "tick")
+
+    pending_work = len(rec.arrivals)
+    while heap:
+        ev = heapq.heappop(heap)
+        t = ev.t_ns
+        if ev.kind == "arrival":
+            req: AdmitRequest = ev.data
+            requests[req.request_id] = req
+            arrival_ns[req.request_id] = t
+            res = s.admit(req, t)
+            if isinstance(res, Admitted):
+                slos[req.request_id] = (res.slo_ttft_ms, res.slo_tpot_ms)
+            else:
+                rejected[res.code] += 1
+                pending_work -= 1
+            tick(t)
+        elif ev.kind == "tick":
+            tick(t)
+        elif ev.kind == "step_done":
+            w, step = ev.data
+            if step.blocks_removed:
+                kv_seq[w] += 1
+                s.on_kv_event(m.KvBlocksRemoved(worker_id=w, boot_id="whatif", kv_seq=kv_seq[w],
+                                                block_hashes=list(step.blocks_removed)))
+            if step.blocks_stored:
+                kv_seq[w] += 1
+                s.on_kv_event(m.KvBlocksStored(worker_id=w, boot_id="whatif", kv_seq=kv_seq[w],
+                                               block_hashes=list(step.blocks_stored)))
+            if step.kind == "prefill" and step.batch_id:
+                s.on_prefill_completed(w, step.batch_id, step.duration_ms, step.num_cached_tokens)
+                cached += step.num_cached_tokens
+                prompt += step.num_prompt_tokens
+            for tok in step.tokens:
+                if tok.index == 0:
+                    first_ns[tok.request_id] = t
+                    ttft[tok.request_id] = (t - arrival_ns[tok.request_id]) / MS / scale
+            for f in step.finished:
+                if f.num_output_tokens > 1 and f.request_id in first_ns:
+                    tpot[f.request_id] = (t - first_ns[f.request_id]) / MS / scale / (f.num_output_tokens - 1)
+                s.on_terminal(f.request_id)
+                last_finish = max(last_finish, t)
+                pending_work -= 1
+            for f in step.failed:
+                rejected[f.code] += 1
+                s.on_terminal(f.request_id)
+                pending_work -= 1
+            for h in step.handoffs:  # disaggregated: the decode worker the router chose takes it over
+                item_decode = next((d for d in engines if engines[d].role == "decode"), None)
+                if item_decode is not None:
+                    engines[item_decode].submit_decode(EngineRequest(
+                        request_id=h.request_id, prompt_token_ids=[0] * requests[h.request_id].num_prompt_tokens,
+                        max_tokens=requests[h.request_id].max_tokens), h.first_token_id, h.num_cached_tokens)
+                    if not busy[item_decode]:
+                        start_step(item_decode, t)
+            start_step(w, t)
+            tick(t)
+        elif ev.kind == "heartbeat":
+            for w in engines:
+                status(w, t)
+            if pending_work > 0:
+                push(t + int(heartbeat_ms * MS), "heartbeat")
+        elif ev.kind == "sync":
+            s.sync(t)
+            if pending_work > 0:
+                push(t + int(liveness_ms * MS), "sync")
+    span_ms = (last_finish - t0) / MS / scale if last_finish else 0.0
+    result = summarize(ttft, tpot, slos, cached, prompt, rejected, span_ms, len(rec.arrivals))
+    return (result, sorted(ttft.values())) if with_ttfts else result
+
+
+def recorded_ttfts(rec: Recording) -> list[float]:
+    scale = rec.workers[0].time_scale or 1.0
+    arrival = {a.request.request_id: a.t_ns for a in rec.arrivals}
+    return sorted((p.first_token_ns - arrival[p.request_id]) / MS / scale for e in rec.envs
+                  if isinstance(p := e.payload, m.RequestFinished) and p.request_id in arrival and p.first_token_ns)
+
+
+def plot_cdfs(recorded: list[float], rerun: list[float], label: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for values, name in ((recorded, "recorded"), (rerun, label)):
+        if values:
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=name)
+    ax.set_xlabel("TTFT (engine ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def with_overrides(config: SchedulerConfig, prefill_policy: str | None, decode_policy: str | None,
+                   batcher: str | None) -> SchedulerConfig:
+    changes: dict[str, Any] = {}
+    if prefill_policy:
+        changes.update(prefill_policy=prefill_policy, prefill_policy_params={})
+    if decode_policy:
+        changes.update(decode_policy=decode_policy, decode_policy_params={})
+    if batcher and batcher != config.batcher:
+        changes.update(batcher=batcher, batcher_params={})
+    import dataclasses
+
+    return dataclasses.replace(config, **changes).validate() if changes else config
+
+
+def print_side_by_side(recorded: dict[str, Any], rerun: dict[str, Any], label: str, out: TextIO = sys.stdout) -> None:
+    rows = [("TTFT mean ms", "ttft_ms", "mean"), ("TTFT p90 ms", "ttft_ms", "p90"), ("TTFT p99 ms", "ttft_ms", "p99"),
+            ("TPOT mean ms", "tpot_ms", "mean"), ("TPOT p90 ms", "tpot_ms", "p90"), ("TPOT p99 ms", "tpot_ms", "p99"),
+            ("SLO attainment", "slo_attainment", None), ("goodput req/s", "goodput_rps", None),
+            ("prefix hit rate", "prefix_hit_rate", None)]
+    out.write(f"{'':<18} {'recorded':>14} {label:>24}\n")
+    for name, key, sub in rows:
+        a = recorded[key][sub] if sub else recorded[key]
+        b = rerun[key][sub] if sub else rerun[key]
+        out.write(f"{name:<18} {a:>14} {b:>24}\n")
+    out.write(f"{'rejected':<18} {json.dumps(recorded['rejected']):>14} {json.dumps(rerun['rejected']):>24}\n")
