@@ -266,9 +266,10 @@ def run_eventlog(args: argparse.Namespace) -> int:
             if resp.status_code == 404:
                 print(f"request {args.request_id}: unknown to {url}", file=sys.stderr)
                 return 1
+            if not resp.is_success:
+                print(resp.text, file=sys.stderr)
+                return 1
             data = resp.json()
-            print(json.dumps(data, indent=2))
-            return 0 if resp.is_success else 1
         if args.json:
             print(json.dumps(data, indent=2, default=str))
         else:
@@ -286,7 +287,8 @@ def run_whatif(args: argparse.Namespace) -> int:
         rec = whatif.load_recording(args.file)
         config = whatif.with_overrides(rec.config, args.prefill_policy, args.decode_policy, args.batcher)
         recorded = whatif.recorded_metrics(rec)
-        rerun, cdf = whatif.simulate(rec, config, args.workers, profile_path=args.profile, with_ttfts=True)
+        rerun, cdf = whatif.simulate(rec, config, args.workers, profile_path=args.profile, with_ttfts=True,
+                                     progress=sys.stderr.isatty())
     except (OSError, ValueError) as exc:
         print(f"flexlb whatif: {exc}", file=sys.stderr)
         return 2

@@ -285,9 +285,9 @@ def explain_file(path: str, request_id: str) -> dict[str, Any]:
             steps.append(Step(env.time_ns, "events", "worker.liveness_changed", msgspec.to_builtins(p)))
     steps.sort(key=lambda s: s.t_ns)
     arrival = next((s.t_ns for s in steps if s.what == "admitted" or s.what == "rejected"), steps[0].t_ns if steps else 0)
-    return {"request_id": request_id, "file": path, "found": bool(steps),
-            "timeline": [{"t_ms": round((s.t_ns - arrival) / 1e6, 3), "source": s.source, "what": s.what, **s.detail}
-                         for s in steps]}
+    return {"request_id": request_id, "found": bool(steps), "source": path,
+            "timeline": [{"t_ms": round((s.t_ns - arrival) / 1e6, 3), "source": s.source, "what": s.what, "event": s.what,
+                          **s.detail} for s in steps]}
 
 
 def _explain_journal(records: list[m.Envelope], rid: str) -> list[Step]:
@@ -348,11 +348,11 @@ def _explain_journal(records: list[m.Envelope], rid: str) -> list[Step]:
 
 def print_explain(data: dict[str, Any], out: TextIO = sys.stdout) -> None:
     if not data["found"]:
-        out.write(f"request {data['request_id']}: not in {data['file']}\n")
+        out.write(f"request {data['request_id']}: not in {data['source']}\n")
         return
     out.write(f"request {data['request_id']} (times relative to arrival)\n")
     for step in data["timeline"]:
-        extra = {k: v for k, v in step.items() if k not in ("t_ms", "source", "what", "decisions")}
+        extra = {k: v for k, v in step.items() if k not in ("t_ms", "source", "what", "event", "decisions")}
         out.write(f"{step['t_ms']:>12.3f} ms  {step['what']:<26} {json.dumps(extra, default=str)[:160]}\n")
         for d in step.get("decisions", []):
             out.write(f"{'':>17}{d['stage']} by {d['policy']}: picked {d['picked']} — {d['reason']}\n")

@@ -160,8 +160,19 @@ class _Ev:
 
 
 def simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None = None, heartbeat_ms: float = 200.0,
-             liveness_ms: float = 500.0, profile_path: str | None = None, with_ttfts: bool = False):
+             liveness_ms: float = 500.0, profile_path: str | None = None, with_ttfts: bool = False,
+             progress: bool = False):
     """The re-run's metrics (and, with_ttfts, also its TTFTs in engine ms, for the plot)."""
+    from rich.progress import Progress
+
+    with Progress(disable=not progress or len(rec.arrivals) < 1000, transient=True) as bar:
+        task = bar.add_task("what-if", total=len(rec.arrivals))
+        return _simulate(rec, config, num_workers, heartbeat_ms, liveness_ms, profile_path, with_ttfts,
+                         lambda: bar.advance(task))
+
+
+def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, heartbeat_ms: float,
+              liveness_ms: float, profile_path: str | None, with_ttfts: bool, on_arrival):
     profile = load_profile(profile_path)
     specs = list(rec.workers)
     if num_workers is not None:  # more or fewer workers like the first one
@@ -238,6 +249,7 @@ def simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None = 
         ev = heapq.heappop(heap)
         t = ev.t_ns
         if ev.kind == "arrival":
+            on_arrival()
             req: AdmitRequest = ev.data
             requests[req.request_id] = req
             arrival_ns[req.request_id] = t

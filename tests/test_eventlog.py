@@ -162,3 +162,62 @@ async def test_a_run_with_a_killed_and_a_drained_worker_replays_identically_and_
     assert timeline[first_admit]["decisions"][0]["candidates"]  # every candidate with its score components
     text = flexlb("explain", rerouted[0], "--file", path).stdout
     assert "worker_died" in text and "picked" in text
+
+
+async def test_export_says_loudly_when_retention_already_truncated_the_stream(tmp_path):
+    """A private nats-server whose FLEXLB_EVENTS keeps 4 KB: the oldest events are gone;
+    export still writes what is left, and the header and stderr say TRUNCATED."""
+    import msgspec
+    import nats as nats_client
+
+    from schemas.subjects import EVENTS_STREAM
+    from services.eventlog import read_export
+    from services.infra import start_nats
+    from services.shell.bus import ensure_streams
+
+    server = start_nats(str(tmp_path / "nats"))
+    try:
+        nc = await nats_client.connect(server.url)
+        await ensure_streams(nc.jetstream(), (msgspec.structs.replace(EVENTS_STREAM, max_bytes=4096),))
+        factory = m.EnvelopeFactory("w0", "b")
+        for i in range(200):
+            env = factory.wrap(m.RequestFinished(request_id=f"r{i}", worker_id="w0", finish_reason="length",
+                                                 num_prompt_tokens=10, num_output_tokens=2), i)
+            await nc.publish("flexlb.evt.req.w0", m.encode(env))
+        await nc.flush()
+        await nc.close()
+        out = str(tmp_path / "t.jsonl.gz")
+        res = await asyncio.to_thread(flexlb, "events", "export", "--nats-url", server.url, "--out", out,
+                                      "--streams", "FLEXLB_EVENTS")
+        assert res.returncode == 0, res.stderr
+        assert "TRUNCATED" in res.stderr and "TRUNCATED" in res.stdout
+        header, envs, bad = read_export(out)
+        st = header["streams"]["FLEXLB_EVENTS"]
+        assert st["truncated"] and st["first_seq"] > 1 and st["exported"] == len(envs) > 0 and bad == 0
+        assert envs[-1].payload.request_id == "r199"  # what is left is all there, up to the newest
+    finally:
+        server.stop()
+
+
+async def test_events_tail_prints_live_events_filtered_by_kind(flexlb_up):
+    _, state = flexlb_up("--workers", "1", "--time-scale", "0.01")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "events", "tail", "--nats-url", state["nats_url"],
+                             "--kind", "request."], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        await asyncio.sleep(1.5)  # subscribed
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(state["router_url"] + "/v1/completions", json={"prompt": "tail me", "max_tokens": 3})
+        assert r.status_code == 200
+        await asyncio.sleep(1.0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert "request.admitted" in out and "request.finished" in out
+    assert "batch.dispatched" not in out and "core.recorded" not in out  # filtered by kind
+    # explain against the live router: the same JSON shape as from a file.
+    live = flexlb("explain", r.json()["id"], "--url", state["router_url"], "--json")
+    assert live.returncode == 0, live.stderr
+    data = json.loads(live.stdout)
+    assert data["found"] and data["request_id"] == r.json()["id"]
+    assert {"t_ms", "source", "what"} <= set(data["timeline"][0]) and any(t["what"] == "request.finished" for t in data["timeline"])

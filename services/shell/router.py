@@ -114,7 +114,7 @@ class RequestRecords:
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def open(self, request_id: str, arrival_ns: int, **fields: Any) -> dict[str, Any]:
-        rec = {"request_id": request_id, "arrival_ns": arrival_ns, "timeline": [], **fields}
+        rec = {"request_id": request_id, "found": True, "source": "live", "arrival_ns": arrival_ns, "timeline": [], **fields}
         self.records[request_id] = rec
         self.records.move_to_end(request_id)
         while len(self.records) > self.capacity:
@@ -124,7 +124,9 @@ class RequestRecords:
     def note(self, request_id: str, now_ns: int, what: str, **detail: Any) -> None:
         rec = self.records.get(request_id)
         if rec is not None:
-            rec["timeline"].append({"t_ms": round((now_ns - rec["arrival_ns"]) / 1e6, 3), "event": what, **detail})
+            # The shape of `flexlb explain --json` (t_ms, source, what), plus "event" as before.
+            rec["timeline"].append({"t_ms": round((now_ns - rec["arrival_ns"]) / 1e6, 3), "source": "router", "what": what,
+                                    "event": what, **detail})
 
     def get(self, request_id: str) -> dict[str, Any] | None:
         return self.records.get(request_id)
