@@ -159,7 +159,7 @@ def test_remove_worker_forgets_it_but_not_the_others():
     index.remove_worker("w1")
     index.remove_worker("never-seen")
     assert index.match([10]) == {} and index.workers() == set()
-    assert index._hash_to_worker_ids == {}  # no empty sets left behind
+    assert index._workers == {} and index.block_counts == {}  # nothing of a removed worker left behind
     # a removed worker's next event is a first event again: kv_seq 2 means we joined late
     assert index.apply(stored(2, 12)).status == NEEDS_RESYNC
 
