@@ -56,6 +56,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="bytes of outputs a worker holds while NATS is away (default 2 MiB); beyond: stream_overflow")
 
 
+# Environment variables of the command line itself (not settings of a router or worker).
+CLI_ENV_VARS = frozenset({"FLEXLB_ADMIN_URL", "FLEXLB_UP_STATE", "FLEXLB_TEST_NATS_URL", "FLEXLB_TEST_REDIS_URL"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexlb", description="FlexLB control plane for LLM inference clusters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,13 +140,14 @@ def _overrides(args: argparse.Namespace, cls) -> dict:
 def router_settings(args: argparse.Namespace, environ=None) -> RouterSettings:
     from workers.agent import WorkerConfig
 
-    return load(RouterSettings, environ, _overrides(args, RouterSettings), known_elsewhere=known_env_vars(WorkerConfig))
+    return load(RouterSettings, environ, _overrides(args, RouterSettings),
+                known_elsewhere=known_env_vars(WorkerConfig) | CLI_ENV_VARS)
 
 
 def worker_config(args: argparse.Namespace, environ=None):
     from workers.agent import WorkerConfig
 
-    cfg = load(WorkerConfig, environ, _overrides(args, WorkerConfig), known_elsewhere=known_env_vars(RouterSettings))
+    cfg = load(WorkerConfig, environ, _overrides(args, WorkerConfig), known_elsewhere=known_env_vars(RouterSettings) | CLI_ENV_VARS)
     return cfg
 
 
@@ -215,7 +220,8 @@ def run_eventlog(args: argparse.Namespace) -> int:
 
     from services import eventlog
 
-    nats_url = getattr(args, "nats_url", None) or os.environ.get("FLEXLB_NATS_URL") or "nats://127.0.0.1:4222"
+    nats_url = getattr(args, "nats_url", None) or os.environ.get("FLEXLB_NATS_URL") or _last_up_nats_url() \
+        or "nats://127.0.0.1:4222"
     try:
         if args.command == "events" and args.action == "export":
             if not args.out:
@@ -278,6 +284,27 @@ def run_eventlog(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"flexlb {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # nats' own errors (no server, timeout): one line with the URL, not a traceback
+        if type(exc).__module__.startswith("nats"):
+            print(f"flexlb {args.command}: cannot use NATS at {nats_url}: {type(exc).__name__}: {exc} "
+                  "(--nats-url or FLEXLB_NATS_URL; `flexlb up` prints its URL)", file=sys.stderr)
+            return 2
+        raise
+
+
+def _last_up_nats_url() -> str | None:
+    """The NATS URL of the last `flexlb up` on this machine, if it is still running."""
+    import os
+
+    from services.up import LAST_UP_STATE
+
+    try:
+        with open(LAST_UP_STATE) as fh:
+            state = json.load(fh)
+        os.kill(int(state["up_pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return state.get("nats_url")
 
 
 def run_whatif(args: argparse.Namespace) -> int:

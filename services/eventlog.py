@@ -26,6 +26,8 @@ from datetime import datetime
 from importlib import metadata
 from typing import Any, TextIO
 
+import logging
+
 import msgspec
 
 from schemas import messages as m
@@ -33,6 +35,7 @@ from schemas.subjects import EVENTS_STREAM, JOURNAL_STREAM
 from services.core.journal import OPS, ReplayReport, config_from_builtins, replay, request_from_builtins, split_journals
 from services.core.scheduler import Admitted, Scheduler
 
+log = logging.getLogger("flexlb.eventlog")
 EXPORT_FORMAT = 1
 SEQ_LIMIT = 10**12  # below: a sequence number; above: a time
 
@@ -60,6 +63,12 @@ def parse_point(text: str | None) -> tuple[str, int] | None:
     return "time", int(value * 1e9)
 
 
+async def _nats_error(exc: Exception) -> None:
+    """The client's error callback: a connection failure surfaces as the exception of
+    connect() (the CLI prints it in one line); here it is only logged at debug level."""
+    log.debug("nats: %s: %s", type(exc).__name__, exc)
+
+
 # ------------------------------------------------------------------ export
 @dataclass
 class StreamExport:
@@ -77,7 +86,8 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
     from rich.progress import Progress
 
     since_p, until_p = parse_point(since), parse_point(until)
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2)
+    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2, allow_reconnect=False,
+                            error_cb=_nats_error)
     js = nc.jetstream()
     header: dict[str, Any] = {"flexlb_export": EXPORT_FORMAT, "schema_version": m.SCHEMA_VERSION,
                               "code_version": code_version(), "exported_at_ns": time.time_ns(), "streams": {},
@@ -367,7 +377,7 @@ async def tail(nats_url: str, kinds: list[str], request_id: str | None, out: Tex
                stop: asyncio.Event | None = None) -> None:
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, error_cb=_nats_error)
     stop = stop or asyncio.Event()
 
     async def on_msg(msg):

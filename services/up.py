@@ -27,6 +27,10 @@ from services.infra import InfraError, ManagedServer, start_nats, start_redis
 from services.settings import RouterSettings
 
 READY_TIMEOUT_S = 90.0
+# The last `flexlb up`'s URLs and pids, so `flexlb events export` / `tail` find its NATS with
+# no flags (FLEXLB_UP_STATE moves it; tests point it into their temporary directory).
+LAST_UP_STATE = os.environ.get("FLEXLB_UP_STATE") or os.path.join(
+    os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state"), "flexlb", "up.json")
 
 
 def _child(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -123,16 +127,23 @@ def run_up(args, settings: RouterSettings) -> int:
             "up_pid": os.getpid(),
             "nats_data_dir": next((s.argv[s.argv.index("-sd") + 1] for s in servers if s.name == "nats-server"), None),
         }
-        if args.state_file:
-            tmp = args.state_file + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(state, fh, indent=2)
-            os.replace(tmp, args.state_file)
+        for path in filter(None, (args.state_file, LAST_UP_STATE)):  # LAST_UP_STATE: what `flexlb events` finds
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                tmp = path + ".tmp"
+                with open(tmp, "w") as fh:
+                    json.dump(state, fh, indent=2)
+                os.replace(tmp, path)
+            except OSError as exc:
+                if path == args.state_file:
+                    raise
+                print(f"flexlb up: could not write {path} ({exc}); pass --nats-url to `flexlb events`", file=sys.stderr)
         print(f"FlexLB is up: {', '.join(router_urls)}  (workers: {', '.join(f'{w}/{r}' for w, r in fleet)})", flush=True)
         print(f"  completions: curl -N {router_url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'", flush=True)
         print(f"  admin: {router_url}/admin/workers  {router_url}/admin/ledger   nats: {nats_url}   redis: {redis_url}",
               flush=True)
+        print("  flight recorder: flexlb events export --out run.jsonl.gz && flexlb replay run.jsonl.gz", flush=True)
         reported: set[str] = set()
         while not stopping:
             for name, p in children.items():

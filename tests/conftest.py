@@ -121,6 +121,7 @@ def spawn(tmp_path):
 
     def _spawn(*argv: str, env: dict[str, str] | None = None, name: str | None = None) -> Proc:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXLB_")}
+        full_env["FLEXLB_UP_STATE"] = str(tmp_path / "last-up.json")  # not the user's ~/.local/state
         full_env.update(env or {})
         proc = Proc(list(argv), full_env, tmp_path / f"{name or argv[0]}-{len(procs)}.log")
         procs.append(proc)

@@ -199,7 +199,7 @@ async def test_export_says_loudly_when_retention_already_truncated_the_stream(tm
         server.stop()
 
 
-async def test_events_tail_prints_live_events_filtered_by_kind(flexlb_up):
+async def test_events_tail_prints_live_events_filtered_by_kind(flexlb_up, tmp_path):
     _, state = flexlb_up("--workers", "1", "--time-scale", "0.01")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "events", "tail", "--nats-url", state["nats_url"],
                              "--kind", "request."], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -221,3 +221,8 @@ async def test_events_tail_prints_live_events_filtered_by_kind(flexlb_up):
     data = json.loads(live.stdout)
     assert data["found"] and data["request_id"] == r.json()["id"]
     assert {"t_ms", "source", "what"} <= set(data["timeline"][0]) and any(t["what"] == "request.finished" for t in data["timeline"])
+    # With no --nats-url, export finds the running `flexlb up` (its state file); a dead URL is one clear line.
+    found = flexlb("events", "export", "--out", str(tmp_path / "x.jsonl"), env={"FLEXLB_UP_STATE": str(tmp_path / "last-up.json")})
+    assert found.returncode == 0 and "FLEXLB_JOURNAL" in found.stdout, found.stderr
+    dead = flexlb("events", "export", "--nats-url", "nats://127.0.0.1:1", "--out", str(tmp_path / "y.jsonl"))
+    assert dead.returncode == 2 and "cannot use NATS at nats://127.0.0.1:1" in dead.stderr and "Traceback" not in dead.stderr
