@@ -288,17 +288,19 @@ def test_a_prefix_being_prefilled_attracts_the_next_request_with_it():
 def test_pending_prefixes_match_the_longest_unexpired_leading_run_and_expire():
     from services.core.scheduler import PendingPrefixes
 
-    p = PendingPrefixes(ttl_ms=10)
+    p = PendingPrefixes(ttl_ms=10)  # buckets of 1 ms, ten of them live
     p.record("w0", (1, 2, 3, 4), 0)
     p.record("w1", (1, 2), 0)
     p.record("w0", (1, 2), 5 * MS)  # refreshes the first two blocks only
     assert p.match((1, 2, 3, 4, 5), 1 * MS) == {"w0": 4, "w1": 2}
-    assert p.match((1, 2, 3, 4), 12 * MS) == {"w0": 2}  # w0's tail and all of w1 expired
     assert p.match((9, 2), 1 * MS) == {}
+    p.expire(int(9.5 * MS))  # the 0 ms bucket lives until 10 ms
+    assert p.match((1, 2, 3, 4), int(9.5 * MS)) == {"w0": 4, "w1": 2}
     p.expire(12 * MS)
-    assert p.worker_to_hashes == {"w0": {1: 15 * MS, 2: 15 * MS}}
-    p.expire(16 * MS)
-    assert p.worker_to_hashes == {}
+    assert p.match((1, 2, 3, 4), 12 * MS) == {"w0": 2}  # w0's tail and all of w1 expired
+    assert p.num_entries() == {"w0": 2}
+    p.expire(15 * MS)
+    assert p.num_entries() == {} and p.match((1, 2), 15 * MS) == {}
 
 
 def test_pending_counts_each_request_once_plus_unknown_engine_tasks():

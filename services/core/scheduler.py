@@ -69,48 +69,71 @@ def decision_seed(seed: int, decision_seq: int) -> int:
 
 
 class PendingPrefixes:
-    """Prompts routed to a worker and not yet confirmed by its KV events: block hash -> expiry,
-    per worker. Lean on purpose (it is written on every admission): `record` is one dict update,
-    `match` walks only the workers holding the prompt's first block, and `expire` pops a FIFO of
-    records, so each recorded block is touched O(1) times. Entries refreshed by a later record
-    keep their later expiry."""
+    """Prompts routed to a worker and not yet confirmed by its KV events, per worker, in time
+    buckets of a tenth of the ttl: a prompt's block hashes go into the worker's current
+    bucket (one C-level set update per admission, the router's hot path on long prompts),
+    a bucket lives for ten bucket widths (entries last between 0.9 and 1.0 ttl), and expiry
+    drops whole buckets. Each bucket holds whole leading runs of chained prompts, so a
+    worker's live blocks of one chain are a prefix (binary search in `match`)."""
+
+    NUM_BUCKETS = 10
 
     def __init__(self, ttl_ms: float) -> None:
         self.ttl_ns = int(ttl_ms * 1e6)
-        self.worker_to_hashes: dict[str, dict[int, int]] = {}  # worker id -> block hash -> expiry ns
-        self.records: deque[tuple[int, str, tuple[int, ...]]] = deque()  # (expiry, worker, hashes), in time order
+        self.bucket_ns = max(self.ttl_ns // self.NUM_BUCKETS, 1)
+        self.worker_buckets: dict[str, list[tuple[int, set[int]]]] = {}  # worker -> (bucket no., hashes), oldest first
 
     def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
-        """Remember the prompt on the worker for ttl. A prompt recorded there within the last
-        tenth of the ttl (its last block is that fresh) is not written again: a hot prefix
-        would otherwise rewrite all its blocks on every request. Its entries then expire up to
-        ttl/10 early, which only shortens the optimistic window."""
-        expiry = now_ns + self.ttl_ns
-        held = self.worker_to_hashes.get(worker_id)
-        if held is None:
-            held = self.worker_to_hashes[worker_id] = {}
-        elif held.get(block_hashes[-1], 0) >= expiry - self.ttl_ns // 10:
-            return
-        held.update(dict.fromkeys(block_hashes, expiry))
-        self.records.append((expiry, worker_id, block_hashes))
+        """Remember the prompt on the worker for (about) the ttl. Already in the current
+        bucket (its last block is): nothing to write."""
+        bucket = now_ns // self.bucket_ns
+        buckets = self.worker_buckets.get(worker_id)
+        if buckets is None:
+            buckets = self.worker_buckets[worker_id] = []
+        if buckets and buckets[-1][0] == bucket:
+            current = buckets[-1][1]
+            if block_hashes[-1] not in current:
+                current.update(block_hashes)
+        else:
+            buckets.append((bucket, set(block_hashes)))
 
     def match(self, block_hashes: tuple[int, ...], now_ns: int) -> dict[str, int]:
-        """Leading blocks per worker, by binary search: records always cover a prompt's
-        leading blocks, and chained hashes name their whole prefix, so a worker's unexpired
-        blocks of one chain form a prefix whose expiries never increase along it."""
+        """Leading blocks per worker, by binary search over its live buckets."""
+        oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
         first, last = block_hashes[0], block_hashes[-1]
         n = len(block_hashes)
         out: dict[str, int] = {}
-        for worker_id, held in self.worker_to_hashes.items():
-            if held.get(first, 0) <= now_ns:
+        for worker_id, buckets in self.worker_buckets.items():
+            if len(buckets) == 1:  # one bucket: plain set probes
+                b, held = buckets[0]
+                if b < oldest_live or first not in held:
+                    continue
+                if last in held:
+                    out[worker_id] = n
+                    continue
+                lo, hi = 1, n - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if block_hashes[mid - 1] in held:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                out[worker_id] = lo
                 continue
-            if held.get(last, 0) > now_ns:  # the whole prompt (the common case of a repeated one)
+            live = [hs for b, hs in buckets if b >= oldest_live]
+            for hs in live:
+                if first in hs:
+                    break
+            else:
+                continue
+            if any(last in hs for hs in live):  # the whole prompt (the common case of a repeated one)
                 out[worker_id] = n
                 continue
             lo, hi = 1, n - 1  # block lo-1 is held, block n-1 is not; find the longest held prefix
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if held.get(block_hashes[mid - 1], 0) > now_ns:
+                h = block_hashes[mid - 1]
+                if any(h in hs for hs in live):
                     lo = mid
                 else:
                     hi = mid - 1
@@ -118,19 +141,20 @@ class PendingPrefixes:
         return out
 
     def expire(self, now_ns: int) -> None:
-        while self.records and self.records[0][0] <= now_ns:
-            expiry, worker_id, hashes = self.records.popleft()
-            held = self.worker_to_hashes.get(worker_id)
-            if held is None:
-                continue
-            for h in hashes:
-                if held.get(h, now_ns + 1) <= now_ns:
-                    del held[h]
-            if not held:
-                del self.worker_to_hashes[worker_id]
+        oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
+        for worker_id, buckets in list(self.worker_buckets.items()):
+            keep = [x for x in buckets if x[0] >= oldest_live]
+            if keep:
+                self.worker_buckets[worker_id] = keep
+            else:
+                del self.worker_buckets[worker_id]
+
+    def num_entries(self) -> dict[str, int]:
+        """Distinct block entries kept per worker, for tests and metrics."""
+        return {w: len(set().union(*(hs for _, hs in buckets))) for w, buckets in self.worker_buckets.items()}
 
     def remove_worker(self, worker_id: str) -> None:
-        self.worker_to_hashes.pop(worker_id, None)
+        self.worker_buckets.pop(worker_id, None)
 
 
 @dataclass(frozen=True)
