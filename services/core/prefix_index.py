@@ -156,6 +156,20 @@ def _match_leading(hash_to_worker_ids: dict[int, set[str]], block_hashes: Sequen
     return result
 
 
+def held_prefix_end(held: set[int], block_hashes: Sequence[int], hi: int) -> int:
+    """Binary search for the number of leading blocks in `held`, given that block 0 is held,
+    that no more than `hi` are, and that the held ones form a prefix (callers prove or know
+    it): the largest lo in [1, hi] with block lo-1 held."""
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if block_hashes[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PrefixIndex:
     """Exact index fed by KV events (rules in the module docstring)."""
 
@@ -246,13 +260,7 @@ class PrefixIndex:
             # are almost always a prefix: binary-search its end, then prove it (every block
             # before it held — one C-level superset test — and the next one not). A set that
             # is not prefix-closed fails the proof and gets the plain walk.
-            lo, hi = 1, n
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if block_hashes[mid - 1] in held:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = held_prefix_end(held, block_hashes, n)
             if not ((lo == n or block_hashes[lo] not in held) and held.issuperset(block_hashes[:lo])):
                 lo = 1
                 while lo < n and block_hashes[lo] in held:

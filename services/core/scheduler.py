@@ -52,7 +52,7 @@ from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy, build_policy
 from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
-from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex, cached_tokens
+from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex, cached_tokens, held_prefix_end
 from services.core.slo import SloParams, slo_targets
 from services.core.view import WorkerInfo, WorkerView
 
@@ -111,14 +111,7 @@ class PendingPrefixes:
                 if last in held:
                     out[worker_id] = n
                     continue
-                lo, hi = 1, n - 1
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if block_hashes[mid - 1] in held:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                out[worker_id] = lo
+                out[worker_id] = held_prefix_end(held, block_hashes, n - 1)  # (block n-1 is not held)
                 continue
             live = [hs for b, hs in buckets if b >= oldest_live]
             for hs in live:
@@ -173,8 +166,9 @@ class SchedulerConfig:
     slo: SloParams = field(default_factory=SloParams)
     prefix_index: str = "exact"  # "exact" (KV events) | "approximate" (learned from decisions)
     approx_index_ttl_ms: float = 120_000.0
-    # exact mode: a routed prompt counts as cached on its worker for this long, until the
-    # worker's KV events confirm it (they arrive only after the prefill). Without it, requests
+    # exact mode: a routed prompt counts as cached on its worker for this long (0.9–1.0 of it:
+    # PendingPrefixes keeps time buckets of a tenth), until the worker's KV events confirm it
+    # (they arrive only after the prefill). Without it, requests
     # that arrive while a shared prefix is still being prefilled look like misses everywhere
     # (the trace benchmark saw 31k predicted vs 95k actual cached tokens). 0 disables.
     pending_prefix_ttl_ms: float = 30_000.0
