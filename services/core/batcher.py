@@ -566,6 +566,25 @@ class FixedWindowBatcher(_QueueBatcher[T]):
                 self._shape = None
         return taken
 
+    def poll(self, now_ns: int, load: WorkerLoad) -> PollResult[T]:
+        """A poll that can find nothing returns at once (the scheduler polls every non-empty
+        batcher on every tick): no expiry, no too-large item, and only the window could fire
+        and has not (the fast path of `_plan`)."""
+        items = self._items
+        if items:
+            p = self.params
+            n = len(items)
+            cap = load.max_batch_tokens
+            values = items.values()
+            head = next(iter(values))
+            if (n < p.batch_size_max and p.predicted_ms_threshold <= 0 and now_ns < head.enqueued_ns + self._wait_ns
+                    and (cap <= 0 or max(i.num_prompt_tokens for i in values) * (n if p.dispatch_when_capped else 1) <= cap)
+                    and min(i.enqueued_ns for i in values) + self._enqueue_deadline_ns > now_ns):
+                if self._own.num_batches or self._own.load != load:
+                    self._own = _OwnDispatches(load=load)  # as the full poll would
+                return PollResult([], [], [])
+        return super().poll(now_ns, load)
+
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:
         return self.queue_wait(now_ns, load.max_batch_tokens, load.free_kv_tokens, load.wait_ms)
 
