@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=2, help="colocated pd_fusion workers (default 2)")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated mode, with --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated mode, with --prefill)")
-    up.add_argument("--routers", type=int, default=1, help="router replicas on consecutive ports (leader + standbys)")
+    up.add_argument("--routers", type=int, default=1, help="router replicas on consecutive ports, or free ones if taken (leader + standbys)")
     up.add_argument("--state-file", help="write URLs and the pid of every started process here (JSON)")
     up.add_argument("--data-dir", help="NATS JetStream data directory (default: a temporary one)")
     up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one)")

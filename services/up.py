@@ -27,6 +27,21 @@ from services.infra import InfraError, ManagedServer, start_nats, start_redis
 from services.settings import RouterSettings
 
 READY_TIMEOUT_S = 90.0
+
+
+def _replica_port(host: str, wanted: int) -> int:
+    """A standby router's port: the next one after the leader's if free, else any free one
+    (printed and written to the state file either way)."""
+    import socket
+
+    from services.infra import free_port
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, wanted))
+        except OSError:
+            return free_port()
+    return wanted
 # The last `flexlb up`'s URLs and pids, so `flexlb events export` / `tail` find its NATS with
 # no flags (FLEXLB_UP_STATE moves it; tests point it into their temporary directory).
 LAST_UP_STATE = os.environ.get("FLEXLB_UP_STATE") or os.path.join(
@@ -99,7 +114,7 @@ def run_up(args, settings: RouterSettings) -> int:
         router_urls = []
         for i in range(args.routers):
             router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"
-            port = settings.port + i
+            port = settings.port if i == 0 else _replica_port(settings.host, settings.port + i)
             router_flags = ["router", "--host", settings.host, "--port", str(port), "--router-id", router_id,
                             "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
                             "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
