@@ -277,7 +277,7 @@ def explain_file(path: str, request_id: str) -> dict[str, Any]:
     """The request's timeline from an export: arrival and admission (re-made through the core,
     with every candidate's score components and filters), the batch it joined and why it
     left when it did, worker deaths and re-routes, worker events, the terminal outcome."""
-    header, envs, _ = read_export(path)
+    _, envs, _ = read_export(path)
     steps: list[Step] = []
     for (router_id, boot), records in split_journals(envs).items():
         steps += _explain_journal(records, request_id)

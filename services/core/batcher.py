@@ -518,17 +518,9 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         p = self.params
         if self._is_held(load, p.max_inflight_batches):
             return _Plan(None, None, [])
-        n = len(self._items)
-        if n < p.batch_size_max and p.predicted_ms_threshold <= 0:
-            # Fast path: only the window can fire unless the padded cap could stop a batch
-            # (longest prompt × queue length over the cap); the head decides the window.
-            head = next(iter(self._items.values()))
-            window_due_ns = head.enqueued_ns + self._wait_ns
-            cap = load.max_batch_tokens
-            capped = (p.dispatch_when_capped and n > 1 and cap > 0
-                      and max(i.num_prompt_tokens for i in self._items.values()) * n > cap)
-            if not capped and now_ns < window_due_ns:
-                return _Plan(None, window_due_ns, [])
+        window_due_ns = self._only_window_due_ns(load)
+        if window_due_ns is not None and now_ns < window_due_ns:
+            return _Plan(None, window_due_ns, [])
         entries = list(islice(self._items.items(), p.batch_size_max + 1))  # all _fill can look at
         members, stop = _fill(entries, load, p.batch_size_max)
         window_due_ns = entries[0][1].enqueued_ns + self._wait_ns
@@ -566,23 +558,29 @@ class FixedWindowBatcher(_QueueBatcher[T]):
                 self._shape = None
         return taken
 
+    def _only_window_due_ns(self, load: WorkerLoad) -> int | None:
+        """When only the window can fire (not full, no threshold, the padded cap cannot stop a
+        batch: longest prompt × queue length within it), the head's window end; else None
+        (the full plan decides). The fast path of both `_plan` and `poll`."""
+        p, items = self.params, self._items
+        n = len(items)
+        if not items or n >= p.batch_size_max or p.predicted_ms_threshold > 0:
+            return None
+        cap = load.max_batch_tokens
+        if cap > 0 and max(i.num_prompt_tokens for i in items.values()) * (n if p.dispatch_when_capped else 1) > cap:
+            return None
+        return next(iter(items.values())).enqueued_ns + self._wait_ns
+
     def poll(self, now_ns: int, load: WorkerLoad) -> PollResult[T]:
         """A poll that can find nothing returns at once (the scheduler polls every non-empty
-        batcher on every tick): no expiry, no too-large item, and only the window could fire
-        and has not (the fast path of `_plan`)."""
-        items = self._items
-        if items:
-            p = self.params
-            n = len(items)
-            cap = load.max_batch_tokens
-            values = items.values()
-            head = next(iter(values))
-            if (n < p.batch_size_max and p.predicted_ms_threshold <= 0 and now_ns < head.enqueued_ns + self._wait_ns
-                    and (cap <= 0 or max(i.num_prompt_tokens for i in values) * (n if p.dispatch_when_capped else 1) <= cap)
-                    and min(i.enqueued_ns for i in values) + self._enqueue_deadline_ns > now_ns):
-                if self._own.num_batches or self._own.load != load:
-                    self._own = _OwnDispatches(load=load)  # as the full poll would
-                return PollResult([], [], [])
+        batcher on every tick): only a window that has not ended could fire, and nothing
+        expires (a too-large item makes the padded check above fail)."""
+        due_ns = self._only_window_due_ns(load)
+        if (due_ns is not None and now_ns < due_ns
+                and min(i.enqueued_ns for i in self._items.values()) + self._enqueue_deadline_ns > now_ns):
+            if self._own.num_batches or self._own.load != load:
+                self._own = _OwnDispatches(load=load)  # as the full poll would
+            return PollResult([], [], [])
         return super().poll(now_ns, load)
 
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float:

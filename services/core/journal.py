@@ -143,10 +143,9 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._s, name)
 
-    def _call(self, op: str, now_ns: int, args: dict[str, Any], run_args: dict[str, Any] | None = None) -> Any:
-        """Apply `op` (with `run_args`: live objects, e.g. the request's payload) and record it
-        with `args` (builtins)."""
-        result, out = OPS[op].run(self._s, now_ns, run_args if run_args is not None else args)
+    def _call(self, op: str, now_ns: int, args: dict[str, Any]) -> Any:
+        """Apply `op` from builtin `args` (the same entry replay uses) and record it."""
+        result, out = OPS[op].run(self._s, now_ns, args)
         self._sink(op, now_ns, args, out)
         return result
 

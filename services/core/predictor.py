@@ -248,7 +248,7 @@ class PrefillPredictor:
         self._residual_scale = params.initial_residual_scale
         # Absolute coefficients for the hot path, refreshed after every learning step.
         self._a, self._b, self._c, self._d, self._e = prior_values
-        self.hot_coefficients = prior_values  # (a, b, c, d, e) now: for callers that inline predict_one_ms
+        self.hot_coefficients = prior_values  # (a, b, c, d, e) now: for the scheduler's inlined one-request prediction
         self._coefficients: PrefillCoefficients | None = coefficients
         self.num_observations = 0
         self.num_rejected_observations = 0
@@ -281,15 +281,6 @@ class PrefillPredictor:
             computed_sq += n * n - p * p
             cached += p
         t = self._a + self._b * computed + self._c * computed_sq + self._d * cached + self._e * len(items)
-        return t if t > 0.0 else 0.0
-
-    def predict_one_ms(self, num_prompt_tokens: int, num_cached_tokens: int) -> float:
-        """`predict_ms(((n, p),))` without building a batch: the routing hot path (once per
-        candidate per decision)."""
-        n, p = num_prompt_tokens, num_cached_tokens
-        if p < 0 or p > n:
-            raise ValueError(f"prefill predictor: need 0 <= cached <= prompt tokens, got ({n}, {p})")
-        t = self._a + self._b * (n - p) + self._c * (n * n - p * p) + self._d * p + self._e
         return t if t > 0.0 else 0.0
 
     @property

@@ -376,8 +376,13 @@ class Scheduler:
         """Requests the worker holds or will hold: queued here, inflight, or reported running."""
         info = self.view.workers.get(worker_id)
         batcher = self.batchers.get(worker_id)
-        reported = info.num_running_requests + info.num_queued_batches if info else 0
-        return (len(batcher) if batcher else 0) + self.ledger.num_pending_requests(worker_id) + reported
+        queued = len(batcher) if batcher else 0
+        inflight = self.ledger.workers.get(worker_id)
+        if inflight is None:
+            return queued + (info.num_running_requests + info.num_queued_batches if info else 0)
+        # Each request once (see WorkerInflight.num_requests), plus batches it reports queued.
+        return inflight.num_requests(queued, info.num_running_requests if info else 0,
+                                     info is not None and info.role == "pd_fusion") + (info.num_queued_batches if info else 0)
 
     def remove_worker(self, worker_id: str) -> list[QueuedRequest]:
         """Forget a worker everywhere (operator removal or expiry); returns its queued requests."""
@@ -556,7 +561,7 @@ class Scheduler:
                 gated_set.add(wid)
             else:
                 gated = False
-            a, b, c, d, e = predictor.hot_coefficients  # PrefillPredictor.predict_one_ms, inlined (0 <= cached < n)
+            a, b, c, d, e = predictor.hot_coefficients  # predict_ms(((n, cached),)), inlined (0 <= cached < n)
             prefill = a + b * (n - cached) + c * (n_sq - cached * cached) + d * cached + e
             if prefill < 0.0:
                 prefill = 0.0
