@@ -566,6 +566,47 @@ def test_slo_budget_never_busy_waits_and_never_loses_an_item(params, script, end
     check_accounting(run_scenario(SloBudgetBatcher(params, predict), predict, script, end_with_drain))
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=fixed_params, script=ops)
+def test_a_quiet_fixed_window_batcher_is_one_whose_full_poll_finds_nothing(params, script):
+    """The scheduler skips polling (and building the load of) a batcher that says it is quiet:
+    whenever `quiet` says so, the full algorithm (the poll without its fast path) must find
+    nothing to dispatch, expire or refuse, under any load with that padded cap."""
+    from services.core.batcher import _QueueBatcher
+
+    b = FixedWindowBatcher(params, Predictor(0.05))
+    now = 0
+    for op in script:
+        if op[0] == "add":
+            b.add(Req(f"r{len(b)}-{now}", op[1], now, 0, op[2]))
+        elif op[0] == "advance":
+            now += op[1]
+        elif op[0] in ("poll", "follow"):
+            wl = op[1]
+            quiet = b.quiet(now, wl.max_batch_tokens)
+            r = _QueueBatcher.poll(b, now, wl)
+            if quiet:
+                assert not (r.batches or r.expired or r.too_large), (now, wl)
+        else:
+            b.remove(lambda i, n=op[1]: len(i.request_id) % 41 == n)
+
+
+def test_quiet_holds_until_the_window_or_the_queue_changes():
+    b = fixed(Predictor(), batch_size_max=3, wait_ms=10)
+    b.add(req("a", 100, t_ms=0))
+    assert b.quiet(9 * MS, 0) and not b.quiet(10 * MS, 0)  # the window ends at 10 ms
+    assert b.quiet(0, 150) and not b.quiet(0, 50)  # a prompt over the cap: the full poll fails it (too_large)
+    b.add(req("b", 100, t_ms=1))
+    b.add(req("c", 100, t_ms=2))
+    assert not b.quiet(3 * MS, 0)  # full: the full poll dispatches it
+    assert batch_ids(b.poll(3 * MS, load())) == [["a", "b", "c"]]
+    assert not b.quiet(3 * MS, 0)  # empty: nothing to be quiet about (the scheduler skips it anyway)
+    short = fixed(Predictor(), batch_size_max=3, wait_ms=50, enqueue_deadline_ms=1)
+    short.add(req("d", 100, t_ms=0))
+    assert short.quiet(MS // 2, 0) and not short.quiet(MS, 0)  # it expires before its window ends
+    assert [i.request_id for i in short.poll(MS, load()).expired] == ["d"]
+
+
 # ------------------------------------------------------------------ registry and parameters
 def test_the_registry_knows_both_batchers_and_the_default_is_flexlbs():
     assert sorted(BATCHERS) == ["fixed-window", "slo-budget"]

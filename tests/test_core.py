@@ -301,6 +301,22 @@ def test_pending_prefixes_match_the_longest_unexpired_leading_run_and_expire():
     assert p.num_entries() == {"w0": 2}
     p.expire(15 * MS)
     assert p.num_entries() == {} and p.match((1, 2), 15 * MS) == {}
+    assert p.firsts == {}  # the first-block map expires with the buckets
+
+
+def test_pending_prefixes_forget_a_removed_worker_and_keep_the_newest_bucket_across_a_clock_step_back():
+    from services.core.scheduler import PendingPrefixes
+
+    p = PendingPrefixes(ttl_ms=10)
+    p.record("w0", (1, 2, 3), 8 * MS)
+    p.record("w1", (1, 2), 0)
+    p.record("w0", (1, 2), 2 * MS)  # the router's clock stepped back: (1, 2) stays live from 8 ms
+    assert p.firsts[1] == {"w0": 8, "w1": 0}
+    assert p.match((1, 2, 3), 12 * MS) == {"w0": 3}  # w1's bucket (0 ms) is dead, w0's 8 ms one lives
+    p.remove_worker("w0")
+    assert p.match((1, 2, 3), 9 * MS) == {"w1": 2} and p.firsts == {1: {"w1": 0}}
+    p.remove_worker("w1")
+    assert p.firsts == {} and p.match((1, 2), 9 * MS) == {}
 
 
 def test_pending_counts_each_request_once_plus_unknown_engine_tasks():

@@ -272,9 +272,15 @@ class Batcher(Protocol[T]):
 
     def next_due_ns(self, now_ns: int, load: WorkerLoad) -> int | None: ...
 
+    def quiet(self, now_ns: int, max_batch_tokens: int) -> bool: ...  # True: a poll now finds nothing (False: poll)
+
     def queue_wait_ms(self, now_ns: int, load: WorkerLoad) -> float: ...
 
     def queue_wait(self, now_ns: int, max_batch_tokens: int, free_kv_tokens: int, wait_ms: float) -> float: ...
+
+    # queue_wait of an empty queue is max(0, this − wait_ms) when not None (the scoring loop
+    # skips the call for empty queues); None: call queue_wait.
+    empty_queue_window_ms: float | None
 
     def remove(self, predicate: Callable[[T], bool]) -> list[T]: ...
 
@@ -374,6 +380,8 @@ class _QueueBatcher(Generic[T]):
 
     name = ""
 
+    empty_queue_window_ms: float | None = None  # (see Batcher)
+
     def __init__(self, predict_ms: PredictFn, enqueue_deadline_ms: float) -> None:
         self._predict_ms = predict_ms
         self._enqueue_deadline_ns = _ms_to_ns(enqueue_deadline_ms)
@@ -468,6 +476,11 @@ class _QueueBatcher(Generic[T]):
             raise exc
         return PollResult(batches, expired, too_large)
 
+    def quiet(self, now_ns: int, max_batch_tokens: int) -> bool:
+        """True only when a poll now is sure to find nothing (a cheap check before building the
+        load); this algorithm has no such check: poll."""
+        return False
+
     def next_due_ns(self, now_ns: int, load: WorkerLoad) -> int | None:
         if not self._items:
             return None
@@ -513,6 +526,8 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         self._shape: _QueueShape | None = None  # the queue's batches, for queue_wait_ms (kept incrementally)
         self._batch_size_max = params.batch_size_max
         self._whole_window_ms = 0.0 if params.batch_size_max == 1 else params.wait_ms
+        self.empty_queue_window_ms = self._whole_window_ms  # (queue_wait's rule for an empty queue)
+        self._quiet: tuple[int, int, int | None] = (-1, 0, None)  # (version, padded cap, quiet until), see quiet()
 
     def _plan(self, now_ns: int, load: WorkerLoad, *, with_members: bool) -> _Plan:
         p = self.params
@@ -561,25 +576,44 @@ class FixedWindowBatcher(_QueueBatcher[T]):
     def _only_window_due_ns(self, load: WorkerLoad) -> int | None:
         """When only the window can fire (not full, no threshold, the padded cap cannot stop a
         batch: longest prompt × queue length within it), the head's window end; else None
-        (the full plan decides). The fast path of both `_plan` and `poll`."""
+        (the full plan decides). The fast path of `_plan` and `quiet`."""
+        return self._window_only_due_ns(load.max_batch_tokens)
+
+    def _window_only_due_ns(self, max_batch_tokens: int) -> int | None:
         p, items = self.params, self._items
         n = len(items)
         if not items or n >= p.batch_size_max or p.predicted_ms_threshold > 0:
             return None
-        cap = load.max_batch_tokens
-        if cap > 0 and max(i.num_prompt_tokens for i in items.values()) * (n if p.dispatch_when_capped else 1) > cap:
+        if (max_batch_tokens > 0 and max(i.num_prompt_tokens for i in items.values())
+                * (n if p.dispatch_when_capped else 1) > max_batch_tokens):
             return None
         return next(iter(items.values())).enqueued_ns + self._wait_ns
 
+    def quiet(self, now_ns: int, max_batch_tokens: int) -> bool:
+        """True when a poll at `now_ns` would find nothing, whatever the rest of the load: only
+        a window that has not ended could fire, and nothing expires (a too-large item makes
+        the padded check fail). The scheduler asks this of every non-empty batcher on every
+        tick before it builds the worker's load; the time bound is cached per queue version
+        and padded cap, so a quiet batcher costs a comparison. Like a poll that finds
+        nothing, it forgets the last poll's own dispatches (the load shows them by now)."""
+        version, cap, until = self._quiet
+        if version != self._version or cap != max_batch_tokens:
+            due_ns = self._window_only_due_ns(max_batch_tokens)
+            if due_ns is not None:
+                expiry_ns = min(i.enqueued_ns for i in self._items.values()) + self._enqueue_deadline_ns
+                until = due_ns if due_ns < expiry_ns else expiry_ns
+            else:
+                until = None
+            self._quiet = (self._version, max_batch_tokens, until)
+        if until is None or now_ns >= until:
+            return False
+        if self._own.num_batches:
+            self._own = _OwnDispatches()  # (with no batches, effective() ignores the load it holds)
+        return True
+
     def poll(self, now_ns: int, load: WorkerLoad) -> PollResult[T]:
-        """A poll that can find nothing returns at once (the scheduler polls every non-empty
-        batcher on every tick): only a window that has not ended could fire, and nothing
-        expires (a too-large item makes the padded check above fail)."""
-        due_ns = self._only_window_due_ns(load)
-        if (due_ns is not None and now_ns < due_ns
-                and min(i.enqueued_ns for i in self._items.values()) + self._enqueue_deadline_ns > now_ns):
-            if self._own.num_batches or self._own.load != load:
-                self._own = _OwnDispatches(load=load)  # as the full poll would
+        """A poll that can find nothing returns at once (see `quiet`)."""
+        if self.quiet(now_ns, load.max_batch_tokens):
             return PollResult([], [], [])
         return super().poll(now_ns, load)
 

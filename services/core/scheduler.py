@@ -74,7 +74,12 @@ class PendingPrefixes:
     bucket (one C-level set update per admission, the router's hot path on long prompts),
     a bucket lives for ten bucket widths (entries last between 0.9 and 1.0 ttl), and expiry
     drops whole buckets. Each bucket holds whole leading runs of chained prompts, so a
-    worker's live blocks of one chain are a prefix (binary search in `match`)."""
+    worker's live blocks of one chain are a prefix (binary search in `match`).
+
+    Block hashes are chained (a block's hash covers every token before it), so a prompt's
+    first block is only ever some prompt's first block: `firsts` maps it to the workers
+    that were sent one, with the newest bucket, and a match visits those workers alone
+    instead of probing every worker's buckets."""
 
     NUM_BUCKETS = 10
 
@@ -82,11 +87,17 @@ class PendingPrefixes:
         self.ttl_ns = int(ttl_ms * 1e6)
         self.bucket_ns = max(self.ttl_ns // self.NUM_BUCKETS, 1)
         self.worker_buckets: dict[str, list[tuple[int, set[int]]]] = {}  # worker -> (bucket no., hashes), oldest first
+        self.firsts: dict[int, dict[str, int]] = {}  # first block -> {worker: newest bucket no. holding it}
 
     def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
         """Remember the prompt on the worker for (about) the ttl. Already in the current
         bucket (its last block is): nothing to write."""
         bucket = now_ns // self.bucket_ns
+        holders = self.firsts.get(block_hashes[0])
+        if holders is None:
+            self.firsts[block_hashes[0]] = {worker_id: bucket}
+        elif holders.get(worker_id, bucket) <= bucket:  # (a clock step back keeps the newer bucket)
+            holders[worker_id] = bucket
         buckets = self.worker_buckets.get(worker_id)
         if buckets is None:
             buckets = self.worker_buckets[worker_id] = []
@@ -99,38 +110,42 @@ class PendingPrefixes:
 
     def match(self, block_hashes: tuple[int, ...], now_ns: int) -> dict[str, int]:
         """Leading blocks per worker, by binary search over its live buckets."""
+        holders = self.firsts.get(block_hashes[0])
+        if not holders:
+            return {}
         oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
-        first, last = block_hashes[0], block_hashes[-1]
+        last = block_hashes[-1]
         n = len(block_hashes)
         out: dict[str, int] = {}
-        for worker_id, buckets in self.worker_buckets.items():
+        worker_buckets = self.worker_buckets
+        for worker_id, newest in holders.items():
+            if newest < oldest_live:  # (the first block is in a live bucket: `newest` is one)
+                continue
+            buckets = worker_buckets[worker_id]
             if len(buckets) == 1:  # one bucket: plain set probes
-                b, held = buckets[0]
-                if b < oldest_live or first not in held:
-                    continue
+                held = buckets[0][1]
                 if last in held:
                     out[worker_id] = n
                     continue
                 out[worker_id] = held_prefix_end(held, block_hashes, n - 1)  # (block n-1 is not held)
                 continue
             live = [hs for b, hs in buckets if b >= oldest_live]
-            for hs in live:
-                if first in hs:
+            for hs in reversed(live):  # the whole prompt (the common case of a repeated one), newest first
+                if last in hs:
+                    out[worker_id] = n
                     break
             else:
-                continue
-            if any(last in hs for hs in live):  # the whole prompt (the common case of a repeated one)
-                out[worker_id] = n
-                continue
-            lo, hi = 1, n - 1  # block lo-1 is held, block n-1 is not; find the longest held prefix
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                h = block_hashes[mid - 1]
-                if any(h in hs for hs in live):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[worker_id] = lo
+                lo, hi = 1, n - 1  # block lo-1 is held, block n-1 is not; find the longest held prefix
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    h = block_hashes[mid - 1]
+                    for hs in live:
+                        if h in hs:
+                            lo = mid
+                            break
+                    else:
+                        hi = mid - 1
+                out[worker_id] = lo
         return out
 
     def expire(self, now_ns: int) -> None:
@@ -141,6 +156,13 @@ class PendingPrefixes:
                 self.worker_buckets[worker_id] = keep
             else:
                 del self.worker_buckets[worker_id]
+        for first, holders in list(self.firsts.items()):
+            if any(b < oldest_live for b in holders.values()):
+                holders = {w: b for w, b in holders.items() if b >= oldest_live}
+                if holders:
+                    self.firsts[first] = holders
+                else:
+                    del self.firsts[first]
 
     def num_entries(self) -> dict[str, int]:
         """Distinct block entries kept per worker, for tests and metrics."""
@@ -148,6 +170,9 @@ class PendingPrefixes:
 
     def remove_worker(self, worker_id: str) -> None:
         self.worker_buckets.pop(worker_id, None)
+        for first, holders in list(self.firsts.items()):
+            if holders.pop(worker_id, None) is not None and not holders:
+                del self.firsts[first]
 
 
 @dataclass(frozen=True)
@@ -212,8 +237,11 @@ class QueuedRequest:
     payload: object = None  # the shell's request handle; the core never looks inside
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AdmitRequest:
+    """(Immutable by convention: not frozen, as a frozen dataclass costs a microsecond to build,
+    and a replay builds one per recorded arrival.)"""
+
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
@@ -327,7 +355,7 @@ class Scheduler:
         self.prefill_gated: set[str] = set()  # workers whose pending count closed the gate
         self.decode_gated: set[str] = set()  # workers whose KV usage closed the gate
         self.inflight: set[str] = set()  # admitted request ids without a terminal outcome
-        self._slots: dict[str, tuple[Batcher, Mapping[int, QueuedRequest], WorkerInflight, PrefillPredictor]] = {}  # see _slot
+        self._slots: dict[str, tuple[Batcher, Mapping[int, QueuedRequest], WorkerInflight, PrefillPredictor, float | None]] = {}  # see _slot
         self.queued: dict[str, tuple[str, int]] = {}  # request id -> (prefill worker, batcher seq) while queued here
         self.num_batches = 0
         self.decision_seq = 0
@@ -455,12 +483,14 @@ class Scheduler:
                                                          predictor.predict_items_ms)
         return b
 
-    def _slot(self, worker_id: str) -> tuple[Batcher, Mapping[int, QueuedRequest], WorkerInflight, PrefillPredictor]:
-        """The worker's batcher, inflight entry and predictor in one lookup (the routing hot
-        path); dropped with the worker in remove_worker, which is the only place any of the
-        three is removed."""
+    def _slot(self, worker_id: str) -> tuple[Batcher, Mapping[int, QueuedRequest], WorkerInflight, PrefillPredictor,
+                                             float | None]:
+        """The worker's batcher (with its queue and empty-queue window), inflight entry and
+        predictor in one lookup (the routing hot path); dropped with the worker in
+        remove_worker, which is the only place any of the three is removed."""
         batcher = self.batcher(worker_id)
-        slot = self._slots[worker_id] = (batcher, batcher.items_view, self.ledger.worker(worker_id), self.predictor(worker_id))
+        slot = self._slots[worker_id] = (batcher, batcher.items_view, self.ledger.worker(worker_id), self.predictor(worker_id),
+                                         batcher.empty_queue_window_ms)
         return slot
 
     def load(self, worker_id: str, now_ns: int) -> WorkerLoad:
@@ -523,7 +553,7 @@ class Scheduler:
             slot = slots.get(wid)
             if slot is None:
                 slot = self._slot(wid)
-            batcher, queue_items, inf, predictor = slot
+            batcher, queue_items, inf, predictor, empty_queue_window_ms = slot
             queued = len(queue_items)
             if queued >= max_queue:
                 continue
@@ -550,8 +580,16 @@ class Scheduler:
             hard = inf.hidden_hard_kv_tokens
             # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
             free_kv = (free - hard if free > hard else 0) if w.num_kv_blocks else 1 << 40
-            queue = batcher.queue_wait(now_ns, w.max_batch_tokens, free_kv, wait)
-            pending = inf.num_requests(queued, w.num_running_requests, w.role == "pd_fusion")
+            if queued or empty_queue_window_ms is None:
+                queue = batcher.queue_wait(now_ns, w.max_batch_tokens, free_kv, wait)
+            else:  # an empty queue: queue_wait's rule without the call
+                queue = empty_queue_window_ms - wait
+                if not queue > 0.0:
+                    queue = 0.0
+            # WorkerInflight.num_requests, inlined
+            ours = len(inf.reservations) if w.role == "pd_fusion" else len(inf.reservations) + inf.num_batch_requests + queued
+            unknown = w.num_running_requests - inf.num_visible
+            pending = ours + unknown if unknown > 0 else ours
             if wid in gated_set:
                 gated = pending > reopen
                 if not gated:
@@ -690,8 +728,12 @@ class Scheduler:
             self.approx_index.expire(now_ns)
         batches: list[FormedBatch] = []
         failures: list[QueueFailure] = []
+        workers = self.view.workers
         for worker_id, batcher in self.batchers.items():
             if not len(batcher):
+                continue
+            info = workers.get(worker_id)
+            if batcher.quiet(now_ns, info.max_batch_tokens if info else 0):  # (load()'s max_batch_tokens)
                 continue
             try:
                 res = batcher.poll(now_ns, self.load(worker_id, now_ns))
