@@ -154,19 +154,25 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
     return header
 
 
-def read_export(path: str) -> tuple[dict[str, Any], list[m.Envelope], int]:
+def read_export(path: str, only: tuple[type, ...] = ()) -> tuple[dict[str, Any], list[m.Envelope], int]:
     """(header, envelopes, undecodable lines). A file without a header is read too (a plain
-    JSON-lines capture); an unreadable line is counted, never silently dropped."""
+    JSON-lines capture); an unreadable line is counted, never silently dropped. With `only`
+    (payload types), lines that do not name one of their tags are not decoded at all (replay
+    reads only the journal: its other lines are half the file); a journal line damaged so
+    badly that its tag is gone shows up as a gap in the journal's sequence."""
     opener = gzip.open if path.endswith(".gz") else open
     header: dict[str, Any] = {}
     envs: list[m.Envelope] = []
     bad = 0
+    markers = [b'"' + m.tag_of(t).encode() + b'"' for t in only]  # (any JSON spacing: a hand-edited line too)
     with opener(path, "rb") as f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
             if i == 0 and b'"flexlb_export"' in line:
                 header = json.loads(line)
+                continue
+            if markers and not any(marker in line for marker in markers):
                 continue
             try:
                 envs.append(m.decode(line))
@@ -180,7 +186,7 @@ def replay_file(path: str, router: str | None = None, until: str | None = None,
                 progress: bool = True) -> tuple[dict[str, Any], list[ReplayReport]]:
     from rich.progress import Progress
 
-    header, envs, bad = read_export(path)
+    header, envs, bad = read_export(path, only=(m.CoreRecorded,))
     journals = split_journals(envs)
     if router:
         journals = {k: v for k, v in journals.items() if k[0] == router}

@@ -226,3 +226,23 @@ async def test_events_tail_prints_live_events_filtered_by_kind(flexlb_up, tmp_pa
     assert found.returncode == 0 and "FLEXLB_JOURNAL" in found.stdout, found.stderr
     dead = flexlb("events", "export", "--nats-url", "nats://127.0.0.1:1", "--out", str(tmp_path / "y.jsonl"))
     assert dead.returncode == 2 and "cannot use NATS at nats://127.0.0.1:1" in dead.stderr and "Traceback" not in dead.stderr
+
+
+def test_reading_only_the_journal_skips_other_lines_but_never_a_journal_line(tmp_path):
+    """Replay decodes only journal lines (the rest is half an export): a journal line is
+    read whatever its JSON spacing (a hand-edited file), a damaged one is counted, and lines
+    of other events are neither decoded nor counted as undecodable."""
+    from services.eventlog import read_export
+
+    envelopes = m.EnvelopeFactory("router-t", "boot1")
+    journal = [m.encode(envelopes.wrap(m.CoreRecorded(router_id="router-t", op="tick", now_ns=i), i)) for i in (1, 2)]
+    other = m.encode(envelopes.wrap(m.RequestFinished(request_id="r1", worker_id="w0", finish_reason="length",
+                                                      num_prompt_tokens=10, num_output_tokens=2), 3))
+    respaced = json.dumps(json.loads(journal[1]), indent=None, separators=(", ", ": ")).encode()
+    path = tmp_path / "x.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b"\n".join([journal[0], other, respaced, b'{"payload": {"type": "core.recorded", "op": ']) + b"\n")
+    header, envs, bad = read_export(str(path), only=(m.CoreRecorded,))
+    assert [e.payload.now_ns for e in envs] == [1, 2] and bad == 1
+    _, everything, bad_all = read_export(str(path))
+    assert len(everything) == 3 and isinstance(everything[1].payload, m.RequestFinished) and bad_all == 1

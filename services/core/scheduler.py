@@ -88,6 +88,7 @@ class PendingPrefixes:
         self.bucket_ns = max(self.ttl_ns // self.NUM_BUCKETS, 1)
         self.worker_buckets: dict[str, list[tuple[int, set[int]]]] = {}  # worker -> (bucket no., hashes), oldest first
         self.firsts: dict[int, dict[str, int]] = {}  # first block -> {worker: newest bucket no. holding it}
+        self._firsts_swept_bucket = 0  # oldest live bucket at the last sweep of `firsts`
 
     def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
         """Remember the prompt on the worker for (about) the ttl. Already in the current
@@ -121,7 +122,9 @@ class PendingPrefixes:
         for worker_id, newest in holders.items():
             if newest < oldest_live:  # (the first block is in a live bucket: `newest` is one)
                 continue
-            buckets = worker_buckets[worker_id]
+            buckets = worker_buckets.get(worker_id)
+            if buckets is None:  # (expired whole; `firsts` is swept later)
+                continue
             if len(buckets) == 1:  # one bucket: plain set probes
                 held = buckets[0][1]
                 if last in held:
@@ -156,13 +159,20 @@ class PendingPrefixes:
                 self.worker_buckets[worker_id] = keep
             else:
                 del self.worker_buckets[worker_id]
-        for first, holders in list(self.firsts.items()):
-            if any(b < oldest_live for b in holders.values()):
-                holders = {w: b for w, b in holders.items() if b >= oldest_live}
-                if holders:
-                    self.firsts[first] = holders
-                else:
-                    del self.firsts[first]
+        # The first-block map is swept once a ttl (a stale entry is skipped by `match`, so it
+        # only costs memory meanwhile): sweeping it every second cost more than the matches.
+        if not self.worker_buckets:
+            self.firsts.clear()
+            self._firsts_swept_bucket = oldest_live
+        elif oldest_live - self._firsts_swept_bucket >= self.NUM_BUCKETS:
+            self._firsts_swept_bucket = oldest_live
+            for first, holders in list(self.firsts.items()):
+                if any(b < oldest_live for b in holders.values()):
+                    holders = {w: b for w, b in holders.items() if b >= oldest_live}
+                    if holders:
+                        self.firsts[first] = holders
+                    else:
+                        del self.firsts[first]
 
     def num_entries(self) -> dict[str, int]:
         """Distinct block entries kept per worker, for tests and metrics."""
