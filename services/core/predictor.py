@@ -124,6 +124,7 @@ import msgspec
 
 MIN_MEASURED_MS = 1e-3  # a batch measured faster than 1 µs is a broken clock: rejected
 _NUM_FEATURES = 5
+_UPPER_PAIRS = tuple((i, j) for i in range(_NUM_FEATURES) for j in range(i + 1, _NUM_FEATURES))  # (i < j)
 _GAUSSIAN_STD_PER_MEAN_ABS = 1.2533  # sqrt(pi/2): std / mean |x| of a zero-mean Gaussian
 _MIN_SCALE_FRACTION_OF_REF = 0.01  # r >= 1 % of the reference prediction (bounds u by 100)
 _FALLBACK_CACHED_FRACTION = 0.1  # ref_d = 0.1 × ref_b when the prior d is 0
@@ -348,7 +349,7 @@ class PrefillPredictor:
     def _learn(self, x: tuple[float, ...], predicted_ms: float, measured_ms: float) -> None:
         params = self.params
         ref = self._ref
-        reference_ms = sum(xi * ri for xi, ri in zip(x, ref))  # >= ref_a > 0
+        reference_ms = sum([xi * ri for xi, ri in zip(x, ref)])  # >= ref_a > 0
         scale_ms = max(predicted_ms, _MIN_SCALE_FRACTION_OF_REF * reference_ms)
         u = [xi * ri / scale_ms for xi, ri in zip(x, ref)]  # ∂ ln ŷ / ∂φ_i, each in [0, 100]
         residual = math.log(measured_ms) - math.log(scale_ms)  # finite: both > 0 and finite
@@ -360,27 +361,29 @@ class PrefillPredictor:
         n = _NUM_FEATURES
         p = self._p
         lam = params.forgetting_factor
-        # (5×5 by zips rather than index loops: the same operations in the same order, so the
-        # same floats, at a third of the cost; a batch completion is a replay's second
-        # heaviest record)
-        pu = [sum([pij * uj for pij, uj in zip(row, u)]) for row in p]
-        denominator = lam + sum([ui * pui for ui, pui in zip(u, pu)])  # >= λ > 0.9
+        # (The 5×5 algebra written out: the same operations in the same order as the loops
+        # over range(n) it replaces, so the same floats, at a fraction of the cost; a batch
+        # completion is a replay's second heaviest record.)
+        u0, u1, u2, u3, u4 = u
+        pu = [r[0] * u0 + r[1] * u1 + r[2] * u2 + r[3] * u3 + r[4] * u4 for r in p]
+        pu0, pu1, pu2, pu3, pu4 = pu
+        denominator = lam + (u0 * pu0 + u1 * pu1 + u2 * pu2 + u3 * pu3 + u4 * pu4)  # >= λ > 0.9
         gain = [v / denominator for v in pu]
         phi_unconstrained = [f + g * residual for f, g in zip(self._phi, gain)]
-        new_p = [[(pij - gi * puj) / lam for pij, puj in zip(row, pu)] for row, gi in zip(p, gain)]
-        for i in range(n):
-            row = new_p[i]
-            for j in range(i + 1, n):
-                row[j] = new_p[j][i] = 0.5 * (row[j] + new_p[j][i])
+        new_p = [[(r[0] - g * pu0) / lam, (r[1] - g * pu1) / lam, (r[2] - g * pu2) / lam, (r[3] - g * pu3) / lam,
+                  (r[4] - g * pu4) / lam] for r, g in zip(p, gain)]
+        for i, j in _UPPER_PAIRS:
+            new_p[i][j] = new_p[j][i] = 0.5 * (new_p[i][j] + new_p[j][i])
         if not all(map(math.isfinite, chain.from_iterable(new_p))) or any(new_p[i][i] <= 0.0 for i in range(n)):
             self.num_covariance_resets += 1
             new_p = self._initial_covariance()
         else:
             # Anti-windup: P_ii <= P0_ii, by the congruence D·P·D (keeps P positive definite
             # and leaves the coordinates within the cap, hence their forgetting, alone).
-            shrink = [min(1.0, math.sqrt(self._initial_p / new_p[i][i])) for i in range(n)]
+            initial_p, sqrt = self._initial_p, math.sqrt
+            shrink = [min(1.0, sqrt(initial_p / new_p[i][i])) for i in range(n)]
             if min(shrink) < 1.0:
-                new_p = [[new_p[i][j] * shrink[i] * shrink[j] for j in range(n)] for i in range(n)]
+                new_p = [[v * si * sj for v, sj in zip(row, shrink)] for row, si in zip(new_p, shrink)]
         self._p = new_p
         self._phi = _project_onto_box(phi_unconstrained, new_p, self._max_phi)
 

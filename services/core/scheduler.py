@@ -132,8 +132,8 @@ class PendingPrefixes:
                     continue
                 out[worker_id] = held_prefix_end(held, block_hashes, n - 1)  # (block n-1 is not held)
                 continue
-            live = [hs for b, hs in buckets if b >= oldest_live]
-            for hs in reversed(live):  # the whole prompt (the common case of a repeated one), newest first
+            live = [hs for b, hs in reversed(buckets) if b >= oldest_live]  # newest first: hits end a probe sooner
+            for hs in live:  # the whole prompt (the common case of a repeated one)
                 if last in hs:
                     out[worker_id] = n
                     break
