@@ -311,7 +311,7 @@ def run_whatif(args: argparse.Namespace) -> int:
     from services import whatif
 
     try:
-        rec = whatif.load_recording(args.file)
+        rec = whatif.load_recording(args.file, progress=sys.stderr.isatty())
         config = whatif.with_overrides(rec.config, args.prefill_policy, args.decode_policy, args.batcher)
         recorded = whatif.recorded_metrics(rec)
         rerun, cdf = whatif.simulate(rec, config, args.workers, profile_path=args.profile, with_ttfts=True,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -154,19 +155,26 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
     return header
 
 
-def read_export(path: str, only: tuple[type, ...] = ()) -> tuple[dict[str, Any], list[m.Envelope], int]:
+def read_export(path: str, only: tuple[type, ...] = (), progress: bool = False) -> tuple[dict[str, Any], list[m.Envelope], int]:
     """(header, envelopes, undecodable lines). A file without a header is read too (a plain
     JSON-lines capture); an unreadable line is counted, never silently dropped. With `only`
     (payload types), lines that do not name one of their tags are not decoded at all (replay
     reads only the journal: its other lines are half the file); a journal line damaged so
-    badly that its tag is gone shows up as a gap in the journal's sequence."""
-    opener = gzip.open if path.endswith(".gz") else open
+    badly that its tag is gone shows up as a gap in the journal's sequence. `progress`: a
+    bar over the file's bytes for files over 20 MB (in a terminal)."""
+    from rich.progress import Progress
+
     header: dict[str, Any] = {}
     envs: list[m.Envelope] = []
     bad = 0
     markers = [b'"' + m.tag_of(t).encode() + b'"' for t in only]  # (any JSON spacing: a hand-edited line too)
-    with opener(path, "rb") as f:
+    size = os.path.getsize(path)
+    with open(path, "rb") as raw, Progress(disable=not progress or size < 20_000_000, transient=True) as bar, \
+            (gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw) as f:
+        task = bar.add_task(f"read {os.path.basename(path)}", total=size)
         for i, line in enumerate(f):
+            if not i & 4095:
+                bar.update(task, completed=raw.tell())
             if not line.strip():
                 continue
             if i == 0 and b'"flexlb_export"' in line:
@@ -186,14 +194,14 @@ def replay_file(path: str, router: str | None = None, until: str | None = None,
                 progress: bool = True) -> tuple[dict[str, Any], list[ReplayReport]]:
     from rich.progress import Progress
 
-    header, envs, bad = read_export(path, only=(m.CoreRecorded,))
+    header, envs, bad = read_export(path, only=(m.CoreRecorded,), progress=progress)
     journals = split_journals(envs)
     if router:
         journals = {k: v for k, v in journals.items() if k[0] == router}
     until_p = parse_point(until)
     until_ns = until_p[1] if until_p else None
     reports = []
-    with Progress(disable=not progress or len(envs) < 50_000, transient=True) as bar:
+    with Progress(disable=not progress or len(envs) < 20_000, transient=True) as bar:
         for (router_id, boot), records in journals.items():
             task = bar.add_task(f"replay {router_id}/{boot}", total=len(records))
             reports.append(replay(records, until_ns=until_ns, on_record=lambda i: bar.update(task, completed=i)))

@@ -67,10 +67,10 @@ class Recording:
     envs: list[m.Envelope]
 
 
-def load_recording(path: str) -> Recording:
+def load_recording(path: str, progress: bool = False) -> Recording:
     from services.eventlog import read_export
 
-    _, envs, _ = read_export(path)
+    _, envs, _ = read_export(path, progress=progress)
     journals = split_journals(envs)
     if not journals:
         raise ValueError(f"{path}: no core journal (core.recorded events) to take arrivals from")
