@@ -317,6 +317,11 @@ def test_pending_prefixes_forget_a_removed_worker_and_keep_the_newest_bucket_acr
     assert p.match((1, 2, 3), 9 * MS) == {"w1": 2} and p.firsts == {1: {"w1": 0}}
     p.remove_worker("w1")
     assert p.firsts == {} and p.match((1, 2), 9 * MS) == {}
+    # A bucket an expire dropped stays dropped if the clock then steps back into its lifetime.
+    p.record("w0", (1, 2), 0)
+    p.record("w0", (5, 6), 5 * MS)
+    p.expire(12 * MS)
+    assert p.match((1, 2), 5 * MS) == {} and p.match((5, 6), 5 * MS) == {"w0": 2}
 
 
 def test_pending_counts_each_request_once_plus_unknown_engine_tasks():

@@ -89,6 +89,7 @@ class PendingPrefixes:
         self.worker_buckets: dict[str, list[tuple[int, set[int]]]] = {}  # worker -> (bucket no., hashes), oldest first
         self.firsts: dict[int, dict[str, int]] = {}  # first block -> {worker: newest bucket no. holding it}
         self._firsts_swept_bucket = 0  # oldest live bucket at the last sweep of `firsts`
+        self._oldest_kept = -(1 << 62)  # buckets below this were dropped by an expire (kept monotonic)
 
     def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
         """Remember the prompt on the worker for (about) the ttl. Already in the current
@@ -115,12 +116,15 @@ class PendingPrefixes:
         if not holders:
             return {}
         oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
+        # The first block is in a live bucket iff the newest bucket it went into is live and
+        # kept (a clock step back can make a dropped bucket "live" again).
+        first_floor = oldest_live if oldest_live > self._oldest_kept else self._oldest_kept
         last = block_hashes[-1]
         n = len(block_hashes)
         out: dict[str, int] = {}
         worker_buckets = self.worker_buckets
         for worker_id, newest in holders.items():
-            if newest < oldest_live:  # (the first block is in a live bucket: `newest` is one)
+            if newest < first_floor:
                 continue
             buckets = worker_buckets.get(worker_id)
             if buckets is None:  # (expired whole; `firsts` is swept later)
@@ -153,6 +157,8 @@ class PendingPrefixes:
 
     def expire(self, now_ns: int) -> None:
         oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
+        if oldest_live > self._oldest_kept:
+            self._oldest_kept = oldest_live
         for worker_id, buckets in list(self.worker_buckets.items()):
             keep = [x for x in buckets if x[0] >= oldest_live]
             if keep:
