@@ -533,7 +533,7 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         p = self.params
         if self._is_held(load, p.max_inflight_batches):
             return _Plan(None, None, [])
-        window_due_ns = self._only_window_due_ns(load)
+        window_due_ns = self._only_window_due_ns(load.max_batch_tokens)
         if window_due_ns is not None and now_ns < window_due_ns:
             return _Plan(None, window_due_ns, [])
         entries = list(islice(self._items.items(), p.batch_size_max + 1))  # all _fill can look at
@@ -573,13 +573,10 @@ class FixedWindowBatcher(_QueueBatcher[T]):
                 self._shape = None
         return taken
 
-    def _only_window_due_ns(self, load: WorkerLoad) -> int | None:
+    def _only_window_due_ns(self, max_batch_tokens: int) -> int | None:
         """When only the window can fire (not full, no threshold, the padded cap cannot stop a
         batch: longest prompt × queue length within it), the head's window end; else None
         (the full plan decides). The fast path of `_plan` and `quiet`."""
-        return self._window_only_due_ns(load.max_batch_tokens)
-
-    def _window_only_due_ns(self, max_batch_tokens: int) -> int | None:
         p, items = self.params, self._items
         n = len(items)
         if not items or n >= p.batch_size_max or p.predicted_ms_threshold > 0:
@@ -598,7 +595,7 @@ class FixedWindowBatcher(_QueueBatcher[T]):
         nothing, it forgets the last poll's own dispatches (the load shows them by now)."""
         version, cap, until = self._quiet
         if version != self._version or cap != max_batch_tokens:
-            due_ns = self._window_only_due_ns(max_batch_tokens)
+            due_ns = self._only_window_due_ns(max_batch_tokens)
             if due_ns is not None:
                 expiry_ns = min(i.enqueued_ns for i in self._items.values()) + self._enqueue_deadline_ns
                 until = due_ns if due_ns < expiry_ns else expiry_ns

@@ -426,12 +426,7 @@ def _project_onto_box(phi: list[float], p: list[list[float]], max_phi: float) ->
     for _ in range(8 * n + 8):
         active = sorted(pinned)
         if active:
-            if len(active) == 1:  # (_solve of a 1×1 system, the usual case: the same division)
-                i = active[0]
-                a = p[i][i]
-                w = [(phi[i] - pinned[i]) / a] if abs(a) > 1e-12 * abs(a) else None
-            else:
-                w = _solve([[p[i][j] for j in active] for i in active], [phi[i] - pinned[i] for i in active])
+            w = _solve([[p[i][j] for j in active] for i in active], [phi[i] - pinned[i] for i in active])
             if w is None:  # P[A, A] numerically singular: keep the feasible point we have
                 break
             target = [phi[k] - sum([pk[i] * wi for i, wi in zip(active, w)]) for k, pk in enumerate(p)]
@@ -472,6 +467,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     """x with a·x = b by Gaussian elimination with partial pivoting (a is at most 5×5);
     None when a pivot is not clearly nonzero."""
     n = len(b)
+    if n == 1:  # (the usual case: one coordinate pinned; the same pivot test and division as below)
+        return [b[0] / a[0][0]] if abs(a[0][0]) > 1e-12 * abs(a[0][0]) else None
     m = [row[:] + [rhs] for row, rhs in zip(a, b)]
     tiny = 1e-12 * max(abs(m[i][i]) for i in range(n))
     for col in range(n):
