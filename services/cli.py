@@ -52,6 +52,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="most prompt tokens per prefill batch (default 65536)")
     p.add_argument("--max-seq-len-tokens", type=int, help="longest prompt + output (default 40960)")
     p.add_argument("--profile", help="timing profile JSON (default: llama2-70b H100 TP8, Splitwise fit)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="engine: tokens one step computes, prefill chunks + decodes (default 8192)")
+    p.add_argument("--max-num-seqs", type=int, help="engine: most sequences running at once (default 256)")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false", default=None,
+                   help="engine: run each prompt whole in one step instead of splitting it over steps")
     p.add_argument("--outbound-buffer-bytes", type=int,
                    help="bytes of outputs a worker holds while NATS is away (default 2 MiB); beyond: stream_overflow")
 

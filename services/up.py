@@ -101,10 +101,12 @@ def run_up(args, settings: RouterSettings) -> int:
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url)
         worker_flags: list[str] = []
         for flag in ("time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
-                     "max_seq_len_tokens", "profile", "outbound_buffer_bytes"):
+                     "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
+        if args.chunked_prefill is False:
+            worker_flags.append("--no-chunked-prefill")
         if args.prefill:
             fleet = [(f"p{i}", "prefill") for i in range(args.prefill)] + [(f"d{i}", "decode") for i in range(args.decode)]
         else:

@@ -11,6 +11,8 @@ same inputs the router gets (batch started, prefill completed with the measured 
 events, first tokens, finishes), status reports every `heartbeat_ms` and a liveness cycle
 every `liveness_ms`. Nothing fails here: a what-if answers "which configuration", not
 "what if a worker dies".
+The engines run with the sim engine's default scheduler settings (token budget 8192,
+256 sequences, chunked prefill): a recording does not carry them.
 
 From the file: the arrivals (each request's first `admit` in the journal: time, prompt
 length, block hashes, max_tokens, SLO overrides), the fleet (workers, roles, KV blocks,
@@ -185,6 +187,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                for w in specs}
     spec_of = {w.worker_id: w for w in specs}
     busy: dict[str, bool] = {w: False for w in engines}
+    batch_prefill_ms: dict[str, float] = defaultdict(float)  # batch id -> its share of the steps so far
     kv_seq: dict[str, int] = defaultdict(int)
     heap: list[_Ev] = []
     counter = 0
@@ -226,8 +229,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
             busy[w] = False
             return
         busy[w] = True
-        if step.kind == "prefill" and step.batch_id:
-            s.on_batch_started(w, step.batch_id, t)
+        for batch_id in step.batches_started:
+            s.on_batch_started(w, batch_id, t)
         push(t + int(step.duration_ms * scale * MS), "step_done", (w, step))
 
     def tick(t: int) -> None:
@@ -272,10 +275,14 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 kv_seq[w] += 1
                 s.on_kv_event(m.KvBlocksStored(worker_id=w, boot_id="whatif", kv_seq=kv_seq[w],
                                                block_hashes=list(step.blocks_stored)))
-            if step.kind == "prefill" and step.batch_id:
-                s.on_prefill_completed(w, step.batch_id, step.duration_ms, step.num_cached_tokens)
-                cached += step.num_cached_tokens
-                prompt += step.num_prompt_tokens
+            for batch_id, share_ms in step.prefill_ms_by_batch.items():
+                batch_prefill_ms[batch_id] += share_ms
+            for done in step.batches_prefilled:
+                measured_ms = batch_prefill_ms.pop(done.batch_id, 0.0)
+                if done.request_ids:
+                    s.on_prefill_completed(w, done.batch_id, measured_ms, done.num_cached_tokens)
+                    cached += done.num_cached_tokens
+                    prompt += done.num_prompt_tokens
             for tok in step.tokens:
                 if tok.index == 0:
                     first_ns[tok.request_id] = t

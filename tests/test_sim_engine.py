@@ -13,6 +13,7 @@ from schemas.errors import ERROR_CODES
 from schemas.messages import ROLES
 from schemas.tokens import block_hashes
 from workers.engines.sim import (
+    BatchPrefilled,
     EngineBatch,
     EngineRequest,
     SimEngine,
@@ -41,9 +42,22 @@ def make_batch(batch_id: str, *requests: EngineRequest) -> EngineBatch:
 
 
 def make_engine(role: str = "pd_fusion", num_kv_blocks: int = 64, block_size_tokens: int = 4,
-                max_seq_len_tokens: int = 1024) -> SimEngine:
+                max_seq_len_tokens: int = 1024, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                chunked_prefill: bool = True) -> SimEngine:
     return SimEngine(profile=PROFILE, role=role, num_kv_blocks=num_kv_blocks,
-                     block_size_tokens=block_size_tokens, max_seq_len_tokens=max_seq_len_tokens)
+                     block_size_tokens=block_size_tokens, max_seq_len_tokens=max_seq_len_tokens,
+                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                     chunked_prefill=chunked_prefill)
+
+
+def prefilled(step: StepResult) -> list[tuple[str, list[str], int, int]]:
+    """(batch, request ids, prompt tokens, cached tokens) of the batches whose prefill ended."""
+    return [(b.batch_id, b.request_ids, b.num_prompt_tokens, b.num_cached_tokens) for b in step.batches_prefilled]
+
+
+def chunk_ms(c: int, k: int) -> float:
+    """A chunk's own prefill terms: k tokens after c already computed."""
+    return PROFILE.prefill_per_token_ms * k + PROFILE.prefill_per_token_sq_ms * ((c + k) ** 2 - c * c)
 
 
 def run_to_idle(engine: SimEngine, max_steps: int = 10_000) -> list[StepResult]:
@@ -143,7 +157,7 @@ def test_sim_token_id_is_stable_lowercase_words():
 
 
 # --------------------------------------------------------------------------- pd_fusion
-def test_pd_fusion_batch_prefills_once_then_decodes_every_token_in_order():
+def test_pd_fusion_batch_prefills_in_one_step_then_decodes_every_token_in_order():
     engine = make_engine()
     requests = [make_request("a", 10, 1, seed=1), make_request("b", 7, 2, seed=2), make_request("c", 20, 5, seed=3)]
     engine.submit_batch(make_batch("b1", *requests))
@@ -152,9 +166,9 @@ def test_pd_fusion_batch_prefills_once_then_decodes_every_token_in_order():
     steps = run_to_idle(engine)
 
     prefill, decodes = steps[0], steps[1:]
-    assert (prefill.kind, prefill.batch_id, prefill.prefill_request_ids) == ("prefill", "b1", ["a", "b", "c"])
+    assert (prefill.kind, prefill.batches_started, prefilled(prefill)) == ("prefill", ["b1"], [("b1", ["a", "b", "c"], 37, 0)])
     assert prefill.duration_ms == pytest.approx(PROFILE.prefill_ms([(10, 0), (7, 0), (20, 0)]))
-    assert (prefill.num_prompt_tokens, prefill.num_cached_tokens) == (37, 0)
+    assert prefill.prefill_ms_by_batch == {"b1": pytest.approx(prefill.duration_ms)}
     assert [f.request_id for f in prefill.finished] == ["a"]  # max_tokens 1: done at prefill
     assert [s.kind for s in decodes] == ["decode"] * 4
     # first decode step: b and c running, each with prompt + 1 generated token of context
@@ -171,6 +185,89 @@ def test_pd_fusion_batch_prefills_once_then_decodes_every_token_in_order():
     assert_all_blocks_released(engine)
 
 
+def test_token_budget_merges_two_queued_batches_and_chunks_a_long_prompt_over_three_steps():
+    """Budget 10 tokens. b1 = x (6-token prompt, 3 outputs), b2 = y (20-token prompt, 2 outputs).
+    step 1: x whole (6) + y's first chunk (4)          -> x0          b1 prefilled
+    step 2: x decodes (1) + y's second chunk (9)       -> x1
+    step 3: x decodes (1) + y's last chunk (7)         -> x2 (x done), y0   b2 prefilled
+    step 4: y decodes                                  -> y1 (y done)"""
+    engine = make_engine(max_num_batched_tokens=10)
+    engine.submit_batch(make_batch("b1", make_request("x", 6, 3, seed=1)))
+    engine.submit_batch(make_batch("b2", make_request("y", 20, 2, seed=2)))
+    steps = run_to_idle(engine)
+    p = PROFILE
+
+    assert [(s.kind, s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [
+        ("prefill", 10, 0), ("prefill", 9, 1), ("prefill", 7, 1), ("decode", 0, 1)]
+    assert [[(t.request_id, t.index) for t in s.tokens] for s in steps] == [
+        [("x", 0)], [("x", 1)], [("x", 2), ("y", 0)], [("y", 1)]]
+    assert [s.batches_started for s in steps] == [["b1", "b2"], [], [], []]
+    assert [prefilled(s) for s in steps] == [[("b1", ["x"], 6, 0)], [], [("b2", ["y"], 20, 0)], []]
+    assert [[f.request_id for f in s.finished] for s in steps] == [[], [], ["x"], ["y"]]
+    expected_ms = [
+        p.prefill_base_ms + chunk_ms(0, 6) + chunk_ms(0, 4),
+        p.prefill_base_ms + chunk_ms(4, 9) + p.decode_per_seq_ms + p.decode_per_context_token_ms * (6 + 1),
+        p.prefill_base_ms + chunk_ms(13, 7) + p.decode_per_seq_ms + p.decode_per_context_token_ms * (6 + 2),
+        p.decode_base_ms + p.decode_per_seq_ms + p.decode_per_context_token_ms * (20 + 1),
+    ]
+    assert [s.duration_ms for s in steps] == pytest.approx(expected_ms)
+    # a batch's share of a step: its own chunk terms plus the base in proportion to its tokens
+    assert steps[0].prefill_ms_by_batch == pytest.approx({"b1": chunk_ms(0, 6) + p.prefill_base_ms * 6 / 10,
+                                                          "b2": chunk_ms(0, 4) + p.prefill_base_ms * 4 / 10})
+    assert steps[1].prefill_ms_by_batch == pytest.approx({"b2": chunk_ms(4, 9) + p.prefill_base_ms})
+    assert_all_blocks_released(engine)
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_in_a_later_step():
+    # no chunking: the budget is max(max_num_batched_tokens 10, max_seq_len_tokens 12) = 12
+    engine = make_engine(max_num_batched_tokens=10, max_seq_len_tokens=12, chunked_prefill=False)
+    engine.submit_batch(make_batch("b1", make_request("x", 6, 3, seed=1), make_request("y", 8, 1, seed=2)))
+    steps = run_to_idle(engine)
+    assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [(6, 0), (8, 1), (0, 1)]
+    assert steps[1].duration_ms == pytest.approx(
+        PROFILE.prefill_ms([(8, 0)]) + PROFILE.decode_per_seq_ms + PROFILE.decode_per_context_token_ms * 7)
+    # a prompt longer than max_num_batched_tokens runs whole, never chunked
+    engine.submit_batch(make_batch("b2", make_request("long", 11, 1, seed=3)))
+    [step] = run_to_idle(engine)
+    assert (step.num_prefill_tokens, [f.request_id for f in step.finished]) == (11, ["long"])
+
+
+def test_kv_overflow_preempts_the_newest_request_which_recomputes_prompt_and_outputs():
+    """6 blocks of 4 tokens; a and b (8-token prompts, 8 outputs each) run together. Each holds
+    2 blocks after its prefill and 3 from its first decode; at step 6 a needs a 4th block, none
+    is free: b (the newest) is preempted, its prompt blocks stay cached (evictable). b cannot
+    come back while a runs (it needs 2 new blocks); a finishes at step 8, and at step 9 b
+    recomputes its 5 generated tokens on top of its 2 cached prompt blocks and goes on at
+    index 5; every index of both is emitted once."""
+    engine = make_engine(num_kv_blocks=6, block_size_tokens=4)
+    engine.submit_batch(make_batch("b1", make_request("a", 8, 8, seed=1), make_request("b", 8, 8, seed=2)))
+    steps = run_to_idle(engine)
+
+    assert [s.num_preemptions for s in steps] == [0] * 5 + [1] + [0] * 5
+    assert engine.num_preemptions == 1
+    assert [[(t.request_id, t.index) for t in s.tokens] for s in steps] == [
+        [("a", 0), ("b", 0)], [("a", 1), ("b", 1)], [("a", 2), ("b", 2)], [("a", 3), ("b", 3)], [("a", 4), ("b", 4)],
+        [("a", 5)], [("a", 6)], [("a", 7)], [("b", 5)], [("b", 6)], [("b", 7)]]
+    recompute = steps[8]
+    assert (recompute.kind, recompute.num_prefill_tokens, recompute.batches_prefilled) == ("prefill", 5, [])
+    assert recompute.duration_ms == pytest.approx(PROFILE.prefill_base_ms + chunk_ms(8, 5))
+    assert recompute.prefill_ms_by_batch == {}  # recompute belongs to no batch's prefill
+    finished = {f.request_id: f for s in steps for f in s.finished}
+    assert (finished["b"].num_output_tokens, finished["b"].num_cached_tokens) == (8, 0)  # the hit at first admission
+    got = tokens_by_request(steps)
+    assert got["a"] == expected_tokens("a", 8) and got["b"] == expected_tokens("b", 8)
+    assert_all_blocks_released(engine)
+
+
+def test_max_num_seqs_caps_the_running_set():
+    engine = make_engine(max_num_seqs=2)
+    engine.submit_batch(make_batch("b1", *[make_request(r, 4, 3, seed=i) for i, r in enumerate("xyz")]))
+    first = engine.step()
+    assert [t.request_id for t in first.tokens] == ["x", "y"] and engine.num_running_requests == 2
+    steps = [first, *run_to_idle(engine)]
+    assert {rid: len(toks) for rid, toks in tokens_by_request(steps).items()} == {"x": 3, "y": 3, "z": 3}
+
+
 @pytest.mark.parametrize(
     "num_prompt_tokens,block_size_tokens,expected_cached_tokens",
     [(10, 4, 8), (8, 4, 4), (4, 4, 0), (3, 4, 0), (33, 16, 32), (32, 16, 16)],
@@ -185,7 +282,7 @@ def test_identical_prompt_hits_the_prefix_cache(num_prompt_tokens, block_size_to
     engine.submit_batch(make_batch("b2", make_request("second", num_prompt_tokens, 2)))
     second = run_to_idle(engine)
 
-    assert second[0].num_cached_tokens == expected_cached_tokens
+    assert prefilled(second[0])[0][3] == expected_cached_tokens
     assert second[-1].finished[0].num_cached_tokens == expected_cached_tokens
     assert second[0].duration_ms == pytest.approx(
         PROFILE.prefill_ms([(num_prompt_tokens, expected_cached_tokens)]))
@@ -195,51 +292,50 @@ def test_identical_prompt_hits_the_prefix_cache(num_prompt_tokens, block_size_to
     assert_all_blocks_released(engine)
 
 
+def test_chunks_store_their_full_blocks_as_they_are_computed():
+    engine = make_engine(block_size_tokens=4, max_num_batched_tokens=6)
+    request = make_request("r", 14, 1)
+    hashes = block_hashes(request.prompt_token_ids, 4)  # 3 full blocks
+    engine.submit_batch(make_batch("b1", request))
+    steps = run_to_idle(engine)
+    assert [s.blocks_stored for s in steps] == [hashes[:1], hashes[1:3], []]  # tokens 0-5, 6-11, 12-13
+
+
 def test_running_requests_share_hit_blocks():
     engine = make_engine(num_kv_blocks=8, block_size_tokens=4)  # a and b fit only by sharing
-    engine.submit_batch(make_batch("b1", make_request("a", 16, 8)))  # 6 blocks
+    engine.submit_batch(make_batch("b1", make_request("a", 16, 8)))  # 6 blocks at its end
     engine.step()
-    engine.submit_batch(make_batch("b2", make_request("b", 17, 7)))  # 6 blocks, first 4 shared
+    engine.submit_batch(make_batch("b2", make_request("b", 17, 7)))  # 6 blocks at its end, first 4 shared
     second = engine.step()
-    assert (second.kind, second.num_cached_tokens) == ("prefill", 16)
-    assert engine.num_used_kv_blocks == 6 + 2
+    assert (second.kind, prefilled(second)[0][3]) == ("prefill", 16)
+    assert engine.num_used_kv_blocks == 4 + 1 + 1  # shared prompt blocks + one private block each
     engine.check_invariants()
-    run_to_idle(engine)
+    steps = run_to_idle(engine)
+    assert sum(s.num_preemptions for s in steps) == 0
     assert_all_blocks_released(engine)
 
 
 def test_lru_eviction_takes_the_least_recently_used_blocks_tail_first():
     engine = make_engine(num_kv_blocks=4, block_size_tokens=4)
-    a, b, c = (make_request(r, 8, 4, seed=i) for i, r in enumerate("abc"))  # 3 blocks each, 2 prompt blocks
+    a, b, c = (make_request(r, 8, 4, seed=i) for i, r in enumerate("abc"))  # 3 blocks at their end, 2 prompt blocks
     hashes_a, hashes_b = block_hashes(a.prompt_token_ids, 4), block_hashes(b.prompt_token_ids, 4)
     engine.submit_batch(make_batch("b1", a))
     run_to_idle(engine)
     assert (engine.num_cached_kv_blocks, engine.num_free_kv_blocks) == (2, 2)
 
     engine.submit_batch(make_batch("b2", b))
-    assert engine.step().blocks_removed == [hashes_a[1]]  # a's tail goes first, its head stays
+    assert engine.step().blocks_removed == []  # the prompt fits the free blocks
+    assert engine.step().blocks_removed == [hashes_a[1]]  # its first decode needs a 3rd: a's tail goes first
     run_to_idle(engine)
     assert set(engine.all_cached_block_hashes()) == {hashes_a[0], *hashes_b}
 
     engine.submit_batch(make_batch("b3", c))
-    step = engine.step()
-    assert step.blocks_removed == [hashes_a[0], hashes_b[1]]  # a was used before b
+    assert engine.step().blocks_removed == [hashes_a[0]]  # a was used before b
+    assert engine.step().blocks_removed == [hashes_b[1]]
     assert engine.num_free_kv_blocks == 0
     engine.check_invariants()
     run_to_idle(engine)
     assert_all_blocks_released(engine)
-
-
-def test_a_batch_that_does_not_fit_waits_until_blocks_free_up():
-    engine = make_engine(num_kv_blocks=8, block_size_tokens=4)
-    engine.submit_batch(make_batch("big", make_request("long", 8, 16, seed=1)))  # 6 blocks
-    engine.step()
-    engine.submit_batch(make_batch("next", make_request("later", 8, 4, seed=2)))  # 3 blocks
-    steps = run_to_idle(engine)
-    kinds = [s.kind for s in steps]
-    assert kinds == ["decode"] * 15 + ["prefill"] + ["decode"] * 3
-    assert steps[14].finished[0].request_id == "long"
-    assert steps[15].batch_id == "next"
 
 
 @pytest.mark.parametrize(
@@ -259,16 +355,19 @@ def test_a_request_that_can_never_run_fails_without_blocking_the_queue(bad_reque
     step = engine.step()
     assert [(f.request_id, f.code) for f in step.failed] == [("bad", code)]
     assert code in ERROR_CODES and step.failed[0].message
-    assert (step.kind, step.prefill_request_ids) == ("prefill", ["good"])
+    assert (step.kind, [ids for _, ids, _, _ in prefilled(step)]) == ("prefill", [["good"]])
     assert tokens_by_request(run_to_idle(engine)).keys() == {"good"}
 
 
-def test_requests_beyond_what_the_engine_holds_together_fail_as_dispatch_failed():
-    engine = make_engine(num_kv_blocks=6, block_size_tokens=4)
+def test_a_batch_larger_than_the_kv_is_released_together_and_runs_by_preemption():
+    engine = make_engine(num_kv_blocks=6, block_size_tokens=4)  # 3 requests x 3 blocks at their end
     engine.submit_batch(make_batch("b1", *[make_request(r, 8, 4, seed=i) for i, r in enumerate("xyz")]))
-    step = engine.step()
-    assert [(f.request_id, f.code) for f in step.failed] == [("z", "dispatch_failed")]
-    assert step.prefill_request_ids == ["x", "y"]
+    steps = run_to_idle(engine)
+    assert [f for s in steps for f in s.failed] == []
+    assert sum(s.num_preemptions for s in steps) >= 1
+    got = tokens_by_request(steps)
+    assert all(got[r] == expected_tokens(r, 4) for r in "xyz")
+    assert_all_blocks_released(engine)
 
 
 def test_failures_alone_are_reported_in_a_zero_duration_report_step():
@@ -301,6 +400,8 @@ def test_cancelling_every_request_of_a_queued_batch_drops_the_batch():
     engine = make_engine()
     engine.submit_batch(make_batch("b1", make_request("only")))
     assert engine.cancel("only") and engine.num_queued_batches == 0
+    step = engine.step()  # says the batch left (so callers can forget it), with no member
+    assert (step.kind, step.duration_ms, prefilled(step)) == ("report", 0.0, [("b1", [], 0, 0)])
     assert engine.step() is None
 
 
@@ -353,17 +454,18 @@ def test_decode_role_admits_fifo_when_blocks_free_up():
     assert starts["second"] > ends["first"]
 
 
-def test_block_events_are_the_net_change_of_a_step():
-    # a max_tokens == 1 hand-off finishes at admission; the next admission in the same step
-    # evicts the tail block it just stored, so that block is in neither list
+def test_block_events_follow_what_the_cache_holds():
+    # a max_tokens == 1 hand-off finishes at admission and leaves its blocks evictable; the
+    # next one needs 3 of the 4 blocks and evicts the first one's tail block
     engine = make_engine(role="decode", num_kv_blocks=4, block_size_tokens=4)
     short, long = make_request("short", 8, 1, seed=1), make_request("long", 8, 4, seed=2)
     for request in (short, long):
         engine.submit_decode(request, first_token_id=100, num_cached_tokens=0)
-    step = engine.step()
     hashes_short, hashes_long = block_hashes(short.prompt_token_ids, 4), block_hashes(long.prompt_token_ids, 4)
-    assert (step.blocks_stored, step.blocks_removed) == ([hashes_short[0], *hashes_long], [])
-    assert set(engine.all_cached_block_hashes()) == set(step.blocks_stored)
+    first, second = engine.step(), engine.step()
+    assert (first.blocks_stored, first.blocks_removed) == (hashes_short, [])
+    assert (second.blocks_stored, second.blocks_removed) == (hashes_long, [hashes_short[1]])
+    assert set(engine.all_cached_block_hashes()) == {hashes_short[0], *hashes_long}
     engine.check_invariants()
 
 
@@ -399,9 +501,15 @@ _operation = st.one_of(
 
 
 @settings(max_examples=500, deadline=None)
-@given(role=st.sampled_from(ROLES), num_kv_blocks=st.integers(4, 16), operations=st.lists(_operation, max_size=60))
-def test_random_workloads_keep_the_block_invariant_and_end_every_request_once(role, num_kv_blocks, operations):
-    engine = make_engine(role=role, num_kv_blocks=num_kv_blocks, block_size_tokens=4, max_seq_len_tokens=28)
+@given(role=st.sampled_from(ROLES), num_kv_blocks=st.integers(4, 16), operations=st.lists(_operation, max_size=60),
+       max_num_batched_tokens=st.sampled_from([3, 8, 64]), max_num_seqs=st.sampled_from([2, 256]),
+       chunked_prefill=st.booleans())
+def test_random_workloads_keep_the_block_invariant_and_end_every_request_once(role, num_kv_blocks, operations,
+                                                                             max_num_batched_tokens, max_num_seqs,
+                                                                             chunked_prefill):
+    engine = make_engine(role=role, num_kv_blocks=num_kv_blocks, block_size_tokens=4, max_seq_len_tokens=28,
+                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                         chunked_prefill=chunked_prefill)
     submitted: dict[str, EngineRequest] = {}
     outcomes: dict[str, list[str]] = defaultdict(list)
     steps: list[StepResult] = []
@@ -415,7 +523,11 @@ def test_random_workloads_keep_the_block_invariant_and_end_every_request_once(ro
         assert not set(step.blocks_stored) & set(step.blocks_removed)
         cached_mirror.difference_update(step.blocks_removed)
         cached_mirror.update(step.blocks_stored)
-        for label, happened in [("eviction", step.blocks_removed), ("prefix hit", step.num_cached_tokens)]:
+        assert step.duration_ms >= 0
+        num_cached_tokens = sum(b.num_cached_tokens for b in step.batches_prefilled)
+        for label, happened in [("eviction", step.blocks_removed), ("prefix hit", num_cached_tokens),
+                                ("preemption", step.num_preemptions), ("chunked", step.num_prefill_tokens
+                                                                       and step.num_prefill_tokens == max_num_batched_tokens)]:
             if happened:
                 event(label)
         assert cached_mirror == set(engine.all_cached_block_hashes())
@@ -469,7 +581,6 @@ def test_random_workloads_keep_the_block_invariant_and_end_every_request_once(ro
         can_never_run = {
             "invalid_request": request.max_tokens < 1 or num_prompt_tokens == 0,
             "too_large": num_prompt_tokens + request.max_tokens > 28 or blocks_needed > num_kv_blocks,
-            "dispatch_failed": role != "decode",  # a batch too big to run as one unit
         }
         assert can_never_run[failure.code], failure
         event(f"failure {failure.code}")

@@ -6,8 +6,12 @@ Loops (one asyncio task each):
   lost ack is acked and ignored); refuse a command whose fencing epoch is older than the
   newest seen (each of its requests fails with `dispatch_failed`, retryable); ack.
 - engine: `engine.step()`, sleep `duration_ms × time_scale`, then publish the step:
-  `BatchStarted` (before the sleep), token chunks on each request's token subject (the
-  last chunk carries `finish_reason`), `PrefillCompleted` with the measured ms,
+  `BatchStarted` (before the sleep) for each batch whose first chunk runs in it, token
+  chunks on each request's token subject (the last chunk carries `finish_reason`),
+  `PrefillCompleted` once a batch's last member finished its prefill, with its measured ms:
+  the sum over the steps its chunks ran in of the step's measured time × the batch's share
+  of that step (`StepResult.prefill_ms_by_batch`; with continuous batching a batch shares
+  steps with other batches and with decodes, and the router's predictor learns its part),
   `StartDecode` hand-offs to the decode worker (PD mode), and terminal events.
 - heartbeat: `WorkerStatusReported` every `heartbeat_interval_ms` on
   `flexlb.evt.status.<worker>`; it lists the running request ids (authoritative).
@@ -79,6 +83,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size_tokens: int = 16
     max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch
     max_seq_len_tokens: int = 40960  # longest prompt + output
+    # The engine's scheduler (workers/engines/sim.py): tokens one step may compute (prefill
+    # chunks + one per decoding sequence), vLLM's max_num_batched_tokens; most sequences
+    # running at once (max_num_seqs); chunked prefill on (a prompt is split over steps).
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    chunked_prefill: bool = True
     profile: str | None = None  # timing profile JSON; default: llama2-70b H100 TP8 (Splitwise fit)
     # While NATS is away, outputs wait in the client's buffer, up to this many bytes (shared by
     # all requests). A request whose tokens do not fit is stopped and failed with
@@ -93,10 +103,21 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
         for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens",
-                     "outbound_buffer_bytes"):
+                     "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         return self
+
+
+def make_engine(cfg: WorkerConfig) -> SimEngine:
+    """The engine a worker config describes: one construction path for the NATS worker and
+    the HTTP front (workers/http_front.py), so both run the very same engine."""
+    return SimEngine(
+        profile=load_profile(cfg.profile), role=cfg.role, num_kv_blocks=cfg.num_kv_blocks,
+        block_size_tokens=cfg.block_size_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        chunked_prefill=cfg.chunked_prefill,
+    )
 
 
 @dataclass
@@ -113,10 +134,7 @@ class WorkerAgent:
         self.cfg = config
         self.boot_id = secrets.token_hex(4)
         self.host = socket.gethostname()
-        self.engine = SimEngine(
-            profile=load_profile(config.profile), role=config.role, num_kv_blocks=config.num_kv_blocks,
-            block_size_tokens=config.block_size_tokens, max_seq_len_tokens=config.max_seq_len_tokens,
-        )
+        self.engine = make_engine(config)
         self.envelopes = m.EnvelopeFactory(config.worker_id, self.boot_id)
         self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
         self.seen_batches: OrderedDict[str, None] = OrderedDict()
@@ -131,6 +149,8 @@ class WorkerAgent:
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
         self.last_step_ms = 0.0
+        self.batch_members: dict[str, list[str]] = {}  # batch id -> request ids, until its prefill ends
+        self.batch_prefill_ms: dict[str, float] = {}  # batch id -> measured prefill ms so far (its steps' shares)
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
         self.nc = None
         self.js = None
@@ -302,6 +322,7 @@ class WorkerAgent:
             for r in requests:
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns)
+            self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
             self.engine.submit_batch(EngineBatch(batch_id=cmd.batch_id, requests=[
                 EngineRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, max_tokens=r.max_tokens)
                 for r in requests
@@ -382,14 +403,18 @@ class WorkerAgent:
             if step is None:
                 await self.work.wait()
                 continue
-            if step.kind == "prefill" and step.batch_id:
+            for batch_id in step.batches_started:
                 await self._event(m.BatchStarted(
-                    batch_id=step.batch_id, worker_id=self.cfg.worker_id, request_ids=list(step.prefill_request_ids)
+                    batch_id=batch_id, worker_id=self.cfg.worker_id, request_ids=self.batch_members.get(batch_id, []),
                 ))
             t0 = time.monotonic()
             await asyncio.sleep(step.duration_ms * scale / 1000)
             measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
             self.last_step_ms = measured_ms
+            # Each batch's prefill time is its share of the steps its chunks ran in, measured.
+            stretch = measured_ms / step.duration_ms if step.duration_ms > 0 else 1.0
+            for batch_id, share_ms in step.prefill_ms_by_batch.items():
+                self.batch_prefill_ms[batch_id] = self.batch_prefill_ms.get(batch_id, 0.0) + share_ms * stretch
             try:
                 await self._publish_step(step, measured_ms)
                 await self._enforce_deadlines()
@@ -446,12 +471,16 @@ class WorkerAgent:
                 )))
             except OutboundBufferLimitError:
                 await self._stream_overflow(request_id)
-        if step.kind == "prefill" and step.batch_id:
+        for done in step.batches_prefilled:
+            self.batch_members.pop(done.batch_id, None)
+            if not done.request_ids:  # every member was cancelled: nothing ran to report
+                self.batch_prefill_ms.pop(done.batch_id, None)
+                continue
             self.num_batches_executed += 1
             await self._event(m.PrefillCompleted(
-                batch_id=step.batch_id, worker_id=wid, request_ids=list(step.prefill_request_ids),
-                measured_ms=round(measured_ms, 3), num_prompt_tokens=step.num_prompt_tokens,
-                num_cached_tokens=step.num_cached_tokens,
+                batch_id=done.batch_id, worker_id=wid, request_ids=list(done.request_ids),
+                measured_ms=round(self.batch_prefill_ms.pop(done.batch_id, 0.0), 3),
+                num_prompt_tokens=done.num_prompt_tokens, num_cached_tokens=done.num_cached_tokens,
             ))
         for h in step.handoffs:
             meta = self._forget(h.request_id)

@@ -244,7 +244,7 @@ class QueuedRequest:
     request_id: str
     num_prompt_tokens: int
     num_cached_tokens: int  # predicted prefix hit on the prefill worker
-    kv_tokens: int  # KV it needs on the engine: prompt + max_tokens
+    kv_tokens: int  # KV the engine needs to admit it: the prompt (its output's KV grows as it decodes)
     max_tokens: int
     enqueued_ns: int
     deadline_ns: int  # arrival + TTFT SLO
@@ -728,7 +728,7 @@ class Scheduler:
                 self.pending_index.record(p.pick.worker_id, req.block_hashes, now_ns)
         item = QueuedRequest(
             request_id=req.request_id, num_prompt_tokens=n, num_cached_tokens=chosen.num_cached_tokens,
-            kv_tokens=n + req.max_tokens, max_tokens=req.max_tokens, enqueued_ns=now_ns,
+            kv_tokens=n, max_tokens=req.max_tokens, enqueued_ns=now_ns,
             deadline_ns=now_ns + int(slo_ttft * 1e6), prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload,
         )

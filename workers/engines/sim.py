@@ -1,60 +1,97 @@
-"""A simulated LLM engine: a pure, deterministic model of timing, KV blocks and prefix cache.
+"""A simulated LLM engine: a pure, deterministic model of timing, KV blocks and prefix cache,
+scheduled like vLLM V1.
 
-The worker agent drives it: `submit_batch` / `submit_decode` / `cancel` change the queues at
-once; `step()` runs one engine iteration, changes the state immediately and returns a
-`StepResult` whose `duration_ms` the agent sleeps before it publishes the step's outputs.
-Nothing here reads a clock, draws a random number or does I/O (but `load_profile`).
+The worker agent (and the HTTP front, workers/http_front.py) drives it: `submit_batch` /
+`submit_decode` / `cancel` change the queues at once; `step()` runs one engine iteration,
+changes the state immediately and returns a `StepResult` whose `duration_ms` the caller
+sleeps before it publishes the step's outputs. Nothing here reads a clock, draws a random
+number or does I/O (but `load_profile`).
 
-Parameters of `SimEngine` (no defaults; the agent passes its worker config):
+Parameters of `SimEngine` (the agent passes its worker config, `workers.agent.make_engine`):
 - profile: the `TimingProfile` (`load_profile(None)`: llama2-70b on H100 TP8).
 - role: "pd_fusion" | "prefill" | "decode" (parsed by `schemas.messages.parse_role`).
 - num_kv_blocks: KV capacity in blocks; block_size_tokens: tokens per block (and per hashed
   prefix block); max_seq_len_tokens: longest prompt + max_tokens one request may have.
+- max_num_batched_tokens (8192, vLLM V1's default for its API server): tokens one step may
+  compute: prefill chunks plus one per decoding sequence.
+- max_num_seqs (256): most sequences running at once (waiting ones are admitted below it).
+- chunked_prefill (True, as vLLM V1): a prompt that does not fit the step's remaining budget
+  is split across steps. Off: each prompt is computed whole in one step, and the step budget
+  becomes max(max_num_batched_tokens, max_seq_len_tokens) (vLLM refuses a config whose
+  budget is below max_model_len without chunking; we raise the budget instead).
 
-Scheduling (vLLM-like, no chunked prefill, no preemption), one unit of work per step:
-1. prefill (roles pd_fusion, prefill): if the head queued batch fits in KV as a whole, run
-   its prefill; each request produces its first token (index 0). pd_fusion: the request
-   joins the running set (or finishes now if max_tokens == 1). prefill: the request is
-   handed off (`HandoffOut`, carrying the first token, which is NOT in `tokens`; the decode
-   worker emits index 0) and releases its blocks, even when max_tokens == 1.
-2. otherwise decode (roles pd_fusion, decode): every running sequence produces one token; a
-   sequence that reaches max_tokens finishes. Role decode first admits queued hand-offs
-   FIFO while they fit; an admitted request emits index 0 = its `first_token_id` and, if
-   max_tokens > 1, index 1 in that same step (max_tokens == 1: it finishes in that step
-   and adds no compute). So every request emits indices 0..max_tokens-1 once, in order.
-3. otherwise, if submissions failed since the last step, a zero-duration step of kind
-   "report" carries them (failures also ride on any prefill/decode step); else None.
+Scheduling: continuous batching, first come first served (vLLM V1's scheduler, FCFS policy).
+A submitted batch's requests join the waiting queue together, in order ("released to the
+engine together"; a batch is no longer computed as one unit). Each step:
+1. running sequences first, in admission order: a decoding sequence takes 1 token of the
+   budget; one still prefilling (chunked) takes min(what it has left, the budget left).
+   Its KV must grow to cover the tokens it computes; when the free blocks (plus evictable
+   cache blocks) cannot cover it, the NEWEST running sequence is preempted: its blocks are
+   freed (its prompt blocks stay in the prefix cache, evictable), it goes back to the FRONT
+   of the waiting queue with 0 computed tokens and is recomputed later (prompt + the tokens
+   it already generated; they are not emitted again). If the newest is the one asking, it
+   preempts itself and the running pass stops.
+2. then, if nothing was preempted in this step, waiting sequences FIFO while the budget
+   lasts and fewer than max_num_seqs run: the prefix-cache hit is looked up (first
+   admission and after a preemption), and the sequence is admitted with as many tokens as
+   fit (chunked) or not at all (no chunking, or no KV: the pass stops, FIFO is kept).
+3. every sequence whose computed tokens reach all its known tokens samples one token: a
+   prompt's last chunk produces its first token (index 0); a decoding sequence its next.
+   pd_fusion/decode: a sequence reaching max_tokens finishes. prefill: the request is handed
+   off (`HandoffOut`, carrying the first token, which is NOT in `tokens`; the decode worker
+   emits index 0) and releases its blocks, even when max_tokens == 1.
+Role decode: a hand-off waits like any request with its prompt already computed (its KV
+arrives with it): admitted FIFO when blocks for prompt + 1 fit; it emits index 0 = its
+`first_token_id` and, if max_tokens > 1, index 1 in that same step (max_tokens == 1: it
+finishes at admission and adds no compute). So every request emits indices
+0..max_tokens-1 once, in order, preempted or not. A step with no compute but failures to
+report is a zero-duration step of kind "report"; nothing at all: None.
 
-Timing (`TimingProfile`, a data file; default: llama2-70b on H100 TP8, fitted on Splitwise):
-  prefill_ms     = prefill_base_ms + prefill_per_token_ms * Σ(p - c)
-                   + prefill_per_token_sq_ms * Σ(p² - c²)   (p prompt, c cached tokens)
-  decode_step_ms = decode_base_ms + decode_per_seq_ms * batch_size
-                   + decode_per_context_token_ms * Σ(prompt + tokens generated so far)
+Step time (`TimingProfile`, a data file; default: llama2-70b on H100 TP8, fitted on Splitwise),
+for the chunks (c tokens computed before, k computed now) and decoding sequences of one step:
+  prefill part = prefill_base_ms + prefill_per_token_ms * Σk
+                 + prefill_per_token_sq_ms * Σ((c + k)² − c²)          (if any chunk)
+  decode part  = decode_per_seq_ms * num_decoding
+                 + decode_per_context_token_ms * Σ(context of each decoding sequence)
+  step_ms      = prefill part + decode part, plus decode_base_ms when the step has no chunk
+A pure prefill step of whole prompts (c = cached tokens) is the profile's prefill formula and
+a pure decode step its decode formula: the fixed cost of a step (weights read once) is paid
+once, the prefill's base when a chunk is present. A chunk's share of a step, used to report a
+batch's prefill time (`prefill_ms_by_batch`), is its own linear and quadratic terms plus the
+base in proportion to its k; the decode part belongs to no batch.
 
 KV blocks and the prefix cache (the vLLM design):
-- a request reserves ceil((prompt + max_tokens) / block_size_tokens) blocks on admission
-  (role prefill: ceil(prompt / block_size_tokens); it never decodes, the decode worker does).
+- a running sequence holds ceil(tokens with KV / block_size_tokens) blocks: its prompt and
+  the tokens generated so far (role prefill: the prompt only), grown as it computes.
 - prompt block hashes are `schemas.tokens.block_hashes` (full blocks only). The prefix hit
   is the number of leading hashes in the cache; cached tokens = hits × block size, but a
-  hit covering the whole prompt is cut to prompt - block size (the last block is always
-  computed). Hit blocks are shared (refcount); only the rest is allocated.
-- after its prompt is computed (role decode: once its KV is admitted), a request registers
-  its not-yet-cached prompt blocks in the cache (still pinned by it). A block whose hash is
-  already cached stays private to it.
-- on finish / cancel / hand-off the request unpins: private blocks become free, cached
-  blocks with no other user become evictable, appended to the LRU list tail block first,
-  so a prompt's tail is evicted before its head (a chained prefix stays usable longest).
+  hit covering every known token is cut by one block (at least one token is computed). Hit
+  blocks are shared (refcount); only the rest is allocated.
+- as a prompt's full blocks are computed (after each chunk; role decode: on admission) they
+  are registered in the cache, still pinned by the sequence. A block whose hash is already
+  cached stays private to it.
+- on finish / cancel / hand-off / preemption the sequence unpins: private blocks become free,
+  cached blocks with no other user become evictable, appended to the LRU list tail block
+  first, so a prompt's tail is evicted before its head (a chained prefix stays usable longest).
 - allocation evicts least-recently-used evictable blocks when free blocks run short.
-- invariant: free + used (private or pinned) + evictable == num_kv_blocks.
+- invariant: free + used (private or pinned) + evictable == num_kv_blocks; waiting sequences
+  hold no block.
 - `blocks_stored` / `blocks_removed` of a step are the net change of the cache's hash set
   over that step (disjoint lists: a hash stored and evicted in one step is in neither).
 
+Not modelled: speculative decoding, priority scheduling, long-prefill thresholds, swapping
+to CPU, KV transfer time (PD), per-step CPU overhead, and output-length-dependent stop rules
+(a request always generates exactly max_tokens: finish_reason "length").
+
 Submissions are validated at once: prompt empty or max_tokens < 1 -> "invalid_request";
-prompt + max_tokens > max_seq_len_tokens, or more blocks than num_kv_blocks -> "too_large";
-requests of one batch beyond what num_kv_blocks can hold together -> "dispatch_failed"
-(the batch could never run as one unit). Failed requests leave their batch (the rest stays)
+prompt + max_tokens > max_seq_len_tokens, or more blocks than num_kv_blocks (a request must
+be able to finish alone) -> "too_large". Failed requests leave their batch (the rest stays)
 and are reported in the next step. A request id already live in the engine, an empty batch
 or the wrong role is a caller bug: ValueError (the agent dedupes redelivered commands).
+
+The old one-unit-per-step model (each dispatched batch computed as one prefill step, KV for
+prompt + max_tokens reserved up front, no preemption) is gone: no engine operators run
+behaves like it, and benchmarks against peers need the engine they run.
 """
 
 from __future__ import annotations
@@ -178,15 +215,27 @@ class FailedOut(msgspec.Struct, frozen=True, kw_only=True):
 StepKind = Literal["prefill", "decode", "report"]
 
 
+class BatchPrefilled(msgspec.Struct, frozen=True, kw_only=True):
+    """Every request of a submitted batch has finished its prefill (or left the engine)."""
+
+    batch_id: str
+    request_ids: list[str]  # the members whose prompt ran (cancelled ones are not listed; may be empty)
+    num_prompt_tokens: int  # Σ prompt tokens of those members
+    num_cached_tokens: int  # Σ of their prefix hits at first admission
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     """What one engine iteration did; publish it after sleeping `duration_ms`."""
 
-    kind: StepKind  # "report": no compute, only failures to publish
+    kind: StepKind  # "prefill": the step computed prompt chunks; "decode": only decodes; "report": no compute
     duration_ms: float
-    batch_id: str | None = None  # prefill steps
-    prefill_request_ids: list[str] = []  # prefill steps: the requests whose prompt ran
-    num_prompt_tokens: int = 0  # prefill steps: Σ prompt tokens
-    num_cached_tokens: int = 0  # prefill steps: Σ prompt tokens served from the cache
+    batches_started: list[str] = []  # batches whose first prompt chunk ran in this step
+    batches_prefilled: list[BatchPrefilled] = []  # batches whose last member's prefill ended in this step
+    # batch id -> the part of duration_ms spent on its prompt chunks in this step (module docstring)
+    prefill_ms_by_batch: dict[str, float] = {}
+    num_prefill_tokens: int = 0  # prompt (or recompute) tokens computed in this step
+    num_decode_tokens: int = 0  # decoding sequences in this step
+    num_preemptions: int = 0  # sequences preempted in this step
     tokens: list[TokenOut] = []  # in generation order; per request, by ascending index
     finished: list[FinishedOut] = []
     handoffs: list[HandoffOut] = []
@@ -196,48 +245,73 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # --------------------------------------------------------------------------- the engine
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     """A request in the engine, from submission until it leaves."""
 
     request: EngineRequest
     prompt_block_hashes: list[int]
+    num_prompt_tokens: int
     batch_id: str | None = None
     first_token_id: int = 0  # role decode: produced by the prefill worker
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
+    num_computed_tokens: int = 0  # tokens whose KV exists (prompt first, then outputs)
+    num_output_tokens: int = 0  # tokens generated so far (all emitted)
     pinned_block_hashes: list[int] = field(default_factory=list)  # cache blocks it references
+    num_registered_blocks: int = 0  # prompt blocks [0, this) already looked at for the cache
     num_private_blocks: int = 0  # blocks it holds outside the cache
-    num_output_tokens: int = 0
+    is_prefilled: bool = False  # its prompt ran (or arrived, role decode): counted for its batch
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: the prompt and every generated one (the last has no KV yet)."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self.pinned_block_hashes) + self.num_private_blocks
 
 
 @dataclass
-class _QueuedBatch:
+class _BatchProgress:
     batch_id: str
-    seqs: list[_Sequence]
+    request_ids: list[str]  # members still expected to prefill or already prefilled
+    num_pending: int  # members whose prefill has not ended
+    started: bool = False
+    num_prompt_tokens: int = 0  # of the members that prefilled
+    num_cached_tokens: int = 0
 
 
 class SimEngine:
     """One simulated engine; see the module docstring for the model and the contract."""
 
     def __init__(self, profile: TimingProfile, role: str, num_kv_blocks: int, block_size_tokens: int,
-                 max_seq_len_tokens: int) -> None:
-        if min(num_kv_blocks, block_size_tokens, max_seq_len_tokens) <= 0:
-            raise ValueError("num_kv_blocks, block_size_tokens and max_seq_len_tokens must be positive")
+                 max_seq_len_tokens: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 chunked_prefill: bool = True) -> None:
+        if min(num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens, max_num_seqs) <= 0:
+            raise ValueError("num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens and "
+                             "max_num_seqs must be positive")
         self.profile = profile
         self.role = parse_role(role)
         self.num_kv_blocks = num_kv_blocks
         self.block_size_tokens = block_size_tokens
         self.max_seq_len_tokens = max_seq_len_tokens
-        self._batch_queue: deque[_QueuedBatch] = deque()
-        self._request_id_to_queued_batch: dict[str, _QueuedBatch] = {}
-        self._decode_queue: dict[str, _Sequence] = {}  # role decode, FIFO by insertion
-        self._running: dict[str, _Sequence] = {}  # admission order
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunked_prefill = chunked_prefill
+        self._waiting: deque[_Sequence] = deque()  # FIFO; preempted sequences re-enter at the front
+        self._running: list[_Sequence] = []  # admission order (the last is the newest)
+        self._request_id_to_seq: dict[str, _Sequence] = {}  # waiting and running
+        self._batches: dict[str, _BatchProgress] = {}  # batches with a member still to prefill
         self._pending_failures: list[FailedOut] = []
+        self._pending_prefilled: list[BatchPrefilled] = []  # batches completed by a cancel, for the next step
         self._num_free_blocks = num_kv_blocks
         self._block_hash_to_refcount: dict[int, int] = {}  # every cached block -> users
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, LRU first
         self._step_stored: dict[int, None] = {}
         self._step_removed: dict[int, None] = {}
+        self.num_preemptions = 0  # since boot
 
     # ----------------------------------------------------------------------- introspection
     @property
@@ -253,7 +327,7 @@ class SimEngine:
     def num_used_kv_blocks(self) -> int:
         """Blocks held by requests: private ones plus cached ones they pin."""
         pinned = sum(1 for n in self._block_hash_to_refcount.values() if n > 0)
-        return pinned + sum(s.num_private_blocks for s in self._running.values())
+        return pinned + sum(s.num_private_blocks for s in self._running)
 
     @property
     def num_running_requests(self) -> int:
@@ -261,16 +335,26 @@ class SimEngine:
 
     @property
     def num_queued_batches(self) -> int:
-        return len(self._batch_queue)
+        """Batches none of whose members has started its prefill."""
+        return sum(1 for b in self._batches.values() if not b.started)
 
     @property
     def num_queued_requests(self) -> int:
-        return len(self._request_id_to_queued_batch) + len(self._decode_queue)
+        return len(self._waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting sequences still have to compute (ignoring cache hits)."""
+        return sum(s.num_tokens - s.num_computed_tokens for s in self._waiting)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens with KV in running sequences."""
+        return sum(s.num_computed_tokens for s in self._running)
 
     def running_request_ids(self) -> list[str]:
-        """Queued then running request ids (not those whose failure awaits the next step)."""
-        queued = [s.request.request_id for b in self._batch_queue for s in b.seqs]
-        return queued + list(self._decode_queue) + list(self._running)
+        """Waiting then running request ids (not those whose failure awaits the next step)."""
+        return [s.request.request_id for s in self._waiting] + [s.request.request_id for s in self._running]
 
     def all_cached_block_hashes(self) -> list[int]:
         return list(self._block_hash_to_refcount)
@@ -278,13 +362,18 @@ class SimEngine:
     def check_invariants(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent (tests, debug runs)."""
         free, used, evictable = self._num_free_blocks, self.num_used_kv_blocks, len(self._evictable)
-        pins = Counter(h for s in self._running.values() for h in s.pinned_block_hashes)
+        pins = Counter(h for s in self._running for h in s.pinned_block_hashes)
         refcounts = self._block_hash_to_refcount
+        bs = self.block_size_tokens
         checks = {
             "a block count is negative": min(free, used, evictable) >= 0,
             "free + used + evictable != num_kv_blocks": free + used + evictable == self.num_kv_blocks,
             "refcounts != pins of running requests": pins == {h: n for h, n in refcounts.items() if n},
             "evictable != cached blocks without users": set(self._evictable) == {h for h, n in refcounts.items() if not n},
+            "a waiting sequence holds blocks": all(s.num_held_blocks == 0 for s in self._waiting),
+            "a running sequence holds fewer blocks than its KV": all(
+                s.num_held_blocks >= -(-s.num_computed_tokens // bs) for s in self._running),
+            "more sequences run than max_num_seqs": len(self._running) <= self.max_num_seqs,
         }
         broken = [what for what, ok in checks.items() if not ok]
         if broken:
@@ -292,31 +381,27 @@ class SimEngine:
 
     # ----------------------------------------------------------------------- commands
     def submit_batch(self, batch: EngineBatch) -> None:
-        """Queue a batch FIFO (roles pd_fusion, prefill); invalid requests fail at next step."""
+        """Queue a batch's requests FIFO (roles pd_fusion, prefill); invalid ones fail at next step."""
         if self.role == "decode":
             raise ValueError("submit_batch on a decode engine; use submit_decode")
         if not batch.requests:
             raise ValueError(f"batch {batch.batch_id} has no requests")
+        if batch.batch_id in self._batches:
+            raise ValueError(f"batch {batch.batch_id} is already in the engine")
         self._check_new_ids([r.request_id for r in batch.requests])
-        queued = _QueuedBatch(batch.batch_id, [])
-        num_batch_blocks = 0
+        seqs = []
         for request in batch.requests:
             failure = self._validate(request)
-            if failure is None and num_batch_blocks + self._num_blocks_needed(request) > self.num_kv_blocks:
-                failure = FailedOut(
-                    request_id=request.request_id,
-                    code="dispatch_failed",
-                    message=f"batch {batch.batch_id} needs more than the engine's {self.num_kv_blocks} KV blocks",
-                )
             if failure is not None:
                 self._pending_failures.append(failure)
                 continue
-            num_batch_blocks += self._num_blocks_needed(request)
-            seq = _Sequence(request, self._hashes(request), batch_id=batch.batch_id)
-            queued.seqs.append(seq)
-            self._request_id_to_queued_batch[request.request_id] = queued
-        if queued.seqs:
-            self._batch_queue.append(queued)
+            seqs.append(_Sequence(request, self._hashes(request), len(request.prompt_token_ids), batch_id=batch.batch_id))
+        if not seqs:
+            return
+        self._batches[batch.batch_id] = _BatchProgress(batch.batch_id, [s.request.request_id for s in seqs], len(seqs))
+        for seq in seqs:
+            self._waiting.append(seq)
+            self._request_id_to_seq[seq.request.request_id] = seq
 
     def submit_decode(self, request: EngineRequest, first_token_id: int, num_cached_tokens: int) -> None:
         """Role decode: queue a handed-off request (its KV arrives; no prefill compute)."""
@@ -327,24 +412,23 @@ class SimEngine:
         if failure is not None:
             self._pending_failures.append(failure)
             return
-        seq = _Sequence(request, self._hashes(request), first_token_id=first_token_id,
-                        num_cached_tokens=num_cached_tokens)
-        self._decode_queue[request.request_id] = seq
+        n = len(request.prompt_token_ids)
+        seq = _Sequence(request, self._hashes(request), n, first_token_id=first_token_id,
+                        num_cached_tokens=num_cached_tokens, num_computed_tokens=n, is_prefilled=True)
+        self._waiting.append(seq)
+        self._request_id_to_seq[request.request_id] = seq
 
     def cancel(self, request_id: str) -> bool:
-        """Remove a queued or running request and free its blocks; False if it is not here."""
-        batch = self._request_id_to_queued_batch.pop(request_id, None)
-        if batch is not None:
-            batch.seqs = [s for s in batch.seqs if s.request.request_id != request_id]
-            if not batch.seqs:
-                self._batch_queue.remove(batch)
-            return True
-        if self._decode_queue.pop(request_id, None) is not None:
-            return True
-        seq = self._running.pop(request_id, None)
+        """Remove a waiting or running request and free its blocks; False if it is not here."""
+        seq = self._request_id_to_seq.pop(request_id, None)
         if seq is None:
             return False
-        self._release(seq)
+        if seq.num_held_blocks or seq in self._running:
+            self._running.remove(seq)
+            self._release(seq)
+        else:
+            self._waiting.remove(seq)
+        self._leave_batch(seq, prefilled=False, done=self._pending_prefilled)
         return True
 
     def step(self) -> StepResult | None:
@@ -352,178 +436,274 @@ class SimEngine:
         self._step_stored.clear()
         self._step_removed.clear()
         failed, self._pending_failures = self._pending_failures, []
-        result = None
-        if self.role != "decode":
-            result = self._prefill_step(failed)
-        if result is None:
-            result = self._decode_step(failed)
-        if result is None and failed:
-            result = StepResult(kind="report", duration_ms=0.0, failed=failed)
-        return result
+        prefilled, self._pending_prefilled = self._pending_prefilled, []
+        scheduled, num_preempted, admitted_handoffs = self._schedule()
+        if not scheduled and not admitted_handoffs:
+            if failed or prefilled:
+                return StepResult(kind="report", duration_ms=0.0, failed=failed, batches_prefilled=prefilled)
+            return None
+        return self._execute(scheduled, num_preempted, admitted_handoffs, failed, prefilled)
 
-    # ----------------------------------------------------------------------- steps
-    def _prefill_step(self, failed: list[FailedOut]) -> StepResult | None:
-        if not self._batch_queue:
-            return None
-        head = self._batch_queue[0]
-        hits = self._plan_admission(head.seqs)
-        if hits is None:
-            return None
-        self._batch_queue.popleft()
+    # ----------------------------------------------------------------------- scheduling
+    def _schedule(self) -> tuple[list[tuple[_Sequence, int]], int, list[_Sequence]]:
+        """Pick this step's work: [(sequence, tokens to compute)], preemptions, admitted hand-offs."""
+        budget = (self.max_num_batched_tokens if self.chunked_prefill
+                  else max(self.max_num_batched_tokens, self.max_seq_len_tokens))
+        scheduled: list[tuple[_Sequence, int]] = []
+        num_preempted = 0
+        i = 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            preempted_itself = False
+            while not self._grow(seq, seq.num_computed_tokens + num_new):
+                victim = self._running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    preempted_itself = True
+                    break
+            if preempted_itself:
+                break  # nothing older is left to preempt: nothing more runs this step
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+        admitted_handoffs: list[_Sequence] = []
+        if num_preempted == 0:
+            while self._waiting and len(self._running) < self.max_num_seqs:
+                seq = self._waiting[0]
+                is_handoff = seq.is_prefilled and seq.num_output_tokens == 0  # role decode, KV arriving
+                if is_handoff:
+                    num_hit_blocks = min(self._num_hit_blocks(seq, cap=False), seq.num_prompt_tokens // self.block_size_tokens)
+                    num_left = 0 if seq.request.max_tokens == 1 else 1  # its decode of index 1
+                else:
+                    num_hit_blocks = self._num_hit_blocks(seq)
+                    num_left = seq.num_tokens - num_hit_blocks * self.block_size_tokens
+                if budget <= 0 and num_left > 0:
+                    break
+                if self.chunked_prefill:
+                    num_new = min(num_left, budget)
+                elif num_left <= budget:
+                    num_new = num_left
+                else:
+                    break  # a whole prompt only, and it does not fit this step: FIFO waits
+                if not self._admit(seq, num_hit_blocks, num_new):
+                    break
+                self._waiting.popleft()
+                self._running.append(seq)
+                if is_handoff:
+                    seq.num_output_tokens = 1  # index 0 (the hand-off's token) is emitted this step
+                    admitted_handoffs.append(seq)
+                if num_new:
+                    scheduled.append((seq, num_new))
+                    budget -= num_new
+        return scheduled, num_preempted, admitted_handoffs
+
+    def _execute(self, scheduled: list[tuple[_Sequence, int]], num_preempted: int, admitted_handoffs: list[_Sequence],
+                 failed: list[FailedOut], batches_done: list[BatchPrefilled]) -> StepResult:
+        p = self.profile
         tokens: list[TokenOut] = []
         finished: list[FinishedOut] = []
         handoffs: list[HandoffOut] = []
-        for seq, num_hit_blocks in zip(head.seqs, hits):
-            del self._request_id_to_queued_batch[seq.request.request_id]
-            seq.num_cached_tokens = num_hit_blocks * self.block_size_tokens
-        self._admit(head.seqs, hits)
-        for seq in head.seqs:
-            rid = seq.request.request_id
+        batches_started: list[str] = []
+        chunk_ms: list[tuple[str | None, int, float]] = []  # (batch, k, own linear + quadratic ms)
+        num_prefill_tokens = num_decoding = num_context_tokens = 0
+        for seq in admitted_handoffs:  # role decode: the first token came with the hand-off
+            tokens.append(TokenOut(request_id=seq.request.request_id, index=0, token_id=seq.first_token_id))
             self._register_prompt_blocks(seq)
-            first = sim_token_id(rid, 0)
-            seq.num_output_tokens = 1
-            if self.role == "prefill":
-                handoffs.append(HandoffOut(request_id=rid, batch_id=head.batch_id, first_token_id=first,
-                                           num_cached_tokens=seq.num_cached_tokens))
-                self._release(seq)
-                continue
-            tokens.append(TokenOut(request_id=rid, index=0, token_id=first))
-            self._running[rid] = seq
             if seq.request.max_tokens == 1:
                 finished.append(self._finish(seq))
-        prompt_and_cached = [(len(s.request.prompt_token_ids), s.num_cached_tokens) for s in head.seqs]
+        for seq, k in scheduled:
+            c = seq.num_computed_tokens
+            is_decode = seq.num_output_tokens > 0 and c == seq.num_tokens - 1
+            if is_decode:
+                num_decoding += 1
+                num_context_tokens += c + 1
+            else:
+                num_prefill_tokens += k
+                chunk_ms.append((seq.batch_id if not seq.is_prefilled else None, k,
+                                 p.prefill_per_token_ms * k + p.prefill_per_token_sq_ms * ((c + k) ** 2 - c * c)))
+                progress = self._batches.get(seq.batch_id) if seq.batch_id and not seq.is_prefilled else None
+                if progress is not None and not progress.started:
+                    progress.started = True
+                    batches_started.append(progress.batch_id)
+            seq.num_computed_tokens = c + k
+            self._register_prompt_blocks(seq)
+        for seq, _ in scheduled:
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk of a longer prompt (or recompute): no token yet
+            rid = seq.request.request_id
+            index = seq.num_output_tokens
+            if not seq.is_prefilled:  # its prompt's last chunk: the first token
+                self._leave_batch(seq, prefilled=True, done=batches_done)
+                seq.is_prefilled = True
+                if self.role == "prefill":
+                    seq.num_output_tokens = 1
+                    handoffs.append(HandoffOut(request_id=rid, batch_id=seq.batch_id or "", first_token_id=sim_token_id(rid, 0),
+                                               num_cached_tokens=seq.num_cached_tokens))
+                    self._running.remove(seq)
+                    del self._request_id_to_seq[rid]
+                    self._release(seq)
+                    continue
+            tokens.append(TokenOut(request_id=rid, index=index, token_id=sim_token_id(rid, index)))
+            seq.num_output_tokens = index + 1
+            if seq.num_output_tokens == seq.request.max_tokens:
+                finished.append(self._finish(seq))
+        duration_ms = 0.0
+        prefill_ms_by_batch: dict[str, float] = {}
+        if num_prefill_tokens:
+            duration_ms += p.prefill_base_ms
+            for batch_id, k, own_ms in chunk_ms:
+                duration_ms += own_ms
+                if batch_id is not None:
+                    share = own_ms + p.prefill_base_ms * k / num_prefill_tokens
+                    prefill_ms_by_batch[batch_id] = prefill_ms_by_batch.get(batch_id, 0.0) + share
+        elif num_decoding:
+            duration_ms += p.decode_base_ms
+        if num_decoding:
+            duration_ms += p.decode_per_seq_ms * num_decoding + p.decode_per_context_token_ms * num_context_tokens
+        kind: StepKind = "prefill" if num_prefill_tokens else "decode"
         return StepResult(
-            kind="prefill",
-            duration_ms=self.profile.prefill_ms(prompt_and_cached),
-            batch_id=head.batch_id,
-            prefill_request_ids=[s.request.request_id for s in head.seqs],
-            num_prompt_tokens=sum(p for p, _ in prompt_and_cached),
-            num_cached_tokens=sum(c for _, c in prompt_and_cached),
+            kind=kind, duration_ms=duration_ms, batches_started=batches_started, batches_prefilled=batches_done,
+            prefill_ms_by_batch=prefill_ms_by_batch, num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decoding, num_preemptions=num_preempted,
             tokens=tokens, finished=finished, handoffs=handoffs, failed=failed,
             blocks_stored=list(self._step_stored), blocks_removed=list(self._step_removed),
         )
 
-    def _decode_step(self, failed: list[FailedOut]) -> StepResult | None:
-        tokens: list[TokenOut] = []
-        finished: list[FinishedOut] = []
-        while self._decode_queue:  # role decode: admit hand-offs FIFO while they fit
-            seq = next(iter(self._decode_queue.values()))
-            hits = self._plan_admission([seq])
-            if hits is None:
-                break
-            rid = seq.request.request_id
-            del self._decode_queue[rid]
-            self._admit([seq], hits)
-            self._register_prompt_blocks(seq)
-            tokens.append(TokenOut(request_id=rid, index=0, token_id=seq.first_token_id))
-            seq.num_output_tokens = 1
-            self._running[rid] = seq
-            if seq.request.max_tokens == 1:
-                finished.append(self._finish(seq))
-        if not self._running and not tokens:
-            return None
-        generating = list(self._running.values())
-        num_context_tokens = sum(len(s.request.prompt_token_ids) + s.num_output_tokens for s in generating)
-        for seq in generating:
-            index = seq.num_output_tokens
-            tokens.append(TokenOut(request_id=seq.request.request_id, index=index,
-                                   token_id=sim_token_id(seq.request.request_id, index)))
-            seq.num_output_tokens += 1
-            if seq.num_output_tokens == seq.request.max_tokens:
-                finished.append(self._finish(seq))
-        duration_ms = self.profile.decode_step_ms(len(generating), num_context_tokens) if generating else 0.0
-        return StepResult(
-            kind="decode", duration_ms=duration_ms, tokens=tokens, finished=finished, failed=failed,
-            blocks_stored=list(self._step_stored), blocks_removed=list(self._step_removed),
-        )
-
     def _finish(self, seq: _Sequence) -> FinishedOut:
-        del self._running[seq.request.request_id]
+        self._running.remove(seq)
+        del self._request_id_to_seq[seq.request.request_id]
         self._release(seq)
         return FinishedOut(
             request_id=seq.request.request_id,
             finish_reason="length",
-            num_prompt_tokens=len(seq.request.prompt_token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=max(0, seq.num_cached_tokens),
         )
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free its blocks and put it first in line; it recomputes prompt + outputs later."""
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _leave_batch(self, seq: _Sequence, prefilled: bool, done: list[BatchPrefilled]) -> None:
+        """Account a member's prefill end (or departure) to its batch; report the batch when
+        its last member is through."""
+        if seq.is_prefilled or seq.batch_id is None:
+            return
+        progress = self._batches.get(seq.batch_id)
+        if progress is None:
+            return
+        progress.num_pending -= 1
+        if prefilled:
+            progress.num_prompt_tokens += seq.num_prompt_tokens
+            progress.num_cached_tokens += max(0, seq.num_cached_tokens)
+        else:
+            progress.request_ids.remove(seq.request.request_id)
+        if progress.num_pending == 0:  # reported even when every member was cancelled (empty ids)
+            del self._batches[seq.batch_id]
+            done.append(BatchPrefilled(batch_id=progress.batch_id, request_ids=progress.request_ids,
+                                       num_prompt_tokens=progress.num_prompt_tokens,
+                                       num_cached_tokens=progress.num_cached_tokens))
 
     # ----------------------------------------------------------------------- validation
     def _check_new_ids(self, request_ids: list[str]) -> None:
         failing = {f.request_id for f in self._pending_failures}
-        live = [rid for rid in request_ids if rid in self._request_id_to_queued_batch
-                or rid in self._decode_queue or rid in self._running or rid in failing]
+        live = [rid for rid in request_ids if rid in self._request_id_to_seq or rid in failing]
         if live or len(set(request_ids)) < len(request_ids):
             raise ValueError(f"duplicate request ids: {live or request_ids} (already in the engine or twice)")
 
     def _validate(self, request: EngineRequest) -> FailedOut | None:
         num_prompt_tokens = len(request.prompt_token_ids)
+        num_output_tokens = 0 if self.role == "prefill" else request.max_tokens  # prefill hands off
+        num_blocks = -(-(num_prompt_tokens + num_output_tokens) // self.block_size_tokens)
         if num_prompt_tokens == 0 or request.max_tokens < 1:
             code, message = "invalid_request", "the prompt must be non-empty and max_tokens at least 1"
         elif num_prompt_tokens + request.max_tokens > self.max_seq_len_tokens:
             code, message = "too_large", (f"prompt {num_prompt_tokens} + max_tokens {request.max_tokens} tokens "
                                           f"exceed max_seq_len_tokens {self.max_seq_len_tokens}")
-        elif self._num_blocks_needed(request) > self.num_kv_blocks:
-            code, message = "too_large", (f"needs {self._num_blocks_needed(request)} KV blocks, "
-                                          f"the engine has {self.num_kv_blocks}")
+        elif num_blocks > self.num_kv_blocks:
+            code, message = "too_large", f"needs {num_blocks} KV blocks, the engine has {self.num_kv_blocks}"
         else:
             return None
         return FailedOut(request_id=request.request_id, code=code, message=message)
 
     # ----------------------------------------------------------------------- KV blocks
-    def _num_blocks_needed(self, request: EngineRequest) -> int:
-        num_output_tokens = 0 if self.role == "prefill" else request.max_tokens  # prefill hands off
-        return -(-(len(request.prompt_token_ids) + num_output_tokens) // self.block_size_tokens)
-
     def _hashes(self, request: EngineRequest) -> list[int]:
         if request.block_hashes is not None:
             return request.block_hashes
         return block_hashes(request.prompt_token_ids, self.block_size_tokens)
 
-    def _num_hit_blocks(self, seq: _Sequence) -> int:
-        """Leading prompt blocks served from the cache (a whole-prompt hit drops its last)."""
+    def _num_hit_blocks(self, seq: _Sequence, cap: bool = True) -> int:
+        """Leading prompt blocks served from the cache (cap: at least one token is computed)."""
         num_hit_blocks = 0
         for h in seq.prompt_block_hashes:
             if h not in self._block_hash_to_refcount:
                 break
             num_hit_blocks += 1
-        if num_hit_blocks * self.block_size_tokens >= len(seq.request.prompt_token_ids):
+        if cap and num_hit_blocks * self.block_size_tokens >= seq.num_tokens:
             num_hit_blocks = max(0, num_hit_blocks - 1)
         return num_hit_blocks
 
-    def _plan_admission(self, seqs: list[_Sequence]) -> list[int] | None:
-        """Hit blocks per sequence if all `seqs` fit now (evicting LRU cache blocks), else None."""
-        hits = [self._num_hit_blocks(s) for s in seqs]
-        num_new_blocks = sum(self._num_blocks_needed(s.request) - n for s, n in zip(seqs, hits))
-        evictable_hits = {h for s, n in zip(seqs, hits) for h in s.prompt_block_hashes[:n] if h in self._evictable}
-        available = self._num_free_blocks + len(self._evictable) - len(evictable_hits)
-        return hits if num_new_blocks <= available else None
+    def _admit(self, seq: _Sequence, num_hit_blocks: int, num_new: int) -> bool:
+        """Pin the hit blocks and allocate KV for the tokens it computes now; False (nothing
+        changed) when the blocks are not there."""
+        hit_hashes = seq.prompt_block_hashes[:num_hit_blocks]
+        num_tokens_with_kv = max(seq.num_computed_tokens, num_hit_blocks * self.block_size_tokens) + num_new
+        num_needed = -(-num_tokens_with_kv // self.block_size_tokens) - num_hit_blocks
+        evictable_hits = sum(1 for h in hit_hashes if h in self._evictable)
+        if num_needed > self._num_free_blocks + len(self._evictable) - evictable_hits:
+            return False
+        for h in hit_hashes:  # pin first, so that eviction cannot take them
+            if self._block_hash_to_refcount[h] == 0:
+                del self._evictable[h]
+            self._block_hash_to_refcount[h] += 1
+        seq.pinned_block_hashes = list(hit_hashes)
+        seq.num_registered_blocks = num_hit_blocks
+        if seq.num_computed_tokens == 0:
+            seq.num_computed_tokens = num_hit_blocks * self.block_size_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+        self._allocate(seq, num_needed)
+        return True
 
-    def _admit(self, seqs: list[_Sequence], hits: list[int]) -> None:
-        """Pin the hit blocks first (so eviction cannot take them), then allocate the rest."""
-        for seq, num_hit_blocks in zip(seqs, hits):
-            for h in seq.prompt_block_hashes[:num_hit_blocks]:
-                if self._block_hash_to_refcount[h] == 0:
-                    del self._evictable[h]
-                self._block_hash_to_refcount[h] += 1
-                seq.pinned_block_hashes.append(h)
-            seq.num_private_blocks = self._num_blocks_needed(seq.request) - num_hit_blocks
-        num_new_blocks = sum(s.num_private_blocks for s in seqs)
-        while self._num_free_blocks < num_new_blocks:
+    def _grow(self, seq: _Sequence, num_tokens_with_kv: int) -> bool:
+        """Give a running sequence the blocks for this many tokens; False when they are not there."""
+        num_needed = -(-num_tokens_with_kv // self.block_size_tokens) - seq.num_held_blocks
+        if num_needed <= 0:
+            return True
+        if num_needed > self._num_free_blocks + len(self._evictable):
+            return False
+        self._allocate(seq, num_needed)
+        return True
+
+    def _allocate(self, seq: _Sequence, num_blocks: int) -> None:
+        while self._num_free_blocks < num_blocks:
             h, _ = self._evictable.popitem(last=False)
             del self._block_hash_to_refcount[h]
             self._note_cache_change(h, stored=False)
             self._num_free_blocks += 1
-        self._num_free_blocks -= num_new_blocks
+        self._num_free_blocks -= num_blocks
+        seq.num_private_blocks += num_blocks
 
     def _register_prompt_blocks(self, seq: _Sequence) -> None:
-        for h in seq.prompt_block_hashes[len(seq.pinned_block_hashes):]:
+        """Put the prompt's newly computed full blocks in the cache (still pinned by it)."""
+        num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size_tokens
+        num_full = min(num_full, len(seq.prompt_block_hashes))
+        for h in seq.prompt_block_hashes[seq.num_registered_blocks:num_full]:
             if h in self._block_hash_to_refcount:
                 continue  # cached by someone else: this copy stays private
             self._block_hash_to_refcount[h] = 1
             seq.pinned_block_hashes.append(h)
             seq.num_private_blocks -= 1
             self._note_cache_change(h, stored=True)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def _note_cache_change(self, block_hash: int, stored: bool) -> None:
         """Record the net change of this step: a store undoes an earlier removal and back."""
