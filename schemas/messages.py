@@ -87,6 +87,9 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     num_stream_overflows: int = 0  # requests stopped: their tokens did not fit the outbound buffer
     time_scale: float = 1.0  # simulated engines: wall time = profile time × this (1.0 for real engines)
     last_step_ms: float = 0.0
+    # Mean duration (engine ms) of the steps that ended in the last 3 s: the time per output
+    # token its running requests see now; 0 when it ran no step in that window.
+    recent_step_ms: float = 0.0
     heartbeat_interval_ms: int = 200
 
 

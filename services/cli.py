@@ -38,7 +38,9 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--prefix-index", help="exact (workers' KV events, default) | approximate (learned from decisions)")
     p.add_argument("--prefill-coefficients", help="JSON object: prior of the prefill-time predictor (base_ms, per_token_ms, ...)")
     p.add_argument("--predictor-learning", help="true (default) | false: refine the predictor from measured batches")
-    p.add_argument("--slo-mode", help="best-effort (default) | reject: refuse requests whose SLO looks unattainable")
+    p.add_argument("--slo-mode", help="best-effort | reject | shed: what to do with requests whose SLO looks unattainable")
+    p.add_argument("--slo-tpot-guard", type=float,
+                   help="shed: refuse new work while the worker's step time > this x the TPOT target (default 0.9)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 32768)")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
     p.add_argument("--log-level", help="debug | info | warning | error")
@@ -91,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--nats-url", help="NATS server URL (env FLEXLB_NATS_URL)")
     _add_worker_flags(worker)
     worker.add_argument("--log-level", default="info", help="debug | info | warning | error")
+
+    sim = sub.add_parser("sim-server", help="serve one simulated engine over HTTP (OpenAI, SGLang and vLLM worker "
+                                            "endpoints) for peer routers; see workers/http_front.py")
+    sim.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    sim.add_argument("--port", type=int, required=True, help="HTTP port")
+    sim.add_argument("--worker-id", dest="worker_id", default="sim-0", help="id in logs and request ids (default sim-0)")
+    sim.add_argument("--model-name", default="flexlb-sim", help="model name it reports (default flexlb-sim)")
+    _add_worker_flags(sim)
+    sim.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    sim.set_defaults(role="pd_fusion")
 
     workers = sub.add_parser("workers", help="list, drain, undrain or remove workers through the admin API")
     workers.add_argument("action", choices=["list", "drain", "undrain", "remove"])
@@ -187,6 +199,15 @@ def run_worker(cfg) -> int:
         await WorkerAgent(cfg).run(stop)
 
     asyncio.run(main())
+    return 0
+
+
+def run_sim_server(args: argparse.Namespace, cfg) -> int:
+    """`flexlb sim-server`: the engine of `flexlb worker` (same config, role pd_fusion) behind
+    HTTP instead of NATS (workers/http_front.py documents the endpoints)."""
+    from workers.http_front import serve
+
+    serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level)
     return 0
 
 
@@ -348,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             _logging(args.log_level)
             return run_worker(worker_config(args))
+        if args.command == "sim-server":
+            _logging(args.log_level)
+            return run_sim_server(args, worker_config(args))
         if args.command == "up":
             from services.up import run_up
 

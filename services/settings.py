@@ -50,7 +50,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_wait_ms: float | None = None  # fixed-window shortcut for batcher_params.wait_ms
     batch_size_max: int | None = None  # fixed-window shortcut for batcher_params.batch_size_max
     prefix_index: str = "exact"  # exact (workers' KV events) | approximate (learned from decisions)
-    slo_mode: str = "best-effort"  # best-effort | reject (slo_unattainable at arrival)
+    slo_mode: str = "best-effort"  # best-effort | reject | shed (services/core/slo.py)
+    slo_tpot_guard: float = 0.9  # shed: refuse while the picked worker's step time > this x the TPOT target
     predictor_learning: bool = True  # refine prefill-time coefficients from measured batches
     prefill_coefficients: dict[str, Any] = {}  # prior of the predictor (default: Splitwise fit)
     max_prompt_tokens: int = 32768  # larger prompts: too_large
@@ -96,8 +97,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise SettingsError(f"setting batch_size_max must be >= 1, got {self.batch_size_max!r}")
         if self.prefix_index not in ("exact", "approximate"):
             raise SettingsError(f"setting prefix_index must be exact or approximate, got {self.prefix_index!r}")
-        if self.slo_mode not in ("best-effort", "reject"):
-            raise SettingsError(f"setting slo_mode must be best-effort or reject, got {self.slo_mode!r}")
+        if self.slo_mode not in ("best-effort", "reject", "shed"):
+            raise SettingsError(f"setting slo_mode must be best-effort, reject or shed, got {self.slo_mode!r}")
+        if not self.slo_tpot_guard > 0:
+            raise SettingsError(f"setting slo_tpot_guard must be > 0, got {self.slo_tpot_guard}")
         try:
             self.scheduler_config().validate()
         except ValueError as exc:
@@ -140,7 +143,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             decode_policy=self.decode_policy, decode_policy_params=dict(self.decode_policy_params),
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),
             predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),
-            slo=SloParams(mode=self.slo_mode), prefix_index=self.prefix_index, seed=self.seed,
+            slo=SloParams(mode=self.slo_mode, tpot_guard=self.slo_tpot_guard), prefix_index=self.prefix_index, seed=self.seed,
         )
 
 

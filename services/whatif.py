@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import json
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -42,6 +42,7 @@ from services.core.scheduler import Admitted, AdmitRequest, Scheduler, Scheduler
 from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, load_profile
 
 MS = 1_000_000
+RECENT_WINDOW_MS = 3000.0  # the agent's window of WorkerStatusReported.recent_step_ms (workers/agent.py)
 
 
 @dataclass
@@ -118,6 +119,7 @@ def summarize(ttft: dict[str, float], tpot: dict[str, float], slos: dict[str, tu
            if rid in ttft and ttft[rid] <= t_slo and tpot.get(rid, 0.0) <= p_slo]
     return {"requests": n, "ttft_ms": stats(ttft), "tpot_ms": stats(tpot),
             "slo_attainment": round(len(met) / len(slos), 4) if slos else float("nan"),
+            "num_attained": len(met),  # of all n requests: rejections are misses
             "goodput_rps": round(len(met) / (span_ms / 1000), 3) if span_ms > 0 else float("nan"),
             "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             "rejected": dict(rejected)}
@@ -197,13 +199,23 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
         counter += 1
         heapq.heappush(heap, _Ev(t, counter, kind, data))
 
+    recent_steps: dict[str, deque[tuple[int, float]]] = {w: deque() for w in engines}  # (end ns, engine ms)
+
+    def recent_step_ms(w: str, t: int) -> float:
+        """The agent's WorkerStatusReported.recent_step_ms, in virtual time."""
+        window = recent_steps[w]
+        while window and window[0][0] < t - int(RECENT_WINDOW_MS * scale * MS):
+            window.popleft()
+        return round(sum(ms for _, ms in window) / len(window), 3) if window else 0.0
+
     def status(w: str, t: int) -> None:
         e, sp = engines[w], spec_of[w]
         s.on_worker_event(m.WorkerStatusReported(
             worker_id=w, role=sp.role, boot_id="whatif", block_size_tokens=sp.block_size_tokens,
             num_kv_blocks=sp.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks, max_batch_tokens=sp.max_batch_tokens,
             max_seq_len_tokens=sp.max_seq_len_tokens, num_running_requests=e.num_running_requests,
-            num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(), time_scale=scale), t)
+            num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(), time_scale=scale,
+            recent_step_ms=recent_step_ms(w, t)), t)
         s.take_settled()
 
     arrival_ns: dict[str, int] = {}
@@ -267,6 +279,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
             tick(t)
         elif ev.kind == "step_done":
             w, step = ev.data
+            if step.kind != "report":
+                recent_steps[w].append((t, step.duration_ms))
             if step.blocks_removed:
                 kv_seq[w] += 1
                 s.on_kv_event(m.KvBlocksRemoved(worker_id=w, boot_id="whatif", kv_seq=kv_seq[w],

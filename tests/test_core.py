@@ -364,3 +364,30 @@ def test_calibration_settles_a_running_request_the_worker_stops_reporting():
     s.on_worker_event(status("w0", running_request_ids=[]), 7, stale=True)
     s.on_worker_event(status("w0", running_request_ids=[]), 8, stale=True)
     assert s.take_settled() == []
+
+
+# --------------------------------------------------------------------------- shed mode
+def test_shed_admits_an_unattainable_ttft_on_an_idle_worker_and_refuses_it_on_a_busy_fleet():
+    s = make_scheduler(("w0",), slo=SloParams(mode="shed"))
+    idle = s.admit(req("on-idle", n=100, slo_ttft_ms=1.0), 0)
+    assert isinstance(idle, Admitted) and idle.best_effort  # serving it delays nobody
+    # the same request again, now that w0 holds one (a queue and a wait): shed
+    busy = s.admit(req("on-busy", n=100, slo_ttft_ms=1.0), 0)
+    assert isinstance(busy, Rejected) and busy.code == "slo_unattainable" and "no worker is idle" in busy.message
+    # one whose target is attainable still goes in
+    assert isinstance(s.admit(req("fine", n=100, slo_ttft_ms=60_000), 0), Admitted)
+
+
+def test_shed_refuses_new_work_while_the_workers_steps_exceed_the_tpot_guard():
+    s = make_scheduler(("w0",), slo=SloParams(mode="shed", tpot_guard=0.9))
+    s.on_worker_event(status("w0", recent_step_ms=95.0), 0)  # above 0.9 x 100 ms
+    slow = s.admit(req("slow", slo_tpot_ms=100.0), 0)
+    assert isinstance(slow, Rejected) and slow.code == "slo_unattainable" and "TPOT" in slow.message
+    # a looser target, or a faster worker, admits
+    assert isinstance(s.admit(req("loose", slo_tpot_ms=200.0), 0), Admitted)
+    s.on_worker_event(status("w0", recent_step_ms=60.0), 0)
+    assert isinstance(s.admit(req("fast", slo_tpot_ms=100.0), 0), Admitted)
+    # best-effort ignores the step time
+    b = make_scheduler(("w0",))
+    b.on_worker_event(status("w0", recent_step_ms=500.0), 0)
+    assert isinstance(b.admit(req("any", slo_tpot_ms=100.0), 0), Admitted)

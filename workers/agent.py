@@ -33,7 +33,7 @@ import os
 import secrets
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import msgspec
@@ -69,6 +69,7 @@ log = logging.getLogger("flexlb.worker")
 
 SEEN_BATCHES_MAX = 100_000  # batch ids remembered for dedupe
 WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
+RECENT_STEPS_WINDOW_S = 3.0  # the window of WorkerStatusReported.recent_step_ms (3 s: a 1 s window sheds on single long steps)
 SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
 
 
@@ -149,6 +150,7 @@ class WorkerAgent:
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
         self.last_step_ms = 0.0
+        self.recent_steps: deque[tuple[float, float]] = deque()  # (monotonic end s, engine ms) of the last second's steps
         self.batch_members: dict[str, list[str]] = {}  # batch id -> request ids, until its prefill ends
         self.batch_prefill_ms: dict[str, float] = {}  # batch id -> measured prefill ms so far (its steps' shares)
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
@@ -175,6 +177,15 @@ class WorkerAgent:
             except BadRequestError:  # it exists: its limits are the router's settings, not ours to reset
                 log.debug("stream %s exists; keeping its configuration", spec.name)
 
+    def recent_step_ms(self) -> float:
+        """Mean engine ms of the steps that ended in the last second (0: none)."""
+        horizon = time.monotonic() - RECENT_STEPS_WINDOW_S
+        while self.recent_steps and self.recent_steps[0][0] < horizon:
+            self.recent_steps.popleft()
+        if not self.recent_steps:
+            return 0.0
+        return round(sum(ms for _, ms in self.recent_steps) / len(self.recent_steps), 3)
+
     def status(self) -> m.WorkerStatusReported:
         e = self.engine
         return m.WorkerStatusReported(
@@ -187,7 +198,7 @@ class WorkerAgent:
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
             num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
-            last_step_ms=self.last_step_ms, heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
+            last_step_ms=self.last_step_ms, recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
         )
 
     # ------------------------------------------------------------------ run
@@ -411,6 +422,8 @@ class WorkerAgent:
             await asyncio.sleep(step.duration_ms * scale / 1000)
             measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
             self.last_step_ms = measured_ms
+            if step.kind != "report":
+                self.recent_steps.append((time.monotonic(), measured_ms))
             # Each batch's prefill time is its share of the steps its chunks ran in, measured.
             stretch = measured_ms / step.duration_ms if step.duration_ms > 0 else 1.0
             for batch_id, share_ms in step.prefill_ms_by_batch.items():

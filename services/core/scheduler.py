@@ -707,10 +707,20 @@ class Scheduler:
                 chosen = c
         predicted_ttft = chosen.ttft_ms
         best_effort = best_ttft > slo_ttft
-        if best_effort and cfg.slo.mode == "reject":
+        mode = cfg.slo.mode
+        if best_effort and (mode == "reject" or (mode == "shed" and not any(
+                c.worker.num_running_requests == 0 and c.num_pending == 0 and c.wait_ms <= 0.0 for c in cands))):
             return Rejected(
                 "slo_unattainable",
-                f"best predicted TTFT {best_ttft:.0f} ms exceeds the SLO of {slo_ttft:.0f} ms",
+                f"best predicted TTFT {best_ttft:.0f} ms exceeds the SLO of {slo_ttft:.0f} ms"
+                + (" and no worker is idle" if mode == "shed" else ""),
+                decisions, predicted_ttft_ms=best_ttft, slo_ttft_ms=slo_ttft,
+            )
+        if mode == "shed" and chosen.worker.recent_step_ms > slo_tpot * cfg.slo.tpot_guard:
+            return Rejected(
+                "slo_unattainable",
+                f"worker {picked} steps take {chosen.worker.recent_step_ms:.0f} ms, above {cfg.slo.tpot_guard:g} x "
+                f"the TPOT SLO of {slo_tpot:.0f} ms",
                 decisions, predicted_ttft_ms=best_ttft, slo_ttft_ms=slo_ttft,
             )
         # commit

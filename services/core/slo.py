@@ -9,7 +9,15 @@ override either target (body fields `slo_ttft_ms` / `slo_tpot_ms`, or the header
 `X-Flexlb-Slo-Ttft-Ms` / `X-Flexlb-Slo-Tpot-Ms`) and set its priority.
 
 Admission mode: `best-effort` (default) admits a request whose best predicted TTFT exceeds
-its SLO and marks it best-effort; `reject` refuses it with `slo_unattainable`. The default
+its SLO and marks it best-effort; `reject` refuses it with `slo_unattainable`; `shed`
+refuses it only when no worker is idle (no running request, nothing pending from us, no
+inflight prefill; on an idle worker it is admitted best-effort, as serving it delays
+nobody), and also refuses any
+request while the picked worker's recent step time (`recent_step_ms` of its status: the
+time per output token its running requests get now) exceeds `tpot_guard` (0.9) × the
+request's TPOT target: a new prompt there would miss its own TPOT and stretch everyone
+else's. Rejections count as misses for the client, but under overload they keep the
+admitted requests inside their targets instead of letting every request miss. The default
 is best-effort because the bucket SLOs are below the idle prefill time of long prompts on
 the default engine profile (a 16k-token prompt needs about 2 s on Llama2-70B/H100), so
 `reject` would refuse them on an idle cluster; operators with real targets turn it on.
@@ -20,17 +28,25 @@ from __future__ import annotations
 import msgspec
 
 
+SLO_MODES = ("best-effort", "reject", "shed")
+
+
 class SloParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     ttft_buckets: tuple[tuple[int, float], ...] = ((256, 150.0), (1024, 300.0), (4096, 600.0), (16384, 1200.0))
     ttft_beyond_ms: float = 2400.0  # inputs longer than the last bucket
     tpot_ms: float = 100.0
     priority_points: tuple[tuple[int, float], ...] = ((30, 2.0), (40, 1.5), (50, 1.0), (60, 0.75), (70, 0.5))
     default_priority: int = 50
-    mode: str = "best-effort"  # "best-effort" | "reject"
+    mode: str = "best-effort"  # "best-effort" | "reject" | "shed"
+    # shed: refuse new work while the picked worker's recent step time (the TPOT its running
+    # requests get) is above this fraction of the request's TPOT target
+    tpot_guard: float = 0.9
 
     def validate(self) -> "SloParams":
-        if self.mode not in ("best-effort", "reject"):
-            raise ValueError(f"slo mode must be best-effort or reject, got {self.mode!r}")
+        if self.mode not in SLO_MODES:
+            raise ValueError(f"slo mode must be one of {', '.join(SLO_MODES)}, got {self.mode!r}")
+        if not 0 < self.tpot_guard:
+            raise ValueError(f"slo tpot_guard must be > 0, got {self.tpot_guard}")
         bounds = [b for b, _ in self.ttft_buckets]
         if bounds != sorted(bounds) or any(ms <= 0 for _, ms in self.ttft_buckets) or self.ttft_beyond_ms <= 0:
             raise ValueError("slo ttft_buckets must be ascending with positive targets")

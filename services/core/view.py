@@ -57,6 +57,7 @@ class WorkerInfo:
     max_seq_len_tokens: int = 0
     num_running_requests: int = 0
     num_queued_batches: int = 0
+    recent_step_ms: float = 0.0  # its reported mean step time over the last second (the TPOT it gives now)
     first_seen_ns: int = 0
     last_heartbeat_ns: int = 0  # router's receive time of the last report
     num_restarts: int = 0
@@ -130,6 +131,7 @@ class WorkerView:
             info.num_free_kv_blocks = event.num_free_kv_blocks
             info.num_running_requests = event.num_running_requests
             info.num_queued_batches = event.num_queued_batches
+            info.recent_step_ms = event.recent_step_ms
             info.last_heartbeat_ns = max(info.last_heartbeat_ns, now_ns)
             if stale:
                 if info.liveness == "pending":

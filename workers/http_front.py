@@ -1,0 +1,872 @@
+"""An HTTP front for the simulated engine, so peer routers can drive the very same engine.
+
+`flexlb sim-server --port P [engine flags]` serves one `SimEngine` (built by
+`workers.agent.make_engine`, exactly as the NATS worker builds it) over the HTTP dialects
+that sglang-router and vllm-router speak to their workers, so a benchmark can put FlexLB,
+sglang-router (cache_aware, power_of_two, ...) and vllm-router (cache_aware, round_robin,
+...) in front of identical engines and compare routing alone.
+
+The step loop (one asyncio task): `engine.step()`; sleep `duration_ms × time_scale`; then
+deliver that step's tokens, finishes and failures to the per-request streams. With nothing
+to do it waits until a request arrives. `time_scale` 0 is instant but still yields to the
+event loop once per step. The engine's state changes at `step()` (before the sleep), as in
+the NATS worker: a request cancelled during the sleep gets nothing of that step.
+
+Every generation request becomes one `EngineBatch` of one `EngineRequest`. Its id is the
+`X-Request-Id` header, else the body's `rid` (SGLang) or `request_id`, else a fresh one
+(`<worker id>-<boot hex>-<n>`); an id that is still in the engine is refused (409
+`duplicate_request`). The simulated output depends on the id (`sim_token_id`). Text is
+tokenized with the project's byte-level tokenizer (`schemas.tokens`: one ASCII character =
+one token) and output ids decoded back with it (incrementally, so a UTF-8 character split
+across chunks is not mangled). A client that disconnects cancels its request in the engine.
+
+Endpoints
+- `POST /v1/completions` (OpenAI): `prompt` (text, token ids, or a one-element list of
+  either), `max_tokens` (default 16, as OpenAI), `stream`, `stream_options.include_usage`.
+  Non-streaming: `{"id", "object": "text_completion", "created", "model", "choices":
+  [{"index": 0, "text", "logprobs": null, "finish_reason": "length"}], "usage":
+  {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details":
+  {"cached_tokens"}}}`. Streaming: SSE `data: {...}` chunks of the same shape (object
+  `text_completion`, the text of that engine step; the last one has `finish_reason`), with
+  `include_usage` one more chunk with `choices: []` and `usage`, then `data: [DONE]`.
+- `POST /generate` (SGLang): `text` or `input_ids` (or a one-element list),
+  `sampling_params.max_new_tokens` (default 128, as SGLang), `stream`. Non-streaming:
+  `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "length",
+  "length"}, "prompt_tokens", "completion_tokens", "cached_tokens"}}`. Streaming: SSE of
+  `{"text": cumulative text, "meta_info": {...}, "index": 0}` (finish_reason null until the
+  last), then `data: [DONE]`, as SGLang does.
+- Unknown body fields (`model`, `temperature`, `slo_ttft_ms`, `stream_options`, sglang-
+  router's `echo: false`, `skip_special_tokens`, `return_hidden_states`, `bootstrap_*`, ...)
+  are accepted and ignored. Refused with 400 because they would change the answer: `n` > 1,
+  `echo: true`, a batch of several prompts.
+- Errors: `{"error": {"code", "message", "retryable"}}` (`schemas.errors`), status by code:
+  `invalid_request` 400 (bad JSON, bad field, empty prompt, max_tokens < 1), `too_large` 413
+  (prompt + max_tokens over `max_seq_len_tokens`, or more KV blocks than the engine has),
+  `duplicate_request` 409, `not_ready` 503 (the step loop died), `dispatch_failed` /
+  anything else from the engine 502. A failure
+  before the first token is an HTTP error (a streaming response starts only with its first
+  token); after it, an error chunk `data: {"error": {...}}` then `data: [DONE]`.
+- `POST /tokenize` (vLLM): `{"prompt"}` or `{"text"}` (text or ids) -> `{"count",
+  "max_model_len", "tokens", "token_strs": null}` (vllm-router's fallback when render fails).
+- `POST /v1/completions/render` (vLLM): the completion body -> `[{"request_id", "model",
+  "token_ids"}]`, vLLM's render shape. vllm-router 0.1.17's cache_aware calls it on every
+  worker for every `/v1/completions` request (it falls back to `/tokenize` when a worker's
+  render fails); its prefix tree is built from these token ids. `/generate` is routed by
+  text, without either call.
+- `GET /health`: 200 while the step loop runs, 503 once it has died. `GET
+  /health_generate`: a real one-token generation through the engine (prompt "health",
+  shorter than a block, so the prefix cache is untouched; counted apart, in
+  `flexlb_sim_health_generations_total`).
+- `GET /server_info`, `/get_server_info`: the engine's configuration in SGLang's key names
+  where one exists (`served_model_name`, `context_length`, `max_total_num_tokens`,
+  `page_size`, `max_running_requests`, `chunked_prefill_size`, `dp_size` 1, `tp_size` 1),
+  plus ours. `GET /model_info`, `/get_model_info`: `{"is_generation": true,
+  "served_model_name", "model_type": "flexlb-sim"}`. Neither has `model_path` or
+  `tokenizer_path`: sglang-router downloads a tokenizer named there (no internet here; we
+  have no HF tokenizer anyway).
+- `GET /v1/models`: the one served model, with `max_model_len`.
+- `GET /get_load`: SGLang's list `[{"dp_rank": 0, "num_reqs": running + waiting,
+  "num_waiting_reqs", "num_tokens"}]`. The power_of_two policies of sglang-router 0.3.2 and
+  vllm-router 0.1.17 poll it every `--worker-startup-check-interval` seconds (default 30)
+  and sum `num_tokens` over the list (sglang-router reads anything else, `{"load": N}`
+  included, as -1 = unknown).
+  `num_tokens` is the KV held by requests, `num_used_kv_blocks × block_size_tokens` (their
+  computed prompt and generated tokens, rounded up to blocks; SGLang's also adds the prompts
+  of its waiting queue, which the engine's public contract does not expose).
+- `GET /metrics` (Prometheus text, built by hand: no global registry). vLLM's names, label
+  `model_name`: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+  `vllm:kv_cache_usage_perc` (used / total blocks, 0..1; cached-but-free blocks count as
+  free, as in vLLM), `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
+  (prompt tokens / cached prompt tokens of finished requests), `vllm:prompt_tokens_total`,
+  `vllm:generation_tokens_total`, `vllm:num_preemptions_total` (when the engine reports
+  preemptions). Ours: `flexlb_sim_requests_total` (accepted into the engine, health checks
+  excluded), `flexlb_sim_requests_finished_total`, `flexlb_sim_requests_cancelled_total`,
+  `flexlb_sim_requests_failed_total{code}`, `flexlb_sim_prompt_tokens_total` /
+  `flexlb_sim_cached_tokens_total` (finished requests), `flexlb_sim_output_tokens_total`
+  (tokens delivered), `flexlb_sim_preemptions_total` (when reported), `flexlb_sim_steps_total`,
+  `flexlb_sim_engine_errors_total`, `flexlb_sim_kv_blocks{state="free|cached|used"}`.
+
+What the peer routers call (observed on sglang-router 0.3.2 and vllm-router 0.1.17):
+sglang-router registers a worker with `GET /health`, `/server_info` (falling back to
+`/get_server_info`), `/model_info` (then `/get_model_info`) and takes `served_model_name`
+as the model id; it also probes for gRPC with an HTTP/2 preface (`PRI *`, answered 404,
+logged once; uvicorn warns "Invalid HTTP request received"). It forwards `/v1/completions`
+and `/generate` bodies re-serialized, adding `echo`, `no_stop_trim`, `ignore_eos`,
+`skip_special_tokens`, `return_hidden_states` (and on /generate `log_metrics`,
+`return_bytes`, ...), and refuses a /v1/completions body without `model` or with a
+token-id prompt itself. vllm-router checks `GET /health` at start, then every
+`--health-check-interval-secs` (default 60, both routers); cache_aware calls
+`/v1/completions/render` as above. Neither calls `/health_generate`, `/metrics` or
+`/v1/models` on its own.
+
+Not modelled: sampling (temperature, top_p, stop strings, logprobs: the output is the
+engine's deterministic `sim_token_id` text and always stops at max_tokens, finish_reason
+"length"), chat completions, real tokenizers, several prompts per request, priorities and
+SLO fields, PD disaggregation (the front is always role `pd_fusion`), data parallelism.
+
+Decisions: a raw ASGI app (no framework) keeps per-request overhead low and gives direct
+control of disconnects (a watcher awaits `http.disconnect` and cancels the engine request,
+also while it is still queued); JSON by msgspec. An exception inside `engine.step()` is an
+engine bug: it is logged, counted, and every open request fails with `worker_failed` (and
+is cancelled in the engine) rather than hanging; the loop then waits for the next request
+before it steps again (an engine that keeps raising fails each new request, it never spins).
+
+Imports: `schemas` and `workers` only (never `services`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import itertools
+import logging
+import secrets
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+import msgspec
+
+from schemas.errors import ERROR_CODES
+from schemas.tokens import encode_text
+from workers.agent import WorkerConfig, make_engine
+from workers.engines.sim import EngineBatch, EngineRequest, FailedOut, FinishedOut, StepResult
+
+log = logging.getLogger("flexlb.sim_http")
+
+DEFAULT_MODEL_NAME = "flexlb-sim"
+OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a larger request body is refused (413)
+MAX_REQUEST_ID_CHARS = 256
+HEALTH_PROMPT = "health"  # 6 tokens: under a block (16 by default), so never in the prefix cache
+
+_json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class HttpError(Exception):
+    """A request the front refuses; rendered as `{"error": {"code", "message", "retryable"}}`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def error_status(code: str) -> int:
+    """HTTP status of an error code; a code outside `schemas.errors` (an engine we do not
+    know yet) is a 502, the engine's fault."""
+    known = ERROR_CODES.get(code)
+    return known.http_status if known else 502
+
+
+def error_object(code: str, message: str) -> dict[str, Any]:
+    """`{"error": {"code", "message", "retryable"}}`; an unknown code counts as retryable."""
+    known = ERROR_CODES.get(code)
+    return {"error": {"code": code, "message": message, "retryable": known.retryable if known else True}}
+
+
+def error_body(code: str, message: str) -> bytes:
+    return _json_encode(error_object(code, message))
+
+
+# --------------------------------------------------------------------------- engine side
+class Delta:
+    """What one engine step produced for one request (delivered after the step's sleep)."""
+
+    __slots__ = ("token_ids", "finished", "failed")
+
+    def __init__(self, token_ids: list[int], finished: FinishedOut | None = None,
+                 failed: FailedOut | None = None) -> None:
+        self.token_ids = token_ids
+        self.finished = finished
+        self.failed = failed
+
+
+class OpenRequest:
+    """A request in the engine, from submission until its terminal delta (or its cancel)."""
+
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "deltas", "is_health_check")
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, max_tokens: int, is_health_check: bool) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        self.is_health_check = is_health_check
+
+
+class SimFront:
+    """One engine, its step loop, and the open requests' streams (the transport-free half)."""
+
+    def __init__(self, cfg: WorkerConfig, model_name: str = DEFAULT_MODEL_NAME) -> None:
+        self.cfg = cfg
+        self.model_name = model_name
+        self.engine = make_engine(cfg)
+        self._boot = secrets.token_hex(3)
+        self._ids = itertools.count()
+        self._open: dict[str, OpenRequest] = {}  # request id -> its stream
+        # Abandoned while a computed step waits for delivery: that step may still carry their
+        # tokens, so the id is refused until it is delivered (a new request under the same id
+        # would otherwise receive the old one's tokens).
+        self._is_step_in_flight = False
+        self._abandoned_in_step: set[str] = set()
+        self._work = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._reports_preemptions = "num_preemptions" in StepResult.__struct_fields__
+        # Counters (monotonic, since start).
+        self.num_requests = 0  # accepted into the engine, health checks excluded
+        self.num_health_generations = 0
+        self.num_finished = 0
+        self.num_cancelled = 0
+        self.code_to_num_failed: Counter[str] = Counter()
+        self.num_prompt_tokens_finished = 0  # prompt tokens of finished requests
+        self.num_cached_tokens_finished = 0  # of those, served from the prefix cache
+        self.num_output_tokens = 0  # tokens delivered to requests
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_engine_errors = 0
+
+    # ----------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="sim-step-loop")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._fail_all("worker_failed", f"sim-server {self.cfg.worker_id} is shutting down")
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    # ----------------------------------------------------------------------- commands
+    def new_request_id(self) -> str:
+        return f"{self.cfg.worker_id}-{self._boot}-{next(self._ids)}"
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+               is_health_check: bool = False) -> OpenRequest:
+        """Queue one request in the engine; its deltas arrive on the returned stream."""
+        if request_id in self._open:
+            raise HttpError("duplicate_request", f"request {request_id} is already running on this server")
+        if request_id in self._abandoned_in_step:
+            raise HttpError("duplicate_request", f"request {request_id} is still leaving the engine; retry")
+        if not self.is_running:
+            raise HttpError("not_ready", "the engine's step loop is not running")
+        req = OpenRequest(request_id, len(prompt_token_ids), max_tokens, is_health_check)
+        try:
+            self.engine.submit_batch(EngineBatch(batch_id=request_id, requests=[
+                EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens),
+            ]))
+        except ValueError as exc:  # an abandoned request whose failure the engine has yet to report
+            raise HttpError("duplicate_request", str(exc)) from None
+        self._open[request_id] = req
+        if is_health_check:
+            self.num_health_generations += 1
+        else:
+            self.num_requests += 1
+        self._work.set()
+        return req
+
+    def abandon(self, request_id: str) -> bool:
+        """The client went away: drop the request from the engine. False if it had ended."""
+        req = self._open.pop(request_id, None)
+        if req is None:
+            return False
+        self.engine.cancel(request_id)  # False when its failure is still pending: nothing to free
+        if self._is_step_in_flight:
+            self._abandoned_in_step.add(request_id)
+        if not req.is_health_check:
+            self.num_cancelled += 1
+        return True
+
+    # ----------------------------------------------------------------------- step loop
+    async def _step_loop(self) -> None:
+        scale = self.cfg.time_scale
+        while True:
+            self._work.clear()
+            try:
+                step = self.engine.step()
+            except Exception:  # an engine bug: fail what it holds rather than hang every client
+                self.num_engine_errors += 1
+                log.exception("engine.step() raised; failing %d open requests", len(self._open))
+                self._fail_all("worker_failed", f"the simulated engine of {self.cfg.worker_id} raised; see its log")
+                await self._work.wait()  # nothing is open now: retry only for a new request, never spin
+                continue
+            if step is None:
+                await self._work.wait()
+                continue
+            self._is_step_in_flight = True
+            try:
+                await asyncio.sleep(step.duration_ms * scale / 1000)
+            finally:
+                self._is_step_in_flight = False
+                self._abandoned_in_step.clear()
+            self._deliver(step)
+
+    def _deliver(self, step: StepResult) -> None:
+        self.num_steps += 1
+        if self._reports_preemptions:
+            self.num_preemptions += getattr(step, "num_preemptions", 0)
+        request_id_to_delta: dict[str, tuple[OpenRequest, Delta]] = {}
+
+        def delta_of(request_id: str) -> Delta | None:
+            entry = request_id_to_delta.get(request_id)
+            if entry is None:
+                req = self._open.get(request_id)
+                if req is None:
+                    return None  # cancelled meanwhile (or shut down)
+                entry = request_id_to_delta[request_id] = (req, Delta([]))
+            return entry[1]
+
+        for t in step.tokens:
+            delta = delta_of(t.request_id)
+            if delta is not None:
+                delta.token_ids.append(t.token_id)
+        for f in step.finished:
+            delta = delta_of(f.request_id)
+            if delta is not None:
+                delta.finished = f
+        for f in step.failed:
+            delta = delta_of(f.request_id)
+            if delta is not None:
+                delta.failed = f
+        for request_id, (req, delta) in request_id_to_delta.items():
+            if delta.finished is not None or delta.failed is not None:
+                del self._open[request_id]
+            if not req.is_health_check:
+                self._count(delta)
+            req.deltas.put_nowait(delta)
+
+    def _count(self, delta: Delta) -> None:
+        self.num_output_tokens += len(delta.token_ids)
+        if delta.finished is not None:
+            self.num_finished += 1
+            self.num_prompt_tokens_finished += delta.finished.num_prompt_tokens
+            self.num_cached_tokens_finished += delta.finished.num_cached_tokens
+        if delta.failed is not None:
+            self.code_to_num_failed[delta.failed.code] += 1
+            log.info("request %s failed in the engine: %s: %s", delta.failed.request_id, delta.failed.code,
+                     delta.failed.message)
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for request_id, req in list(self._open.items()):
+            self.engine.cancel(request_id)
+            delta = Delta([], failed=FailedOut(request_id=request_id, code=code, message=message))
+            if not req.is_health_check:
+                self._count(delta)
+            req.deltas.put_nowait(delta)
+        self._open.clear()
+
+    # ----------------------------------------------------------------------- introspection
+    def load(self) -> list[dict[str, int]]:
+        """SGLang's `/get_load` body (see the module docstring)."""
+        running, waiting = self.engine.num_running_requests, self.engine.num_queued_requests
+        return [{
+            "dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+            "num_tokens": self.engine.num_used_kv_blocks * self.cfg.block_size_tokens,
+        }]
+
+    def metrics_text(self) -> str:
+        e = self.engine
+        model = f'{{model_name="{self.model_name}"}}'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+        total_blocks = e.num_kv_blocks
+        metric("vllm:num_requests_running", "gauge", "Requests running in the engine.", [(model, e.num_running_requests)])
+        metric("vllm:num_requests_waiting", "gauge", "Requests queued in the engine.", [(model, e.num_queued_requests)])
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV blocks held by requests / all KV blocks (0..1).",
+               [(model, e.num_used_kv_blocks / total_blocks if total_blocks else 0.0)])
+        metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens of finished requests.",
+               [(model, self.num_prompt_tokens_finished)])
+        metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens of finished requests served from the prefix cache.",
+               [(model, self.num_cached_tokens_finished)])
+        metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+               [(model, self.num_prompt_tokens_finished)])
+        metric("vllm:generation_tokens_total", "counter", "Output tokens delivered.", [(model, self.num_output_tokens)])
+        if self._reports_preemptions:
+            metric("vllm:num_preemptions_total", "counter", "Sequences preempted.", [(model, self.num_preemptions)])
+        metric("flexlb_sim_requests_total", "counter", "Requests accepted into the engine (health checks excluded).",
+               [("", self.num_requests)])
+        metric("flexlb_sim_requests_finished_total", "counter", "Requests that generated all their tokens.",
+               [("", self.num_finished)])
+        metric("flexlb_sim_requests_cancelled_total", "counter", "Requests cancelled by a client disconnect.",
+               [("", self.num_cancelled)])
+        metric("flexlb_sim_requests_failed_total", "counter", "Requests failed, by error code.",
+               [(f'{{code="{code}"}}', n) for code, n in sorted(self.code_to_num_failed.items())])
+        metric("flexlb_sim_health_generations_total", "counter", "GET /health_generate generations.",
+               [("", self.num_health_generations)])
+        metric("flexlb_sim_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+               [("", self.num_prompt_tokens_finished)])
+        metric("flexlb_sim_cached_tokens_total", "counter", "Prompt tokens of finished requests served from the prefix cache.",
+               [("", self.num_cached_tokens_finished)])
+        metric("flexlb_sim_output_tokens_total", "counter", "Output tokens delivered.", [("", self.num_output_tokens)])
+        if self._reports_preemptions:
+            metric("flexlb_sim_preemptions_total", "counter", "Sequences preempted by the engine.", [("", self.num_preemptions)])
+        metric("flexlb_sim_steps_total", "counter", "Engine steps run.", [("", self.num_steps)])
+        metric("flexlb_sim_engine_errors_total", "counter", "Exceptions raised by engine.step().",
+               [("", self.num_engine_errors)])
+        metric("flexlb_sim_kv_blocks", "gauge", "KV blocks by state.", [
+            ('{state="free"}', e.num_free_kv_blocks), ('{state="cached"}', e.num_cached_kv_blocks),
+            ('{state="used"}', e.num_used_kv_blocks),
+        ])
+        return "\n".join(lines) + "\n"
+
+    def server_info(self) -> dict[str, Any]:
+        c = self.cfg
+        return {
+            "served_model_name": self.model_name, "context_length": c.max_seq_len_tokens,
+            "max_total_num_tokens": c.num_kv_blocks * c.block_size_tokens, "page_size": c.block_size_tokens,
+            "max_running_requests": c.max_num_seqs, "chunked_prefill_size": c.max_num_batched_tokens,
+            "dp_size": 1, "tp_size": 1, "engine": "flexlb-sim", "worker_id": c.worker_id,
+            "time_scale": c.time_scale, "num_kv_blocks": c.num_kv_blocks, "block_size_tokens": c.block_size_tokens,
+            "chunked_prefill": c.chunked_prefill, "profile": c.profile or "default",
+        }
+
+
+# --------------------------------------------------------------------------- request parsing
+def prompt_token_ids(value: Any, field: str) -> list[int]:
+    """Text, token ids, or a one-element list of either -> token ids (byte-level tokenizer).
+    An empty prompt passes: the engine refuses it (`invalid_request`), as on the NATS path."""
+    if isinstance(value, str):
+        return encode_text(value)
+    if isinstance(value, list):
+        if all(type(v) is int for v in value):
+            if any(v < 0 for v in value):
+                raise HttpError("invalid_request", f"{field}: token ids must be >= 0")
+            return value
+        if len(value) == 1 and isinstance(value[0], (str, list)):
+            return prompt_token_ids(value[0], field)
+        if all(isinstance(v, (str, list)) for v in value):
+            raise HttpError("invalid_request", f"{field}: a batch of {len(value)} prompts is not supported; send one per request")
+    raise HttpError("invalid_request", f"{field} must be text or a list of token ids")
+
+
+def int_field(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise HttpError("invalid_request", f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def bool_field(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HttpError("invalid_request", f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def refuse_unmodelled(body: dict[str, Any]) -> None:
+    """Fields that would change the answer are refused rather than silently ignored."""
+    if int_field(body, "n", 1) != 1:
+        raise HttpError("invalid_request", "n > 1 is not supported by the simulated engine")
+    if bool_field(body, "echo"):
+        raise HttpError("invalid_request", "echo is not supported by the simulated engine")
+
+
+def request_id_of(scope: Scope, body: dict[str, Any]) -> str | None:
+    for key, value in scope["headers"]:
+        if key == b"x-request-id":
+            request_id = value.decode("latin-1")
+            break
+    else:
+        request_id = body.get("rid")
+        if request_id is None:
+            request_id = body.get("request_id")
+    if request_id is None or request_id == "":
+        return None
+    if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise HttpError("invalid_request", f"the request id must be a string of at most {MAX_REQUEST_ID_CHARS} characters")
+    return request_id
+
+
+# --------------------------------------------------------------------------- response formats
+class Output:
+    """One request's output so far: token ids and their text (decoded incrementally)."""
+
+    __slots__ = ("token_ids", "text_parts", "_decoder")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, delta: Delta) -> str:
+        """Append a step's tokens; return their text (a split UTF-8 character waits)."""
+        self.token_ids.extend(delta.token_ids)
+        text = self._decoder.decode(bytes(t & 0xFF for t in delta.token_ids), final=delta.finished is not None)
+        self.text_parts.append(text)
+        return text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json_encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIFormat:
+    """`/v1/completions` bodies and chunks (OpenAI completion shape)."""
+
+    def __init__(self, request_id: str, model: str, num_prompt_tokens: int, include_usage: bool) -> None:
+        self.id = f"cmpl-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.include_usage = include_usage
+
+    def _usage(self, out: Output, finished: FinishedOut) -> dict[str, Any]:
+        n = len(out.token_ids)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": n, "total_tokens": self.num_prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": finished.num_cached_tokens}}
+
+    def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
+        finish_reason = delta.finished.finish_reason if delta.finished is not None else None
+        data = sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]})
+        if delta.finished is not None and self.include_usage:
+            data += sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                         "choices": [], "usage": self._usage(out, delta.finished)})
+        return data
+
+    def body(self, out: Output, finished: FinishedOut) -> bytes:
+        return _json_encode({
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": finished.finish_reason}],
+            "usage": self._usage(out, finished),
+        })
+
+
+class SGLangFormat:
+    """`/generate` bodies and chunks (SGLang shape: cumulative text in streams)."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def _meta(self, out: Output, finished: FinishedOut | None) -> dict[str, Any]:
+        n = len(out.token_ids)
+        return {
+            "id": self.request_id,
+            "finish_reason": {"type": finished.finish_reason, "length": n} if finished is not None else None,
+            "prompt_tokens": self.num_prompt_tokens, "completion_tokens": n,
+            "cached_tokens": finished.num_cached_tokens if finished is not None else 0,
+        }
+
+    def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
+        return sse({"text": out.text, "meta_info": self._meta(out, delta.finished), "index": 0})
+
+    def body(self, out: Output, finished: FinishedOut) -> bytes:
+        return _json_encode({"text": out.text, "output_ids": out.token_ids, "meta_info": self._meta(out, finished)})
+
+
+# --------------------------------------------------------------------------- the ASGI app
+_JSON = (b"content-type", b"application/json")
+_CLIENT_GONE = Delta([])  # put on a stream by the disconnect watcher
+
+
+class Disconnected(Exception):
+    """The client went away while we read its request."""
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HttpError("too_large", f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _json_decode(raw) if raw else {}
+    except msgspec.DecodeError as exc:
+        raise HttpError("invalid_request", f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HttpError("invalid_request", "the body must be a JSON object")
+    return body
+
+
+async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes = b"application/json",
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or []),
+    ]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_bytes(send, status, _json_encode(obj), headers=headers)
+
+
+async def send_error(send: Send, code: str, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_bytes(send, error_status(code), error_body(code, message), headers=headers)
+
+
+class SimHttpApp:
+    """The ASGI application: routes, lifespan (starts and stops the step loop), disconnects."""
+
+    def __init__(self, front: SimFront) -> None:
+        self.front = front
+        self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/generate"): self.generate,
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/v1/completions/render"): self.render,
+            ("GET", "/health"): self.health,
+            ("GET", "/health_generate"): self.health_generate,
+            ("GET", "/server_info"): self.server_info,
+            ("GET", "/get_server_info"): self.server_info,
+            ("GET", "/model_info"): self.model_info,
+            ("GET", "/get_model_info"): self.model_info,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/get_load"): self.get_load,
+            ("GET", "/metrics"): self.metrics,
+        }
+        self._paths = {path for _, path in self.routes}
+        self._unknown_paths_logged: set[str] = set()
+        self._log_requests = log.isEnabledFor(logging.DEBUG)  # --log-level debug: one line per request
+        self._render_ids = itertools.count()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets: not served
+        if self._log_requests:
+            log.debug("%s %s", scope["method"], scope["path"])
+        handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is None:
+            await self._not_found(scope, send)
+            return
+        try:
+            await handler(scope, receive, send)
+        except HttpError as exc:
+            await send_error(send, exc.code, exc.message)
+        except Disconnected:
+            pass
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.front.start()
+                log.info("sim-server %s: engine ready (%d KV blocks of %d tokens, time scale %g, model %s)",
+                         self.front.cfg.worker_id, self.front.cfg.num_kv_blocks, self.front.cfg.block_size_tokens,
+                         self.front.cfg.time_scale, self.front.model_name)
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.front.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _not_found(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        if path not in self._unknown_paths_logged and len(self._unknown_paths_logged) < 1000:
+            self._unknown_paths_logged.add(path)  # once per path: shows what a router probes
+            log.info("%s %s is not served (404 from now on, logged once)", scope["method"], path)
+        if path in self._paths:
+            await send_error(send, "invalid_request", f"method {scope['method']} not allowed on {path}")
+        else:
+            await send_error(send, "not_found", f"{path} is not served by the flexlb sim-server")
+
+    # ----------------------------------------------------------------------- generation
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = parse_json_object(await read_body(receive))
+        refuse_unmodelled(body)
+        if "prompt" not in body:
+            raise HttpError("invalid_request", "prompt is required")
+        prompt = prompt_token_ids(body["prompt"], "prompt")
+        max_tokens = int_field(body, "max_tokens", OPENAI_DEFAULT_MAX_TOKENS)
+        stream = bool_field(body, "stream")
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        request_id = request_id_of(scope, body) or self.front.new_request_id()
+        fmt = OpenAIFormat(request_id, self.front.model_name, len(prompt), include_usage)
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt)
+
+    async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = parse_json_object(await read_body(receive))
+        if body.get("text") is not None:
+            prompt = prompt_token_ids(body["text"], "text")
+        elif body.get("input_ids") is not None:
+            prompt = prompt_token_ids(body["input_ids"], "input_ids")
+        else:
+            raise HttpError("invalid_request", "text or input_ids is required")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise HttpError("invalid_request", "sampling_params must be an object")
+        refuse_unmodelled(params)
+        max_tokens = int_field(params, "max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
+        stream = bool_field(body, "stream")
+        request_id = request_id_of(scope, body) or self.front.new_request_id()
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, SGLangFormat(request_id, len(prompt)))
+
+    async def _run(self, receive: Receive, send: Send, request_id: str, prompt: list[int], max_tokens: int,
+                   stream: bool, fmt: OpenAIFormat | SGLangFormat) -> None:
+        req = self.front.submit(request_id, prompt, max_tokens)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, req))
+        headers = [(b"x-request-id", request_id.encode("latin-1", errors="replace"))]
+        try:
+            if stream:
+                await self._stream(send, req, fmt, headers)
+            else:
+                await self._unary(send, req, fmt, headers)
+        finally:
+            watcher.cancel()
+            self.front.abandon(request_id)  # no-op unless we leave early (client gone, or a bug)
+
+    async def _watch_disconnect(self, receive: Receive, req: OpenRequest) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if self.front.abandon(req.request_id):
+                    log.debug("request %s: client disconnected; cancelled in the engine", req.request_id)
+                    req.deltas.put_nowait(_CLIENT_GONE)
+                return
+
+    async def _unary(self, send: Send, req: OpenRequest, fmt: OpenAIFormat | SGLangFormat,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        out = Output()
+        while True:
+            delta = await req.deltas.get()
+            if delta is _CLIENT_GONE:
+                return
+            if delta.failed is not None:
+                await send_error(send, delta.failed.code, delta.failed.message, headers)
+                return
+            out.add(delta)
+            if delta.finished is not None:
+                await send_bytes(send, 200, fmt.body(out, delta.finished), headers=headers)
+                return
+
+    async def _stream(self, send: Send, req: OpenRequest, fmt: OpenAIFormat | SGLangFormat,
+                      headers: list[tuple[bytes, bytes]]) -> None:
+        out = Output()
+        started = False
+        while True:
+            delta = await req.deltas.get()
+            if delta is _CLIENT_GONE:
+                return
+            if delta.failed is not None:
+                if not started:  # nothing sent yet: a plain HTTP error
+                    await send_error(send, delta.failed.code, delta.failed.message, headers)
+                    return
+                error = error_object(delta.failed.code, delta.failed.message)
+                await send({"type": "http.response.body", "body": sse(error) + SSE_DONE, "more_body": False})
+                return
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *headers,
+                ]})
+            text = out.add(delta)
+            data = fmt.chunk(out, delta, text)
+            if delta.finished is not None:
+                await send({"type": "http.response.body", "body": data + SSE_DONE, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def health_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A real one-token generation (see the module docstring), bounded by 20 s."""
+        request_id = f"health-{self.front.new_request_id()}"
+        req = self.front.submit(request_id, encode_text(HEALTH_PROMPT), 1, is_health_check=True)
+        try:
+            delta = await asyncio.wait_for(req.deltas.get(), timeout=20)
+        except asyncio.TimeoutError:
+            await send_error(send, "timed_out", "no token within 20 s")
+            return
+        finally:
+            self.front.abandon(request_id)
+        if delta.failed is not None:
+            await send_error(send, delta.failed.code, delta.failed.message)
+        else:
+            await send_bytes(send, 200, b"")
+
+    # ----------------------------------------------------------------------- tokenizer
+    async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = parse_json_object(await read_body(receive))
+        value = body.get("prompt", body.get("text"))
+        if value is None:
+            raise HttpError("invalid_request", "prompt (or text) is required; chat messages are not supported")
+        tokens = prompt_token_ids(value, "prompt")
+        await send_json(send, 200, {"count": len(tokens), "max_model_len": self.front.cfg.max_seq_len_tokens,
+                                    "tokens": tokens, "token_strs": None})
+
+    async def render(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = parse_json_object(await read_body(receive))
+        if "prompt" not in body:
+            raise HttpError("invalid_request", "prompt is required")
+        tokens = prompt_token_ids(body["prompt"], "prompt")
+        await send_json(send, 200, [{"request_id": f"cmpl-render-{next(self._render_ids)}", "model": self.front.model_name,
+                                     "token_ids": tokens}])
+
+    # ----------------------------------------------------------------------- introspection
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.front.is_running:
+            await send_bytes(send, 200, b"")
+        else:
+            await send_error(send, "not_ready", "the engine's step loop is not running")
+
+    async def server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.front.server_info())
+
+    async def model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"is_generation": True, "served_model_name": self.front.model_name,
+                                    "model_type": "flexlb-sim"})
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"object": "list", "data": [{
+            "id": self.front.model_name, "object": "model", "created": 0, "owned_by": "flexlb",
+            "root": self.front.model_name, "max_model_len": self.front.cfg.max_seq_len_tokens,
+        }]})
+
+    async def get_load(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.front.load())
+
+    async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 200, self.front.metrics_text().encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+
+def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info") -> None:
+    """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
+    import uvicorn
+
+    app = SimHttpApp(SimFront(cfg, model_name))
+    uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
+    # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run()
