@@ -367,14 +367,10 @@ def test_calibration_settles_a_running_request_the_worker_stops_reporting():
 
 
 # --------------------------------------------------------------------------- shed mode
-def test_shed_admits_an_unattainable_ttft_on_an_idle_worker_and_refuses_it_on_a_busy_fleet():
+def test_shed_refuses_an_unattainable_ttft_and_admits_an_attainable_one():
     s = make_scheduler(("w0",), slo=SloParams(mode="shed"))
-    idle = s.admit(req("on-idle", n=100, slo_ttft_ms=1.0), 0)
-    assert isinstance(idle, Admitted) and idle.best_effort  # serving it delays nobody
-    # the same request again, now that w0 holds one (a queue and a wait): shed
-    busy = s.admit(req("on-busy", n=100, slo_ttft_ms=1.0), 0)
-    assert isinstance(busy, Rejected) and busy.code == "slo_unattainable" and "no worker is idle" in busy.message
-    # one whose target is attainable still goes in
+    hopeless = s.admit(req("hopeless", n=100, slo_ttft_ms=1.0), 0)
+    assert isinstance(hopeless, Rejected) and hopeless.code == "slo_unattainable" and "TTFT" in hopeless.message
     assert isinstance(s.admit(req("fine", n=100, slo_ttft_ms=60_000), 0), Admitted)
 
 
@@ -391,3 +387,16 @@ def test_shed_refuses_new_work_while_the_workers_steps_exceed_the_tpot_guard():
     b = make_scheduler(("w0",))
     b.on_worker_event(status("w0", recent_step_ms=500.0), 0)
     assert isinstance(b.admit(req("any", slo_tpot_ms=100.0), 0), Admitted)
+
+
+def test_shed_with_bucket_targets_refuses_load_induced_misses_but_admits_inherently_slow_prompts():
+    s = make_scheduler(("w0",), slo=SloParams(mode="shed"), max_prompt_tokens=8000)
+    # 7,000 tokens at priority 70: its prefill alone (~0.66 s) exceeds its 1,200 x 0.5 ms
+    # bucket target: the bucket is wrong for it, not the load
+    slow = s.admit(req("slow-prompt", n=7000, max_tokens=1, priority=70), 0)
+    assert isinstance(slow, Admitted) and slow.best_effort
+    assert [b.worker_id for b in s.tick(10 * MS).batches] == ["w0"]  # dispatched: w0 now has ~0.66 s to go
+    # 100 tokens (150 ms bucket) would fit alone, but behind the big one it cannot: shed
+    behind = s.admit(req("behind", n=100), 10 * MS)
+    assert isinstance(behind, Rejected) and behind.code == "slo_unattainable", behind
+    assert isinstance(make_scheduler(("w0",), max_prompt_tokens=8000).admit(req("x", n=7000), 0), Admitted)

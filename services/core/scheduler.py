@@ -708,12 +708,11 @@ class Scheduler:
         predicted_ttft = chosen.ttft_ms
         best_effort = best_ttft > slo_ttft
         mode = cfg.slo.mode
-        if best_effort and (mode == "reject" or (mode == "shed" and not any(
-                c.worker.num_running_requests == 0 and c.num_pending == 0 and c.wait_ms <= 0.0 for c in cands))):
+        if best_effort and (mode == "reject" or (mode == "shed" and (
+                req.slo_ttft_ms is not None or min(c.prefill_ms for c in cands) <= slo_ttft))):
             return Rejected(
                 "slo_unattainable",
-                f"best predicted TTFT {best_ttft:.0f} ms exceeds the SLO of {slo_ttft:.0f} ms"
-                + (" and no worker is idle" if mode == "shed" else ""),
+                f"best predicted TTFT {best_ttft:.0f} ms exceeds the SLO of {slo_ttft:.0f} ms",
                 decisions, predicted_ttft_ms=best_ttft, slo_ttft_ms=slo_ttft,
             )
         if mode == "shed" and chosen.worker.recent_step_ms > slo_tpot * cfg.slo.tpot_guard:
