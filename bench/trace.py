@@ -482,6 +482,30 @@ class Result:
 _DECODER = msgspec.json.Decoder()
 
 
+async def http_body_parts(reader: asyncio.StreamReader, chunked: bool, length: int | None):
+    """The parts of an HTTP/1.1 response body as they arrive: chunked, by Content-Length,
+    or until the connection closes (shared by bench/peers.py's client)."""
+    if chunked:
+        while True:
+            size_line = await reader.readline()
+            if not size_line:
+                return
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                await reader.readline()
+                return
+            data = await reader.readexactly(size + 2)
+            yield data[:-2]
+    elif length is not None:
+        yield await reader.readexactly(length)
+    else:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                return
+            yield data
+
+
 async def stream_one(host: str, port: int, req: TraceRequest, res: Result) -> None:
     """POST /v1/completions over one raw HTTP/1.1 connection and read the SSE stream."""
     t_send = time.perf_counter()
@@ -508,26 +532,8 @@ async def stream_one(host: str, port: int, req: TraceRequest, res: Result) -> No
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = int(headers["content-length"]) if "content-length" in headers else None
 
-        async def body_parts():
-            if chunked:
-                while True:
-                    size_line = await reader.readline()
-                    if not size_line:
-                        return
-                    size = int(size_line.split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        await reader.readline()
-                        return
-                    data = await reader.readexactly(size + 2)
-                    yield data[:-2]
-            elif length is not None:
-                yield await reader.readexactly(length)
-            else:
-                while True:
-                    data = await reader.read(65536)
-                    if not data:
-                        return
-                    yield data
+        def body_parts():
+            return http_body_parts(reader, chunked, length)
 
         if res.status != 200:
             body = b"".join([p async for p in body_parts()])

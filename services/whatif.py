@@ -39,10 +39,10 @@ from typing import Any, TextIO
 from schemas import messages as m
 from services.core.journal import config_from_builtins, request_from_builtins, split_journals
 from services.core.scheduler import Admitted, AdmitRequest, Scheduler, SchedulerConfig
+from workers.agent import RECENT_STEPS_WINDOW_S
 from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, load_profile
 
 MS = 1_000_000
-RECENT_WINDOW_MS = 3000.0  # the agent's window of WorkerStatusReported.recent_step_ms (workers/agent.py)
 
 
 @dataclass
@@ -204,7 +204,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
     def recent_step_ms(w: str, t: int) -> float:
         """The agent's WorkerStatusReported.recent_step_ms, in virtual time."""
         window = recent_steps[w]
-        while window and window[0][0] < t - int(RECENT_WINDOW_MS * scale * MS):
+        while window and window[0][0] < t - int(RECENT_STEPS_WINDOW_S * 1000 * scale * MS):
             window.popleft()
         return round(sum(ms for _, ms in window) / len(window), 3) if window else 0.0
 

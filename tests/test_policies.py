@@ -50,23 +50,6 @@ def test_cost_based_prefers_the_cache_hit_through_a_shorter_prefill():
     assert pick.worker_id == "hit"
 
 
-def test_decode_weight_adds_the_answer_length_times_the_workers_recent_step_time():
-    p = build_policy("prefill", "cost-based", {"tie_abs_ms": 0, "tie_rel": 0, "decode_weight": 0.5,
-                                               "decode_tokens_cap": 200})
-    fast, slow = make_worker("fast"), make_worker("slow")
-    fast.recent_step_ms, slow.recent_step_ms = 40.0, 90.0
-    cands = [Candidate(worker=slow, prefill_ms=100), Candidate(worker=fast, prefill_ms=150)]
-    # a long answer (capped at 200 tokens): 100 + 0.5*200*90 vs 150 + 0.5*200*40
-    long_pick = p.select(ctx(cands, max_tokens=1000))
-    assert long_pick.worker_id == "fast"
-    assert {s.worker_id: s.score for s in long_pick.scores} == {"slow": 9100.0, "fast": 4150.0}
-    # a one-token answer: the TTFT decides
-    assert p.select(ctx(cands, max_tokens=1)).worker_id == "slow"
-    # off by default: TTFT alone
-    assert build_policy("prefill", "cost-based", {"tie_abs_ms": 0, "tie_rel": 0}).select(
-        ctx(cands, max_tokens=1000)).worker_id == "slow"
-
-
 def test_tie_window_is_max_of_10_percent_and_20_ms():
     p = build_policy("prefill", "cost-based")
     # min 100: window max(10, 20) = 20 -> 115 ties, 125 does not

@@ -252,15 +252,6 @@ class CostBasedParams(_Params):
     imbalance_min_excess_ms: float = 100.0  # ... if also wait − average >= this (ours)
     tie_rel: float = 0.10  # tie window: max(tie_rel × min score, tie_abs_ms)
     tie_abs_ms: float = 20.0
-    # Decode term (ours): cost += decode_weight × min(max_tokens, decode_tokens_cap) × the
-    # worker's recent step time (its reported recent_step_ms): the request's predicted
-    # end-to-end time, so a long answer avoids the worker whose steps are slow (0 = off).
-    # Off by default: recent step times differ between workers by noise that, times the
-    # answer length, outweighs prefix-cache affinity (tests/test_whatif: hit rate 0.40 vs
-    # round-robin's 0.34 with 0.3, 0.50+ without); bench/tune.py saw +1-5 points of
-    # attainment on Mooncake and Azure conv with 0.3, within what a seed changes.
-    decode_weight: float = 0.0
-    decode_tokens_cap: int = 1000
 
     def validate(self) -> "CostBasedParams":
         if self.pending_gate_high < 1:
@@ -274,8 +265,6 @@ class CostBasedParams(_Params):
             raise ValueError("cost-based: hotspot_min_excess and imbalance_min_excess_ms must be >= 0")
         if self.tie_rel < 0 or self.tie_abs_ms < 0 or self.slo_margin_ms < 0 or self.default_slo_ms <= 0:
             raise ValueError("cost-based: tie_rel, tie_abs_ms, slo_margin_ms must be >= 0 and default_slo_ms > 0")
-        if self.decode_weight < 0 or self.decode_tokens_cap < 1:
-            raise ValueError("cost-based: decode_weight must be >= 0 and decode_tokens_cap >= 1")
         return self
 
 
@@ -292,11 +281,7 @@ class CostBased:
             return _none("no live candidate", [])
         k = len(cands)
         waits = [c.wait_ms + c.queue_ms for c in cands]
-        if p.decode_weight > 0.0:
-            decode_tokens = p.decode_weight * min(ctx.max_tokens, p.decode_tokens_cap)
-            costs = [c.ttft_ms + decode_tokens * c.worker.recent_step_ms for c in cands]
-        else:
-            costs = [c.ttft_ms for c in cands]
+        costs = [c.ttft_ms for c in cands]
         avg_pending = sum([c.num_pending for c in cands]) / k
         avg_wait = sum(waits) / k
         hot_ratio, hot_abs = p.hotspot_factor * avg_pending, avg_pending + p.hotspot_min_excess
