@@ -291,6 +291,7 @@ class Rec:
     late_s: float | None = None  # send lateness vs its schedule (None: never sent)
     status: int | None = None
     error: str | None = None  # "<status>:<code>", "stream:<code>", "client_*", "capped", "not_sent", ...
+    error_message: str = ""  # the error event's message (the first 300 characters), for the run's samples
     ttft_s: float | None = None
     e2e_s: float | None = None
     tokens: int = 0
@@ -376,6 +377,7 @@ async def stream_one(host: str, port: int, body: bytes, request_id: str, rec: Re
                         err = obj["error"]
                         code = (err.get("code") or err.get("type")) if isinstance(err, dict) else err
                         rec.error = f"stream:{code}"
+                        rec.error_message = str(err.get("message", "") if isinstance(err, dict) else err)[:300]
                         continue
                     n = len(obj["choices"][0].get("text") or "")  # byte tokenizer: one ASCII char, one token
                     if n:
@@ -457,7 +459,7 @@ def _client_main(conn, plan: Plan, start_wall: float, cap_s: float, request_time
     """A forked client process: replay its share and send the records back."""
     try:
         recs, info = asyncio.run(replay(plan, start_wall, cap_s, request_timeout_s, progress_s=0))
-        conn.send(([(r.index, r.target, r.late_s, r.status, r.error, r.ttft_s, r.e2e_s, r.tokens, r.done) for r in recs],
+        conn.send(([(r.index, r.target, r.late_s, r.status, r.error, r.ttft_s, r.e2e_s, r.tokens, r.done, r.error_message) for r in recs],
                    info))
     except BaseException as exc:  # report, never hang the parent
         conn.send(exc.__class__.__name__ + ": " + str(exc))
@@ -931,7 +933,7 @@ def run_clients(plans: list[Plan], cap_s: float, args: argparse.Namespace, n: in
                     raise RuntimeError(f"a client process failed: {got}")
                 rows, info = got
                 recs += [Rec(*r[:2], late_s=r[2], status=r[3], error=r[4], ttft_s=r[5], e2e_s=r[6], tokens=r[7],
-                             done=r[8]) for r in rows]
+                             done=r[8], error_message=r[9]) for r in rows]
                 infos.append(info)
         finally:
             cpu = sampler.stop()
@@ -978,9 +980,13 @@ def summarize_run(recs: list[Rec], rows: list[Row], args: argparse.Namespace, sp
     e2e = [r.e2e_s * inv_ms for r, _ in ok]
     attained = sum(1 for r in recs if is_attained(r, rows[r.index].max_tokens, args))
     errors = Counter()
+    samples: dict[str, list[str]] = {}
     for r in recs:
         if not is_ok(r, rows[r.index].max_tokens):
-            errors[r.error or ("client_short_stream" if r.done else "client_unknown")] += 1
+            code = r.error or ("client_short_stream" if r.done else "client_unknown")
+            errors[code] += 1
+            if r.error_message and len(samples.setdefault(code, [])) < 3:
+                samples[code].append(r.error_message)
     late = [max(0.0, r.late_s) * 1000.0 for r in recs if r.late_s is not None]
     n = len(recs)
     return {
@@ -996,6 +1002,7 @@ def summarize_run(recs: list[Rec], rows: list[Row], args: argparse.Namespace, sp
         "tpot_ms": bt.summarize(tpot, 2),
         "e2e_ms": bt.summarize(e2e),
         "errors": dict(errors.most_common()),
+        "error_samples": samples,  # up to 3 messages per code
         "send_lateness_wall_ms": bt.summarize(late, 2),
     }
 

@@ -90,11 +90,12 @@ def build_settings(spec: str) -> RouterSettings:
 
 
 def run(rows, rate: float, settings: RouterSettings, workers: int, slo_ttft: float, slo_tpot: float,
-        num_kv_blocks: int) -> dict:
+        num_kv_blocks: int, roles: list[str] | None = None) -> dict:
     arrivals = [Arrival(int(t / rate * MS), AdmitRequest(request_id=f"r{i}", num_prompt_tokens=n, max_tokens=o,
                                                          block_hashes=tuple(h), slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot))
                 for i, (t, n, o, h) in enumerate(rows)]
-    specs = [WorkerSpec(f"w{i}", "pd_fusion", num_kv_blocks, 16, 65536, 40960, 1.0) for i in range(workers)]
+    roles = roles or ["pd_fusion"] * workers
+    specs = [WorkerSpec(f"w{i}", role, num_kv_blocks, 16, 65536, 40960, 1.0) for i, role in enumerate(roles)]
     rec = Recording(settings.scheduler_config(), arrivals, specs, [])
     res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None)
     span_s = (rows[-1][0] - rows[0][0]) / rate / 1000
@@ -111,6 +112,7 @@ def main() -> int:
     ap.add_argument("--rates", default="1")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--num-kv-blocks", type=int, default=16384)
+    ap.add_argument("--roles", help="comma-separated role per worker (pd_fusion | prefill | decode); default all pd_fusion")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--config", action="append", default=[])
@@ -122,7 +124,8 @@ def main() -> int:
         settings = build_settings(spec)
         for rate in [float(x) for x in args.rates.split(",")]:
             t0 = time.monotonic()
-            r = run(rows, rate, settings, args.workers, args.slo_ttft_ms, args.slo_tpot_ms, args.num_kv_blocks)
+            r = run(rows, rate, settings, args.workers, args.slo_ttft_ms, args.slo_tpot_ms, args.num_kv_blocks,
+                    args.roles.split(",") if args.roles else None)
             r.update(config=spec, rate=rate, wall_s=round(time.monotonic() - t0, 1))
             results.append(r)
             print(f"{spec[:60]:<60} x{rate:<5} {r['load_rps']:>7.2f} rps  att {r['attainment']:.3f}  "

@@ -248,6 +248,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
     def tick(t: int) -> None:
         res = s.tick(t)
         for b in res.batches:
+            for i in b.items:
+                decode_of[i.request_id] = i.decode_worker_id
             engines[b.worker_id].submit_batch(EngineBatch(batch_id=b.batch_id, requests=[
                 EngineRequest(request_id=i.request_id, prompt_token_ids=[0] * i.num_prompt_tokens, max_tokens=i.max_tokens,
                               block_hashes=list(requests[i.request_id].block_hashes)) for i in b.items]))
@@ -259,6 +261,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
         if due is not None:
             push(max(due, t + 1), "tick")
 
+    decode_of: dict[str, str] = {}  # request id -> the decode worker the router chose for it
     pending_work = len(rec.arrivals)
     while heap:
         ev = heapq.heappop(heap)
@@ -312,8 +315,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 s.on_terminal(f.request_id)
                 pending_work -= 1
             for h in step.handoffs:  # disaggregated: the decode worker the router chose takes it over
-                item_decode = next((d for d in engines if engines[d].role == "decode"), None)
-                if item_decode is not None:
+                item_decode = decode_of.pop(h.request_id, None)
+                if item_decode is not None and item_decode in engines:
                     engines[item_decode].submit_decode(EngineRequest(
                         request_id=h.request_id, prompt_token_ids=[0] * requests[h.request_id].num_prompt_tokens,
                         max_tokens=requests[h.request_id].max_tokens), h.first_token_id, h.num_cached_tokens)

@@ -11,6 +11,7 @@ import redis
 
 from tests.stack import (
     expected_text,
+    stream_completion,
     make_bodies,
     read_event_log,
     run_concurrent_streams,
@@ -169,3 +170,20 @@ async def test_flexlb_up_with_two_routers_serves_through_both(flexlb_up):
             body = (await c.post(u + "/v1/completions", json={"prompt": "two routers", "max_tokens": 5})).json()
             assert body["choices"][0]["text"] == expected_text(body["id"], 5)
     assert proc.stop() == 0
+
+
+async def test_a_request_finishing_in_a_long_step_is_not_settled_as_lost(flexlb_up):
+    """A 16000-token prompt is prefilled in two chunks (budget 8192) of several hundred ms
+    each at time scale 1. It finishes (max_tokens 1) in the second step: the engine lets go
+    of it when the step begins, its outputs go out when the step's time is up. The worker
+    keeps reporting it as held until then, so the router's calibration (2 missed 200 ms
+    reports) does not settle it as lost (`worker_failed`) while its terminal event is due."""
+    proc, state = flexlb_up("--time-scale", "1", "--workers", "1")
+    url = state["router_url"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        res = await stream_completion(client, url, {"prompt": "ab" * 8000, "max_tokens": 1})
+        metrics = (await client.get(url + "/metrics")).text
+    assert res["status"] == 200 and not res["errors"], res
+    assert res["done"] and "".join(res["texts"]) == expected_text(res["request_id"], 1)
+    settled = [line for line in metrics.splitlines() if line.startswith("flexlb_ledger_settlements_total")]
+    assert settled and float(settled[0].split()[-1]) == 0.0, settled

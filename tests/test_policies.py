@@ -62,6 +62,22 @@ def test_tie_window_is_max_of_10_percent_and_20_ms():
     assert set(picks) == {"a", "b"}
 
 
+def test_tie_break_keeps_the_ties_with_fewest_requests_in_flight():
+    # a (100 ms) and b (115 ms) tie (window 20 ms); b has fewer requests in flight, so its
+    # decode steps are shorter: b every time. c has fewer still but is outside the window.
+    p = build_policy("prefill", "cost-based")
+    cs = [cand("a", prefill_ms=100, num_pending=5), cand("b", prefill_ms=115, num_pending=2),
+          cand("c", prefill_ms=125, num_pending=0)]
+    assert {p.select(ctx(cs, seed=s)).worker_id for s in range(50)} == {"b"}
+    # equal in flight: drawn among them, as before
+    cs = [cand("a", prefill_ms=100, num_pending=2), cand("b", prefill_ms=115, num_pending=2)]
+    assert {p.select(ctx(cs, seed=s)).worker_id for s in range(50)} == {"a", "b"}
+    # "random" (the reference's behaviour) draws among all ties whatever they hold
+    p = build_policy("prefill", "cost-based", {"tie_break": "random"})
+    cs = [cand("a", prefill_ms=100, num_pending=5), cand("b", prefill_ms=115, num_pending=2)]
+    assert {p.select(ctx(cs, seed=s)).worker_id for s in range(50)} == {"a", "b"}
+
+
 def test_hotspot_filter_drops_workers_with_3x_average_pending():
     p = build_policy("prefill", "cost-based")
     cs = [cand("hot", prefill_ms=1, num_pending=40)] + [cand(f"w{i}", prefill_ms=500, num_pending=1) for i in range(5)]
@@ -164,6 +180,7 @@ def test_round_robin_only_advances_on_record():
         ("prefill", "best", None, "unknown prefill policy"),
         ("decode", "cost-based", None, "unknown decode policy"),
         ("prefill", "cost-based", {"tie_rel": -1}, "tie_rel"),
+        ("prefill", "cost-based", {"tie_break": "lowest"}, "tie_break"),
         ("prefill", "cost-based", {"no_such": 1}, "no_such"),
         ("decode", "kv-aware", {"max_kv_usage": 2}, "max_kv_usage"),
     ],

@@ -150,6 +150,11 @@ class WorkerAgent:
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
         self.last_step_ms = 0.0
+        # Requests the engine let go of in the step being run (finished, failed, handed off)
+        # whose outputs are published only when the step's time is up: still reported as
+        # held until then, or a long step (a big prefill chunk) would make the router's
+        # calibration settle them as lost while their terminal events are on their way.
+        self.unpublished_request_ids: list[str] = []
         self.recent_steps: deque[tuple[float, float]] = deque()  # (monotonic end s, engine ms) of the last second's steps
         self.batch_members: dict[str, list[str]] = {}  # batch id -> request ids, until its prefill ends
         self.batch_prefill_ms: dict[str, float] = {}  # batch id -> measured prefill ms so far (its steps' shares)
@@ -194,7 +199,8 @@ class WorkerAgent:
             num_kv_blocks=self.cfg.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks,
             num_cached_kv_blocks=e.num_cached_kv_blocks, max_batch_tokens=self.cfg.max_batch_tokens,
             max_seq_len_tokens=self.cfg.max_seq_len_tokens, num_running_requests=e.num_running_requests,
-            num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(),
+            num_queued_batches=e.num_queued_batches,
+            running_request_ids=e.running_request_ids() + self.unpublished_request_ids,
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
             num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
@@ -418,12 +424,14 @@ class WorkerAgent:
                 await self._event(m.BatchStarted(
                     batch_id=batch_id, worker_id=self.cfg.worker_id, request_ids=self.batch_members.get(batch_id, []),
                 ))
+            self.unpublished_request_ids = ([f.request_id for f in step.finished] + [f.request_id for f in step.failed]
+                                            + [h.request_id for h in step.handoffs])
             t0 = time.monotonic()
             await asyncio.sleep(step.duration_ms * scale / 1000)
             measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
             self.last_step_ms = measured_ms
-            if step.kind != "report":
-                self.recent_steps.append((time.monotonic(), measured_ms))
+            if step.kind != "report":  # the engine's own step time: what the batch costs, not loop lateness
+                self.recent_steps.append((time.monotonic(), step.duration_ms))
             # Each batch's prefill time is its share of the steps its chunks ran in, measured.
             stretch = measured_ms / step.duration_ms if step.duration_ms > 0 else 1.0
             for batch_id, share_ms in step.prefill_ms_by_batch.items():
@@ -435,6 +443,8 @@ class WorkerAgent:
                 raise
             except Exception:  # keep the engine going; the lost outputs surface as client errors
                 log.exception("publishing a step's outputs failed")
+            finally:
+                self.unpublished_request_ids = []
 
     async def _stream_overflow(self, request_id: str) -> None:
         """Its tokens no longer fit the outbound buffer (NATS away too long): stop it and say
