@@ -20,6 +20,7 @@ Configurations (`--configs a,b,...`, default all; the names are stable):
 | `sglang-<policy>` | `python -m sglang_router.launch_router --policy <policy>` (round_robin, cache_aware, power_of_two) |
 | `vllm-<policy>` | `python -m vllm_router.launch_router --policy <policy>` (the same three) |
 | `direct-round-robin` | no router: the load generator sends request i to engine i mod K |
+| `<name>@PpDd` | FlexLB or sglang-router on a disaggregated fleet of P prefill + D decode engines, P + D = K (`with_pd`) |
 
 `--flexlb-args "..."` is appended to every FlexLB command line of the run (after the
 configuration's own flags, so it wins), which is then reported as `--name` (or
@@ -162,6 +163,29 @@ class Config:
     kind: str  # "flexlb" | "sglang" | "vllm" | "direct"
     policy: str | None = None  # the peer router's --policy
     flexlb_flags: tuple[str, ...] = ()  # added to `flexlb up`
+    pd: tuple[int, int] | None = None  # disaggregated: (prefill engines, decode engines); None: colocated
+
+
+def with_pd(config: Config, suffix: str, workers: int) -> Config:
+    """`NAME@PpDd` (e.g. `flexlb@3p1d`, `sglang-cache_aware@3p1d`): the same configuration on
+    a disaggregated fleet of P prefill and D decode engines, P + D = K. FlexLB: `flexlb up
+    --prefill P --decode D`. sglang-router: `--pd-disaggregation`, each prefill engine given
+    with its own HTTP port as the bootstrap port, `--policy` for both stages (SGLang's
+    bootstrap protocol, emulated by the sim-server: workers/http_front.py). vllm-router's PD
+    protocol (kv_transfer_params) is not emulated, and no-router round-robin has no hand-off."""
+    import re
+
+    match = re.fullmatch(r"(\d+)p(\d+)d", suffix)
+    if match is None:
+        raise ValueError(f"{config.name}@{suffix}: the fleet shape is PpDd, e.g. 3p1d")
+    num_prefill, num_decode = int(match[1]), int(match[2])
+    if num_prefill < 1 or num_decode < 1 or num_prefill + num_decode != workers:
+        raise ValueError(f"{config.name}@{suffix}: P, D >= 1 and P + D = --workers ({workers})")
+    if config.kind not in ("flexlb", "sglang"):
+        raise ValueError(f"{config.name}@{suffix}: a PD fleet runs with FlexLB or sglang-router only")
+    flags = config.flexlb_flags + (("--prefill", str(num_prefill), "--decode", str(num_decode))
+                                   if config.kind == "flexlb" else ())
+    return Config(f"{config.name}@{suffix}", config.kind, config.policy, flags, (num_prefill, num_decode))
 
 
 def builtin_configs() -> dict[str, Config]:
@@ -728,9 +752,12 @@ class SimFleet(Fleet):
         base = shlex.split(a.sim_server_cmd) if a.sim_server_cmd else [*flexlb_exe(), "sim-server"]
         engines = []
         self.engine_urls: list[str] = []
-        for i in range(a.workers):
+        pd = self.config.pd
+        roles = ["prefill"] * pd[0] + ["decode"] * pd[1] if pd else ["pd_fusion"] * a.workers
+        for i, role in enumerate(roles):
             port = bt.free_port()
             argv = [*base, "--port", str(port), "--worker-id", f"w{i}", "--time-scale", f"{a.time_scale:g}",
+                    *(["--role", role] if pd else []),
                     *(["--host", "127.0.0.1"] if a.sim_server_has_host else []), *engine_flags(a),
                     *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else [])]
             engines.append(Proc(f"worker-w{i}", argv, self.workdir / f"{self.tag}-w{i}.log", env))
@@ -747,8 +774,16 @@ class SimFleet(Fleet):
             return
         port, prom_port = bt.free_port(), bt.free_port()
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
+        if pd:  # each prefill engine's own HTTP port is its bootstrap port (workers/http_front.py)
+            fleet = ["--pd-disaggregation"]
+            for url in self.engine_urls[:pd[0]]:
+                fleet += ["--prefill", url, url.rsplit(":", 1)[1]]
+            for url in self.engine_urls[pd[0]:]:
+                fleet += ["--decode", url]
+        else:
+            fleet = ["--worker-urls", *self.engine_urls]
         argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *self.engine_urls, "--policy", self.config.policy,
+                *fleet, "--policy", self.config.policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
                 "--log-level", "warn" if kind == "sglang" else "warning",
                 "--worker-startup-check-interval", "1", *a.peer_args_list]
@@ -1369,6 +1404,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     known = builtin_configs()
     names = [x.strip() for x in args.configs.split(",") if x.strip()]
+    for n in names:
+        base, at, suffix = n.partition("@")
+        if at and base in known:
+            try:
+                known[n] = with_pd(known[base], suffix, args.workers)
+            except ValueError as exc:
+                p.error(str(exc))
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         p.error(f"unknown configuration(s) {unknown}; known: {', '.join(known)}")

@@ -100,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=int, required=True, help="HTTP port")
     sim.add_argument("--worker-id", dest="worker_id", default="sim-0", help="id in logs and request ids (default sim-0)")
     sim.add_argument("--model-name", default="flexlb-sim", help="model name it reports (default flexlb-sim)")
+    sim.add_argument("--role", default="pd_fusion", choices=["pd_fusion", "prefill", "decode"],
+                     help="pd_fusion (default), or prefill / decode behind a PD router (SGLang's bootstrap "
+                          "protocol, workers/http_front.py)")
     _add_worker_flags(sim)
     sim.add_argument("--log-level", default="info", help="debug | info | warning | error")
-    sim.set_defaults(role="pd_fusion")
 
     workers = sub.add_parser("workers", help="list, drain, undrain or remove workers through the admin API")
     workers.add_argument("action", choices=["list", "drain", "undrain", "remove"])
@@ -203,7 +205,7 @@ def run_worker(cfg) -> int:
 
 
 def run_sim_server(args: argparse.Namespace, cfg) -> int:
-    """`flexlb sim-server`: the engine of `flexlb worker` (same config, role pd_fusion) behind
+    """`flexlb sim-server`: the engine of `flexlb worker` (same config and role) behind
     HTTP instead of NATS (workers/http_front.py documents the endpoints)."""
     from workers.http_front import serve
 

@@ -94,13 +94,13 @@ async def wait_until(predicate, timeout_s: float, what: str, procs: tuple[Proces
 
 
 class SimServer:
-    def __init__(self, worker_id: str, time_scale: float, log_dir: Path) -> None:
+    def __init__(self, worker_id: str, time_scale: float, log_dir: Path, role: str = "pd_fusion") -> None:
         self.worker_id = worker_id
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = Process(worker_id, [
             sys.executable, "-m", "services.cli", "sim-server", "--port", str(self.port), "--worker-id", worker_id,
-            "--time-scale", str(time_scale), "--max-seq-len-tokens", str(MAX_SEQ_LEN_TOKENS),
+            "--time-scale", str(time_scale), "--max-seq-len-tokens", str(MAX_SEQ_LEN_TOKENS), "--role", role,
         ], log_dir / f"{worker_id}.log")
 
     async def wait_ready(self, client: httpx.AsyncClient) -> None:
@@ -513,6 +513,49 @@ async def test_a_peer_router_drives_both_sim_servers(servers, client, log_dir, r
         # Each group's later requests reuse its 160-token prefix (10 blocks) on the same worker
         # (round_robin, which splits each group over both workers, gets 6 of 8, not 7 of 8).
         assert hits >= NUM_GROUPS * (NUM_PER_GROUP - 1) * 160, hits
+
+
+async def test_sglang_router_pd_mode_drives_a_prefill_and_a_decode_sim_server(log_dir, client):
+    """sglang-router --pd-disaggregation sends each body to both servers with a bootstrap
+    room; the prefill server computes the prompt, the decode server waits for the room and
+    streams every token. The prefill server does the prompt work, the decode server none."""
+    prefill, decode = SimServer("pd-p", 0, log_dir, "prefill"), SimServer("pd-d", 0, log_dir, "decode")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    router = None
+    try:
+        await asyncio.gather(prefill.wait_ready(client), decode.wait_ready(client))
+        # Alone, a decode server refuses: it cannot compute a prompt.
+        alone = await client.post(f"{decode.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert alone.status_code == 400 and alone.json()["error"]["code"] == "invalid_request", alone.text
+        router = Process("sglang-pd", [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--pd-disaggregation", "--prefill", prefill.url, str(prefill.port), "--decode", decode.url,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1", "--log-level", "warn",
+        ], log_dir / "sglang-pd.log")
+
+        async def ready():
+            return (await client.get(f"{base}/readiness")).status_code == 200
+        await wait_until(ready, STARTUP_TIMEOUT_S, "sglang-router (PD) to be ready", (router,))
+        prompts = [f"{i}: a PD prompt that the prefill server computes and the decode server continues" for i in range(12)]
+        outs = await asyncio.gather(*(complete(client, base, p, 1 + i % 6, stream=i % 2 == 0)
+                                      for i, p in enumerate(prompts)))
+        router.check_alive()
+        p_metrics, d_metrics = await metrics_of(client, prefill), await metrics_of(client, decode)
+    finally:
+        for proc in ([router] if router else []) + [prefill.proc, decode.proc]:
+            proc.stop()
+    for i, out in enumerate(outs):
+        # (streamed: the decode engine's first step carries the first token and the second)
+        assert (len(out["text"]), out["finish_reason"]) == (1 + i % 6, "length"), out
+        assert i % 2 == 0 or out["completion_tokens"] == 1 + i % 6, out
+        assert served_by(out["id"], ["pd-d", "pd-p"]) == "pd-d"  # the client's stream is the decode server's
+    assert p_metrics["flexlb_sim_requests_total"] == d_metrics["flexlb_sim_requests_total"] == len(prompts)
+    assert p_metrics["flexlb_sim_prompt_tokens_total"] == sum(len(p) for p in prompts)
+    # decode produced every token; prefill one per request (its answer to the router)
+    assert d_metrics["flexlb_sim_output_tokens_total"] == sum(1 + i % 6 for i in range(len(prompts)))
+    assert p_metrics["flexlb_sim_output_tokens_total"] == len(prompts)
 
 
 def test_the_metric_parser_reads_labelled_and_plain_samples():

@@ -102,7 +102,22 @@ token-id prompt itself. vllm-router checks `GET /health` at start, then every
 Not modelled: sampling (temperature, top_p, stop strings, logprobs: the output is the
 engine's deterministic `sim_token_id` text and always stops at max_tokens, finish_reason
 "length"), chat completions, real tokenizers, several prompts per request, priorities and
-SLO fields, PD disaggregation (the front is always role `pd_fusion`), data parallelism.
+SLO fields, vLLM's PD protocol (kv_transfer_params), data parallelism.
+
+PD disaggregation, SGLang's way (`--role prefill` / `--role decode`; sglang-router
+`--pd-disaggregation --prefill URL PORT --decode URL`): the router sends the same body to a
+prefill server and a decode server at once, with `bootstrap_host`, `bootstrap_port` and
+`bootstrap_room` added (observed on sglang-router 0.3.2). The prefill server runs the prompt
+on its role-prefill engine; when the engine hands the request off, the room is marked ready
+(first token id, cached tokens) and the prefill server answers with that one token. The
+decode server long-polls `GET /_sim/bootstrap?room=R` on `bootstrap_host:bootstrap_port`
+(the prefill server's own HTTP port: give that port as the router's bootstrap port), then
+queues the request on its role-decode engine with `submit_decode` (the KV "arrives": no
+prefill compute) and streams every token from the first, as SGLang's decode server does.
+KV transfer time is not modelled (as on the NATS path). A room waits `BOOTSTRAP_WAIT_S`; a
+prefill that fails or is cancelled resolves its room with the error, which the decode
+server returns. A prefill / decode server refuses a generation without `bootstrap_room`
+(400 `invalid_request`), since it could not do it alone. Health checks run on either role.
 
 Decisions: a raw ASGI app (no framework) keeps per-request overhead low and gives direct
 control of disconnects (a watcher awaits `http.disconnect` and cancels the engine request,
@@ -140,6 +155,9 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a larger request body is refused (413)
 MAX_REQUEST_ID_CHARS = 256
 HEALTH_PROMPT = "health"  # 6 tokens: under a block (16 by default), so never in the prefix cache
+BOOTSTRAP_WAIT_S = 120.0  # PD: how long a decode server waits for its prefill's room
+MAX_ROOMS = 65536  # PD: rooms kept (ready or awaited); the oldest is dropped beyond
+
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
@@ -219,6 +237,11 @@ class SimFront:
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._reports_preemptions = "num_preemptions" in StepResult.__struct_fields__
+        self.role = cfg.role
+        # PD (module docstring): bootstrap room -> future of (first token id, cached tokens),
+        # or an HttpError when the prefill failed; request id -> its room (prefill role).
+        self._rooms: dict[int, asyncio.Future] = {}
+        self._room_of: dict[str, int] = {}
         # Counters (monotonic, since start).
         self.num_requests = 0  # accepted into the engine, health checks excluded
         self.num_health_generations = 0
@@ -254,8 +277,15 @@ class SimFront:
         return f"{self.cfg.worker_id}-{self._boot}-{next(self._ids)}"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-               is_health_check: bool = False) -> OpenRequest:
-        """Queue one request in the engine; its deltas arrive on the returned stream."""
+               is_health_check: bool = False, room: int | None = None,
+               handoff: tuple[int, int] | None = None) -> OpenRequest:
+        """Queue one request in the engine; its deltas arrive on the returned stream. PD: a
+        prefill server's request names its bootstrap `room`; a decode server's comes with the
+        `handoff` (first token id, cached tokens) its room delivered."""
+        if not is_health_check and self.role == "prefill" and room is None:
+            raise HttpError("invalid_request", "a prefill server needs bootstrap_room (PD: send through a PD router)")
+        if not is_health_check and self.role == "decode" and handoff is None:
+            raise HttpError("invalid_request", "a decode server needs bootstrap_room (PD: send through a PD router)")
         if request_id in self._open:
             raise HttpError("duplicate_request", f"request {request_id} is already running on this server")
         if request_id in self._abandoned_in_step:
@@ -263,12 +293,17 @@ class SimFront:
         if not self.is_running:
             raise HttpError("not_ready", "the engine's step loop is not running")
         req = OpenRequest(request_id, len(prompt_token_ids), max_tokens, is_health_check)
+        request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens)
         try:
-            self.engine.submit_batch(EngineBatch(batch_id=request_id, requests=[
-                EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens),
-            ]))
+            if self.role == "decode":
+                first_token_id, num_cached = handoff if handoff is not None else (0, 0)
+                self.engine.submit_decode(request, first_token_id, num_cached)
+            else:
+                self.engine.submit_batch(EngineBatch(batch_id=request_id, requests=[request]))
         except ValueError as exc:  # an abandoned request whose failure the engine has yet to report
             raise HttpError("duplicate_request", str(exc)) from None
+        if room is not None and self.role == "prefill":
+            self._room_of[request_id] = room
         self._open[request_id] = req
         if is_health_check:
             self.num_health_generations += 1
@@ -282,12 +317,31 @@ class SimFront:
         req = self._open.pop(request_id, None)
         if req is None:
             return False
+        self._resolve_room(request_id, HttpError("cancelled", f"the prefill of {request_id} was cancelled"))
         self.engine.cancel(request_id)  # False when its failure is still pending: nothing to free
         if self._is_step_in_flight:
             self._abandoned_in_step.add(request_id)
         if not req.is_health_check:
             self.num_cancelled += 1
         return True
+
+    def room(self, room: int) -> asyncio.Future:
+        """The room's future, made by whichever side asks first (the router sends to both
+        servers at once, so the decode server may ask before the prefill server has the request)."""
+        fut = self._rooms.get(room)
+        if fut is None:
+            fut = self._rooms[room] = asyncio.get_running_loop().create_future()
+            if len(self._rooms) > MAX_ROOMS:  # dicts keep insertion order: drop the oldest
+                del self._rooms[next(iter(self._rooms))]
+        return fut
+
+    def _resolve_room(self, request_id: str, value: tuple[int, int] | HttpError) -> None:
+        room = self._room_of.pop(request_id, None)
+        if room is None:
+            return
+        fut = self.room(room)
+        if not fut.done():
+            fut.set_result(value)
 
     # ----------------------------------------------------------------------- step loop
     async def _step_loop(self) -> None:
@@ -337,9 +391,19 @@ class SimFront:
             if delta is not None:
                 delta.finished = f
         for f in step.failed:
+            self._resolve_room(f.request_id, HttpError(f.code, f"prefill failed: {f.message}"))
             delta = delta_of(f.request_id)
             if delta is not None:
                 delta.failed = f
+        for h in step.handoffs:  # prefill role: the prompt is done; the decode server takes over
+            self._resolve_room(h.request_id, (h.first_token_id, h.num_cached_tokens))
+            delta = delta_of(h.request_id)
+            if delta is not None:
+                req = self._open[h.request_id]
+                delta.token_ids.append(h.first_token_id)
+                delta.finished = FinishedOut(request_id=h.request_id, finish_reason="length",
+                                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=1,
+                                             num_cached_tokens=h.num_cached_tokens)
         for request_id, (req, delta) in request_id_to_delta.items():
             if delta.finished is not None or delta.failed is not None:
                 del self._open[request_id]
@@ -361,6 +425,7 @@ class SimFront:
     def _fail_all(self, code: str, message: str) -> None:
         for request_id, req in list(self._open.items()):
             self.engine.cancel(request_id)
+            self._resolve_room(request_id, HttpError(code, message))
             delta = Delta([], failed=FailedOut(request_id=request_id, code=code, message=message))
             if not req.is_health_check:
                 self._count(delta)
@@ -480,6 +545,58 @@ def refuse_unmodelled(body: dict[str, Any]) -> None:
         raise HttpError("invalid_request", "n > 1 is not supported by the simulated engine")
     if bool_field(body, "echo"):
         raise HttpError("invalid_request", "echo is not supported by the simulated engine")
+
+
+def bootstrap_of(body: dict[str, Any]) -> tuple[str, int, int] | None:
+    """SGLang's PD fields (host, port, room), or None when the body has no `bootstrap_room`."""
+    room = body.get("bootstrap_room")
+    if room is None:
+        return None
+    host, port = body.get("bootstrap_host"), body.get("bootstrap_port")
+    if type(room) is not int or not isinstance(host, str) or type(port) is not int:
+        raise HttpError("invalid_request", "bootstrap_room, bootstrap_host and bootstrap_port must be int, str, int")
+    return host, port, room
+
+
+async def fetch_handoff(host: str, port: int, room: int) -> tuple[int, int]:
+    """PD, decode side: long-poll the prefill server's `/_sim/bootstrap` for the room; its
+    error (or an unreachable server) fails this request with the same code."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=10)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise HttpError("dispatch_failed", f"bootstrap server {host}:{port} unreachable: {exc}") from None
+    try:
+        writer.write(f"GET /_sim/bootstrap?room={room} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+                     .encode())
+        data = await asyncio.wait_for(reader.read(), timeout=BOOTSTRAP_WAIT_S + 10)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise HttpError("dispatch_failed", f"bootstrap of room {room} at {host}:{port} failed: {exc}") from None
+    finally:
+        writer.close()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+        if b"transfer-encoding: chunked" in head.lower():
+            payload = _dechunk(payload)
+        obj = _json_decode(payload)
+    except (IndexError, ValueError, msgspec.DecodeError):
+        raise HttpError("dispatch_failed", f"bootstrap of room {room}: unreadable answer {data[:200]!r}") from None
+    if status != 200:
+        err = obj.get("error", {}) if isinstance(obj, dict) else {}
+        raise HttpError(err.get("code", "dispatch_failed"), f"room {room}: {err.get('message', status)}")
+    return int(obj["first_token_id"]), int(obj["num_cached_tokens"])
+
+
+def _dechunk(payload: bytes) -> bytes:
+    out, rest = [], payload
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out.append(rest[:size])
+        rest = rest[size + 2:]
+    return b"".join(out)
 
 
 def request_id_of(scope: Scope, body: dict[str, Any]) -> str | None:
@@ -653,6 +770,7 @@ class SimHttpApp:
             ("GET", "/v1/models"): self.models,
             ("GET", "/get_load"): self.get_load,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/_sim/bootstrap"): self.bootstrap,
         }
         self._paths = {path for _, path in self.routes}
         self._unknown_paths_logged: set[str] = set()
@@ -715,7 +833,7 @@ class SimHttpApp:
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         request_id = request_id_of(scope, body) or self.front.new_request_id()
         fmt = OpenAIFormat(request_id, self.front.model_name, len(prompt), include_usage)
-        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt)
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
 
     async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive))
@@ -732,11 +850,22 @@ class SimHttpApp:
         max_tokens = int_field(params, "max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
         stream = bool_field(body, "stream")
         request_id = request_id_of(scope, body) or self.front.new_request_id()
-        await self._run(receive, send, request_id, prompt, max_tokens, stream, SGLangFormat(request_id, len(prompt)))
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, SGLangFormat(request_id, len(prompt)),
+                        self._bootstrap(body))
+
+    def _bootstrap(self, body: dict[str, Any]) -> tuple[str, int, int] | None:
+        """PD fields matter on a prefill or decode server only; a colocated one ignores them."""
+        return None if self.front.role == "pd_fusion" else bootstrap_of(body)
 
     async def _run(self, receive: Receive, send: Send, request_id: str, prompt: list[int], max_tokens: int,
-                   stream: bool, fmt: OpenAIFormat | SGLangFormat) -> None:
-        req = self.front.submit(request_id, prompt, max_tokens)
+                   stream: bool, fmt: OpenAIFormat | SGLangFormat,
+                   bootstrap: tuple[str, int, int] | None = None) -> None:
+        room = handoff = None
+        if bootstrap is not None and self.front.role == "prefill":
+            room = bootstrap[2]
+        elif bootstrap is not None and self.front.role == "decode":
+            handoff = await fetch_handoff(*bootstrap)
+        req = self.front.submit(request_id, prompt, max_tokens, room=room, handoff=handoff)
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, req))
         headers = [(b"x-request-id", request_id.encode("latin-1", errors="replace"))]
         try:
@@ -814,6 +943,25 @@ class SimHttpApp:
             await send_error(send, delta.failed.code, delta.failed.message)
         else:
             await send_bytes(send, 200, b"")
+
+    async def bootstrap(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """PD: `?room=R` -> `{"first_token_id", "num_cached_tokens"}` once this prefill server
+        has handed the room's request off; the prefill's error if it failed; 504 `timed_out`
+        after `BOOTSTRAP_WAIT_S`. A room is answered once (then forgotten)."""
+        query = dict(pair.split("=", 1) for pair in scope.get("query_string", b"").decode().split("&") if "=" in pair)
+        try:
+            room = int(query["room"])
+        except (KeyError, ValueError):
+            raise HttpError("invalid_request", "room (an integer) is required") from None
+        fut = self.front.room(room)
+        try:
+            value = await asyncio.wait_for(asyncio.shield(fut), timeout=BOOTSTRAP_WAIT_S)
+        except asyncio.TimeoutError:
+            raise HttpError("timed_out", f"room {room}: no hand-off within {BOOTSTRAP_WAIT_S:g} s") from None
+        self.front._rooms.pop(room, None)
+        if isinstance(value, HttpError):
+            raise value
+        await send_json(send, 200, {"first_token_id": value[0], "num_cached_tokens": value[1]})
 
     # ----------------------------------------------------------------------- tokenizer
     async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
