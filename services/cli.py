@@ -38,9 +38,11 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--prefix-index", help="exact (workers' KV events, default) | approximate (learned from decisions)")
     p.add_argument("--prefill-coefficients", help="JSON object: prior of the prefill-time predictor (base_ms, per_token_ms, ...)")
     p.add_argument("--predictor-learning", help="true (default) | false: refine the predictor from measured batches")
-    p.add_argument("--slo-mode", help="best-effort | reject | shed: what to do with requests whose SLO looks unattainable")
+    p.add_argument("--slo-mode", help="reject-explicit (default) | best-effort | reject | shed: what to do with a "
+                                      "request whose TTFT target looks unattainable (services/core/slo.py)")
     p.add_argument("--slo-tpot-guard", type=float,
-                   help="shed: refuse new work while the worker's step time > this x the TPOT target (default 0.9)")
+                   help="shed: refuse new work while the decoding worker's step time > this x the TPOT target "
+                        "(default 0: off)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 32768)")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
     p.add_argument("--log-level", help="debug | info | warning | error")

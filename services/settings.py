@@ -50,8 +50,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_wait_ms: float | None = None  # fixed-window shortcut for batcher_params.wait_ms
     batch_size_max: int | None = None  # fixed-window shortcut for batcher_params.batch_size_max
     prefix_index: str = "exact"  # exact (workers' KV events) | approximate (learned from decisions)
-    slo_mode: str = "best-effort"  # best-effort | reject | shed (services/core/slo.py)
-    slo_tpot_guard: float = 0.9  # shed: refuse while the picked worker's step time > this x the TPOT target
+    slo_mode: str = "reject-explicit"  # reject-explicit | best-effort | reject | shed (services/core/slo.py)
+    slo_tpot_guard: float = 0.0  # shed: refuse while the decoding worker's step time > this x the TPOT target; 0 = off
     predictor_learning: bool = True  # refine prefill-time coefficients from measured batches
     prefill_coefficients: dict[str, Any] = {}  # prior of the predictor (default: Splitwise fit)
     max_prompt_tokens: int = 32768  # larger prompts: too_large
@@ -97,10 +97,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise SettingsError(f"setting batch_size_max must be >= 1, got {self.batch_size_max!r}")
         if self.prefix_index not in ("exact", "approximate"):
             raise SettingsError(f"setting prefix_index must be exact or approximate, got {self.prefix_index!r}")
-        if self.slo_mode not in ("best-effort", "reject", "shed"):
-            raise SettingsError(f"setting slo_mode must be best-effort, reject or shed, got {self.slo_mode!r}")
-        if not self.slo_tpot_guard > 0:
-            raise SettingsError(f"setting slo_tpot_guard must be > 0, got {self.slo_tpot_guard}")
+        if self.slo_mode not in ("reject-explicit", "best-effort", "reject", "shed"):
+            raise SettingsError(f"setting slo_mode must be reject-explicit, best-effort, reject or shed, got {self.slo_mode!r}")
+        if not self.slo_tpot_guard >= 0:
+            raise SettingsError(f"setting slo_tpot_guard must be >= 0 (0: off), got {self.slo_tpot_guard}")
         try:
             self.scheduler_config().validate()
         except ValueError as exc:

@@ -77,8 +77,8 @@ def test_admission_rejects_with_a_code(setup, request_, code):
     assert isinstance(decision, Rejected) and decision.code == code, decision
 
 
-def test_an_unattainable_slo_is_admitted_as_best_effort_by_default():
-    s = make_scheduler()
+def test_an_unattainable_slo_is_admitted_as_best_effort_in_best_effort_mode():
+    s = make_scheduler(slo=SloParams(mode="best-effort"))
     a = s.admit(req("r", n=100, slo_ttft_ms=1.0), 0)
     assert isinstance(a, Admitted) and a.best_effort and a.predicted_ttft_ms > 1.0
     b = s.admit(req("q", n=100), 0)
@@ -384,7 +384,7 @@ def test_shed_refuses_new_work_while_the_workers_steps_exceed_the_tpot_guard():
     s.on_worker_event(status("w0", recent_step_ms=60.0), 0)
     assert isinstance(s.admit(req("fast", slo_tpot_ms=100.0), 0), Admitted)
     # best-effort ignores the step time
-    b = make_scheduler(("w0",))
+    b = make_scheduler(("w0",), slo=SloParams(mode="best-effort"))
     b.on_worker_event(status("w0", recent_step_ms=500.0), 0)
     assert isinstance(b.admit(req("any", slo_tpot_ms=100.0), 0), Admitted)
 
@@ -400,3 +400,31 @@ def test_shed_with_bucket_targets_refuses_load_induced_misses_but_admits_inheren
     behind = s.admit(req("behind", n=100), 10 * MS)
     assert isinstance(behind, Rejected) and behind.code == "slo_unattainable", behind
     assert isinstance(make_scheduler(("w0",), max_prompt_tokens=8000).admit(req("x", n=7000), 0), Admitted)
+
+
+def test_the_default_refuses_only_requests_that_set_an_unattainable_ttft_themselves():
+    s = make_scheduler(("w0",), max_prompt_tokens=8000)
+    assert s.config.slo.mode == "reject-explicit"
+    hopeless = s.admit(req("hopeless", n=100, slo_ttft_ms=1.0), 0)
+    assert isinstance(hopeless, Rejected) and hopeless.code == "slo_unattainable"
+    # bucket targets: admitted best-effort, whether the prompt is inherently slow ...
+    slow = s.admit(req("slow-prompt", n=7000, max_tokens=1, priority=70), 0)
+    assert isinstance(slow, Admitted) and slow.best_effort
+    assert [b.worker_id for b in s.tick(10 * MS).batches] == ["w0"]
+    # ... or queued behind it (shed would refuse this one)
+    behind = s.admit(req("behind", n=100), 10 * MS)
+    assert isinstance(behind, Admitted) and behind.best_effort
+
+
+def test_the_shed_tpot_guard_is_off_by_default_and_reads_the_decoding_worker_in_pd():
+    s = make_scheduler(("w0",), slo=SloParams(mode="shed"))
+    s.on_worker_event(status("w0", recent_step_ms=500.0), 0)
+    assert isinstance(s.admit(req("guard-off", slo_tpot_ms=100.0), 0), Admitted)
+    pd = Scheduler(SchedulerConfig(prefill_policy="round-robin", decode_policy="round-robin",
+                                   slo=SloParams(mode="shed", tpot_guard=0.9)), id_prefix="r-boot")
+    pd.on_worker_event(status("p0", "prefill", recent_step_ms=400.0), 0)  # prefill chunks: nobody decodes there
+    pd.on_worker_event(status("d0", "decode", recent_step_ms=40.0), 0)
+    assert isinstance(pd.admit(req("ok", slo_ttft_ms=60_000, slo_tpot_ms=100.0), 0), Admitted)
+    pd.on_worker_event(status("d0", "decode", recent_step_ms=95.0), 0)
+    refused = pd.admit(req("refused", slo_ttft_ms=60_000, slo_tpot_ms=100.0), 0)
+    assert isinstance(refused, Rejected) and "d0" in refused.message and "TPOT" in refused.message

@@ -708,17 +708,22 @@ class Scheduler:
         predicted_ttft = chosen.ttft_ms
         best_effort = best_ttft > slo_ttft
         mode = cfg.slo.mode
-        if best_effort and (mode == "reject" or (mode == "shed" and (
-                req.slo_ttft_ms is not None or min(c.prefill_ms for c in cands) <= slo_ttft))):
+        if best_effort and (mode == "reject" or (mode == "reject-explicit" and req.slo_ttft_ms is not None) or (
+                mode == "shed" and (req.slo_ttft_ms is not None or min(c.prefill_ms for c in cands) <= slo_ttft))):
             return Rejected(
                 "slo_unattainable",
                 f"best predicted TTFT {best_ttft:.0f} ms exceeds the SLO of {slo_ttft:.0f} ms",
                 decisions, predicted_ttft_ms=best_ttft, slo_ttft_ms=slo_ttft,
             )
-        if mode == "shed" and chosen.worker.recent_step_ms > slo_tpot * cfg.slo.tpot_guard:
+        # The TPOT guard looks at the worker that will decode it: in a disaggregated fleet the
+        # prefill worker's steps are prefill chunks, which no running decode waits on.
+        decoder = chosen.worker
+        if decisions[0].stage == "decode":
+            decoder = self.view.workers.get(decisions[0].pick.worker_id, decoder)
+        if mode == "shed" and cfg.slo.tpot_guard > 0 and decoder.recent_step_ms > slo_tpot * cfg.slo.tpot_guard:
             return Rejected(
                 "slo_unattainable",
-                f"worker {picked} steps take {chosen.worker.recent_step_ms:.0f} ms, above {cfg.slo.tpot_guard:g} x "
+                f"worker {decoder.worker_id} steps take {decoder.recent_step_ms:.0f} ms, above {cfg.slo.tpot_guard:g} x "
                 f"the TPOT SLO of {slo_tpot:.0f} ms",
                 decisions, predicted_ttft_ms=best_ttft, slo_ttft_ms=slo_ttft,
             )

@@ -8,23 +8,34 @@ decode steps of the default simulated engine), times the same multiplier. A requ
 override either target (body fields `slo_ttft_ms` / `slo_tpot_ms`, or the headers
 `X-Flexlb-Slo-Ttft-Ms` / `X-Flexlb-Slo-Tpot-Ms`) and set its priority.
 
-Admission mode: `best-effort` (default) admits a request whose best predicted TTFT exceeds
-its SLO and marks it best-effort; `reject` refuses it with `slo_unattainable`; `shed`
-refuses it when the request set its TTFT target itself, or when the miss comes from load
-(its prefill alone would fit the bucket's target): a target from the buckets that the
-prompt's own prefill exceeds says the bucket is wrong for it, not that the fleet is busy,
-so it is admitted best-effort. `shed` also refuses any
-request while the picked worker's recent step time (`recent_step_ms` of its status: the
-time per output token its running requests get now) exceeds `tpot_guard` (0.9) × the
-request's TPOT target: a new prompt there would miss its own TPOT and stretch everyone
-else's. Rejections count as misses for the client, but under overload they keep the
-admitted requests inside their targets instead of letting every request miss. (We tried
-admitting an unattainable request when some worker is idle: on Mooncake rows 0-799 at the
-trace's rate it cost 3 points of attainment, 0.599 vs 0.627, and gained nothing at a
-quarter of the rate: a long prompt on an idle worker still stalls the requests that follow.) The default
-is best-effort because the bucket SLOs are below the idle prefill time of long prompts on
-the default engine profile (a 16k-token prompt needs about 2 s on Llama2-70B/H100), so
-`reject` would refuse them on an idle cluster; operators with real targets turn it on.
+Admission mode (what to do with a request whose best predicted TTFT exceeds its target):
+- `reject-explicit` (default): refuse it with `slo_unattainable` when the request set its TTFT
+  target itself (body `slo_ttft_ms` or the header); a target from the buckets is admitted
+  best-effort (marked so). A client that states a deadline gets a fast, retryable "no"
+  instead of an answer that is late anyway, and the fleet's time goes to requests that can
+  still make it. Chosen on goodput (README "Defaults, and the numbers that chose them"): on
+  Mooncake rows 0-299, 4 engines, SLO 2 s / 100 ms in the body, bench/tune.py gives 0.633
+  attainment at 0.6x the trace's rate against 0.023 with best-effort (about 37 % of those
+  prompts cannot meet 2 s even alone; admitted, they stall everything behind them), and
+  the same attainment as best-effort on Azure conv and code, where TTFT is rarely the miss.
+- `best-effort`: admit it and mark it best-effort (what FlexLB did before).
+- `reject`: refuse it, whatever set the target. The bucket targets are below the idle
+  prefill time of long prompts on the default engine profile (a 16k-token prompt needs about
+  2 s on Llama2-70B/H100), so `reject` refuses those even on an idle cluster.
+- `shed`: as `reject-explicit`, and a bucket target too when the miss comes from load (its
+  prefill alone would fit the bucket's target: a target that the prompt's own prefill
+  exceeds says the bucket is wrong for it, not that the fleet is busy). With `tpot_guard`
+  > 0 it also refuses any request while the worker that would decode it has a recent step
+  time (`recent_step_ms` of its status: the engine's own step time, i.e. the time per output
+  token its running requests get now) above `tpot_guard` × the request's TPOT target. The
+  guard is off by default (0): on Azure conv at 3.5x it cost 6 points of attainment (0.845
+  vs 0.906), because a 3 s mean of step times is a poor forecast of the TPOT a new request
+  will see over its life, and each refusal is a miss. (We also tried admitting an
+  unattainable request when some worker is idle: on Mooncake rows 0-799 at the trace's rate
+  it cost 3 points, 0.599 vs 0.627: a long prompt on an idle worker still stalls the
+  requests that follow.)
+Rejections count as misses for the client; under overload they keep the admitted requests
+inside their targets instead of letting every request miss.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from __future__ import annotations
 import msgspec
 
 
-SLO_MODES = ("best-effort", "reject", "shed")
+SLO_MODES = ("reject-explicit", "best-effort", "reject", "shed")
 
 
 class SloParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,16 +52,16 @@ class SloParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     tpot_ms: float = 100.0
     priority_points: tuple[tuple[int, float], ...] = ((30, 2.0), (40, 1.5), (50, 1.0), (60, 0.75), (70, 0.5))
     default_priority: int = 50
-    mode: str = "best-effort"  # "best-effort" | "reject" | "shed"
-    # shed: refuse new work while the picked worker's recent step time (the TPOT its running
-    # requests get) is above this fraction of the request's TPOT target
-    tpot_guard: float = 0.9
+    mode: str = "reject-explicit"  # "reject-explicit" | "best-effort" | "reject" | "shed"
+    # shed: refuse new work while the decoding worker's recent step time (the TPOT its running
+    # requests get) is above this fraction of the request's TPOT target; 0 = off
+    tpot_guard: float = 0.0
 
     def validate(self) -> "SloParams":
         if self.mode not in SLO_MODES:
             raise ValueError(f"slo mode must be one of {', '.join(SLO_MODES)}, got {self.mode!r}")
-        if not 0 < self.tpot_guard:
-            raise ValueError(f"slo tpot_guard must be > 0, got {self.tpot_guard}")
+        if not 0 <= self.tpot_guard:
+            raise ValueError(f"slo tpot_guard must be >= 0 (0: off), got {self.tpot_guard}")
         bounds = [b for b, _ in self.ttft_buckets]
         if bounds != sorted(bounds) or any(ms <= 0 for _, ms in self.ttft_buckets) or self.ttft_beyond_ms <= 0:
             raise ValueError("slo ttft_buckets must be ascending with positive targets")
