@@ -212,7 +212,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
         e, sp = engines[w], spec_of[w]
         s.on_worker_event(m.WorkerStatusReported(
             worker_id=w, role=sp.role, boot_id="whatif", block_size_tokens=sp.block_size_tokens,
-            num_kv_blocks=sp.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks, max_batch_tokens=sp.max_batch_tokens,
+            num_kv_blocks=sp.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks,
+            num_cached_kv_blocks=e.num_cached_kv_blocks, max_batch_tokens=sp.max_batch_tokens,
             max_seq_len_tokens=sp.max_seq_len_tokens, num_running_requests=e.num_running_requests,
             num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(), time_scale=scale,
             recent_step_ms=recent_step_ms(w, t)), t)
@@ -319,7 +320,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 if item_decode is not None and item_decode in engines:
                     engines[item_decode].submit_decode(EngineRequest(
                         request_id=h.request_id, prompt_token_ids=[0] * requests[h.request_id].num_prompt_tokens,
-                        max_tokens=requests[h.request_id].max_tokens), h.first_token_id, h.num_cached_tokens)
+                        max_tokens=requests[h.request_id].max_tokens,
+                        block_hashes=list(requests[h.request_id].block_hashes)), h.first_token_id, h.num_cached_tokens)
                     if not busy[item_decode]:
                         start_step(item_decode, t)
             start_step(w, t)

@@ -428,3 +428,19 @@ def test_the_shed_tpot_guard_is_off_by_default_and_reads_the_decoding_worker_in_
     pd.on_worker_event(status("d0", "decode", recent_step_ms=95.0), 0)
     refused = pd.admit(req("refused", slo_ttft_ms=60_000, slo_tpot_ms=100.0), 0)
     assert isinstance(refused, Rejected) and "d0" in refused.message and "TPOT" in refused.message
+
+
+def test_kv_held_only_by_the_prefix_cache_counts_as_available_for_decode_placement():
+    # A decode worker whose free blocks ran out but whose blocks are almost all evictable
+    # cache (finished requests' prompts) takes new work: the engine evicts on demand.
+    pd = Scheduler(SchedulerConfig(prefill_policy="round-robin"), id_prefix="r-boot")  # decode: kv-aware (default)
+    pd.on_worker_event(status("p0", "prefill"), 0)
+    pd.on_worker_event(status("d0", "decode", num_free_kv_blocks=100, num_cached_kv_blocks=9_800), 0)
+    a = pd.admit(req("r", n=160, slo_ttft_ms=60_000), 0)
+    assert isinstance(a, Admitted) and a.request.decode_worker_id == "d0"
+    # without the cache those 9,800 blocks are used: 98 % > max_kv_usage 0.9, so gated
+    full = Scheduler(SchedulerConfig(prefill_policy="round-robin"), id_prefix="r-boot")  # decode: kv-aware (default)
+    full.on_worker_event(status("p0", "prefill"), 0)
+    full.on_worker_event(status("d0", "decode", num_free_kv_blocks=100), 0)
+    refused = full.admit(req("r", n=160, slo_ttft_ms=60_000), 0)
+    assert isinstance(refused, Rejected) and refused.code == "no_worker", refused

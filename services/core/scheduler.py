@@ -515,7 +515,7 @@ class Scheduler:
         hard, _ = self.ledger.hidden_kv(worker_id)
         # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded
         # (_prefill_candidates inlines the same rule).
-        free_kv = (info.num_free_kv_blocks * bs - hard) if info and info.num_kv_blocks else 1 << 40
+        free_kv = (info.num_allocatable_kv_blocks * bs - hard) if info and info.num_kv_blocks else 1 << 40
         return WorkerLoad(
             max_batch_tokens=info.max_batch_tokens if info else 0,
             free_kv_tokens=max(0, free_kv),
@@ -592,7 +592,7 @@ class Scheduler:
             else:
                 wait = 0.0
             total = w.num_kv_blocks * bs
-            free = w.num_free_kv_blocks * bs
+            free = w.num_allocatable_kv_blocks * bs
             hard = inf.hidden_hard_kv_tokens
             # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded.
             free_kv = (free - hard if free > hard else 0) if w.num_kv_blocks else 1 << 40
@@ -628,7 +628,7 @@ class Scheduler:
     def _kv(self, w: WorkerInfo) -> dict[str, int]:
         hard, expected = self.ledger.hidden_kv(w.worker_id)
         total = w.num_kv_blocks * w.block_size_tokens
-        free = w.num_free_kv_blocks * w.block_size_tokens
+        free = w.num_allocatable_kv_blocks * w.block_size_tokens
         return {"kv_total_tokens": total, "kv_used_tokens": total - free + expected, "kv_available_tokens": free - hard}
 
     def _decode_candidates(self, workers: list[WorkerInfo]) -> list[Candidate]:

@@ -53,6 +53,7 @@ class WorkerInfo:
     block_size_tokens: int = 16
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
+    num_cached_kv_blocks: int = 0  # evictable: held only by the prefix cache, reclaimed on demand
     max_batch_tokens: int = 0
     max_seq_len_tokens: int = 0
     num_running_requests: int = 0
@@ -65,6 +66,13 @@ class WorkerInfo:
     num_missed_syncs: int = 0  # consecutive sync cycles without a report (never reset by a cycle)
     heard_since_sync: bool = False
     draining: bool = False  # an operator drain flag (admin API, kept in Redis): no new work
+
+    @property
+    def num_allocatable_kv_blocks(self) -> int:
+        """Blocks a new request can get: free ones plus those only the prefix cache holds
+        (the engine evicts them on demand, as vLLM does; its usage gauge counts them free).
+        Counting them as used made a decode worker look full once its cache had filled."""
+        return self.num_free_kv_blocks + self.num_cached_kv_blocks
 
     def is_live(self, now_ns: int = 0, timeout_ns: int = 0) -> bool:
         """Eligible for new work: heard recently enough, reports ready, not drained."""
@@ -129,6 +137,7 @@ class WorkerView:
             info.state = event.state
             info.num_kv_blocks = event.num_kv_blocks
             info.num_free_kv_blocks = event.num_free_kv_blocks
+            info.num_cached_kv_blocks = event.num_cached_kv_blocks
             info.num_running_requests = event.num_running_requests
             info.num_queued_batches = event.num_queued_batches
             info.recent_step_ms = event.recent_step_ms
