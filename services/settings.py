@@ -26,6 +26,12 @@ ENV_PREFIX = "FLEXLB_"
 # 5.3 s with 300 ms, hit rate 0.063 vs 0.051; at these arrival rates a window rarely finds a
 # second request for the same worker, so a long one only adds latency. Set --batch-wait-ms
 # (or batcher_params.wait_ms) higher for bursty short-prompt traffic, where batching pays.
+# Checked again on goodput (bench/PEERS.md: the highest load with >= 90 % of requests within
+# TTFT 2 s / TPOT 100 ms, 4 engines, beside sglang-router and vllm-router): cost-based +
+# fixed-window 10 ms + reject-explicit reaches 5.79 req/s on Azure code (slo-budget 5.82,
+# round-robin < 4.94) and holds 0.60 attainment to 0.6x Mooncake (best-effort 0.57 at 0.3x),
+# but 21.5 req/s on Azure conv, where slo-budget gives 22.5 and round-robin 22.7 (decode-heavy
+# traffic: the README's defaults section says how to pick).
 SHIPPED_FIXED_WINDOW_WAIT_MS = 10.0
 
 
