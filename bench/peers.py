@@ -1176,12 +1176,7 @@ def search_runs(run_at: Callable[[float], dict[str, Any]], args: argparse.Namesp
 
 
 # --------------------------------------------------------------------------- report
-def fmt(x: Any, nd: int = 0) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:,.{nd}f}"
-    return str(x)
+fmt = bt.fmt  # "-" for None, thousands separators for floats
 
 
 def headline_text(h: dict[str, Any]) -> str:

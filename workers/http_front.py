@@ -335,6 +335,10 @@ class SimFront:
                 del self._rooms[next(iter(self._rooms))]
         return fut
 
+    def forget_room(self, room: int) -> None:
+        """A room is answered once: the decode server has its hand-off."""
+        self._rooms.pop(room, None)
+
     def _resolve_room(self, request_id: str, value: tuple[int, int] | HttpError) -> None:
         room = self._room_of.pop(request_id, None)
         if room is None:
@@ -958,7 +962,7 @@ class SimHttpApp:
             value = await asyncio.wait_for(asyncio.shield(fut), timeout=BOOTSTRAP_WAIT_S)
         except asyncio.TimeoutError:
             raise HttpError("timed_out", f"room {room}: no hand-off within {BOOTSTRAP_WAIT_S:g} s") from None
-        self.front._rooms.pop(room, None)
+        self.front.forget_room(room)
         if isinstance(value, HttpError):
             raise value
         await send_json(send, 200, {"first_token_id": value[0], "num_cached_tokens": value[1]})

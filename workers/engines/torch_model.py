@@ -218,6 +218,17 @@ _LAYER_NAMES = {
 }
 
 
+def hf_parameters(model: LlamaModel) -> dict[str, nn.Parameter]:
+    """Every parameter under its Hugging Face Llama name."""
+    out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+           "lm_head.weight": model.lm_head.weight}
+    for i, layer in enumerate(model.layers):
+        params = dict(layer.named_parameters())
+        for hf_name, name in _LAYER_NAMES.items():
+            out[f"model.layers.{i}.{hf_name}"] = params[name]
+    return out
+
+
 def hf_config(cfg: LlamaConfig) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -236,12 +247,7 @@ def save_hf_dir(model: LlamaModel, path: str | pathlib.Path) -> None:
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config(model.cfg), indent=1))
-    out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-           "lm_head.weight": model.lm_head.weight}
-    for i, layer in enumerate(model.layers):
-        params = dict(layer.named_parameters())
-        for hf_name, ours in _LAYER_NAMES.items():
-            out[f"model.layers.{i}.{hf_name}"] = params[ours]
+    out = hf_parameters(model)
     save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path / "model.safetensors"))
 
 
@@ -275,12 +281,7 @@ def load_hf_dir(path: str | pathlib.Path, device: str = "cpu", dtype: str | None
     if raw.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     model = LlamaModel(cfg)
-    ours = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-            "lm_head.weight": model.lm_head.weight}
-    for i, layer in enumerate(model.layers):
-        params = dict(layer.named_parameters())
-        for hf_name, name in _LAYER_NAMES.items():
-            ours[f"model.layers.{i}.{hf_name}"] = params[name]
+    ours = hf_parameters(model)
     missing = sorted(set(ours) - set(tensors))
     unexpected = sorted(k for k in set(tensors) - set(ours) if not k.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
