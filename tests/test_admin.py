@@ -75,12 +75,16 @@ async def test_remove_refuses_a_busy_worker_unless_forced(flexlb_up):
     assert code == 1 and body["error"]["code"] == "conflict", body
     assert "w0" in workers(url)  # nothing changed
     code, body = await asyncio.to_thread(cli, "remove", "w0", "--force", "--url", url)
-    assert code == 0 and body["removed"] and body["num_requests_moved"] > 0, body
+    moved = body.get("num_requests_moved", 0)
+    assert code == 0 and body["removed"] and moved > 0, body
     results = await load
     for res in results:  # every stream ends: finished, or failed with a retryable code
         assert res["done"], res
         assert all(e["code"] == "worker_failed" and e["retryable"] for e in res["errors"]), res
-    assert sum(not r["errors"] for r in results) > len(results) // 2
+    # Only what w0 held can fail (started there); everything else, w1's share and w0's
+    # re-routed queue, finishes. Fewest-pending spreads the 80 evenly, so w0 may hold 40.
+    failed = sum(bool(r["errors"]) for r in results)
+    assert failed <= moved < len(results), (failed, moved)
     code, body = await asyncio.to_thread(cli, "remove", "no-such-worker", "--url", url)
     assert code == 1 and body["error"]["code"] == "not_found"
 
