@@ -79,13 +79,15 @@ class PagedKvCache:
 
     def check_invariants(self) -> None:
         assert self.num_free_blocks + self.num_used_blocks + self.num_evictable_blocks == self.num_blocks
-        owned = [b for s in self._seqs.values() for b in s.table[s.num_shared:]]
-        shared = [b for s in self._seqs.values() for b in s.table[:s.num_shared]]
-        assert len(owned) == len(set(owned)), "a private block owned twice"
-        assert not set(owned) & set(self._free) and not set(owned) & set(self._evictable)
-        for b in set(shared):
-            assert self._refcount.get(b, 0) == shared.count(b) and b not in self._evictable
-        assert all(self._refcount.get(b, 0) == 0 for b in self._evictable)
+        in_tables = [b for s in self._seqs.values() for b in s.table]
+        private = [b for b in in_tables if b not in self._block_to_hash]
+        assert len(private) == len(set(private)), "a private block owned twice"
+        assert not set(private) & set(self._free) and not set(private) & set(self._evictable)
+        for b in self._block_to_hash:  # a cached block: pinned by every sequence whose table has it
+            users = in_tables.count(b)
+            assert self._refcount.get(b, 0) == users, f"block {b}: refcount {self._refcount.get(b, 0)}, {users} users"
+            assert (b in self._evictable) == (users == 0), f"block {b}: evictable is not 'no users'"
+        assert len(self._hash_to_block) == len(self._block_to_hash)
 
     # ------------------------------------------------------------------ blocks
     def _take_block(self) -> int:
@@ -108,13 +110,33 @@ class PagedKvCache:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free) + len(self._evictable)
 
-    def allocate(self, seq_id: str, prompt_hashes: list[int]) -> int:
-        """Start a sequence: pin the longest cached prefix of its full prompt blocks; return
-        the number of cached tokens (a multiple of the block size)."""
+    def num_cached_prefix_blocks(self, prompt_hashes: list[int]) -> int:
+        """How many leading blocks of a prompt are in the cache now."""
+        n = 0
+        for h in prompt_hashes:
+            if h not in self._hash_to_block:
+                break
+            n += 1
+        return n
+
+    def can_start(self, prompt_hashes: list[int], num_hit_blocks: int, num_tokens: int) -> bool:
+        """Would `allocate(.., max_hit_blocks=num_hit_blocks)` then `extend` to `num_tokens`
+        tokens succeed? (Pinning an evictable hit takes it out of what can be evicted.)"""
+        hits = [self._hash_to_block[h] for h in prompt_hashes[:num_hit_blocks]]
+        need = max(0, -(-num_tokens // self.block_size) - len(hits))
+        return need <= len(self._free) + len(self._evictable) - sum(1 for b in hits if b in self._evictable)
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._hash_to_block)
+
+    def allocate(self, seq_id: str, prompt_hashes: list[int], max_hit_blocks: int | None = None) -> int:
+        """Start a sequence: pin the longest cached prefix of its full prompt blocks (at most
+        `max_hit_blocks`); return the number of cached tokens (a multiple of the block size)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has KV")
         s = self._seqs[seq_id] = _Seq(hashes=list(prompt_hashes))
-        for h in prompt_hashes:
+        limit = len(prompt_hashes) if max_hit_blocks is None else max_hit_blocks
+        for h in prompt_hashes[:limit]:
             block = self._hash_to_block.get(h)
             if block is None:
                 break
@@ -161,8 +183,10 @@ class PagedKvCache:
             self._events.append(("stored", stored))
 
     def free(self, seq_id: str) -> None:
+        """Its private blocks become free; its cached ones, unpinned, evictable tail block
+        first (so a prompt's tail is evicted before its head, as in the sim engine)."""
         s = self._seqs.pop(seq_id)
-        for block in s.table:
+        for block in reversed(s.table):
             if block in self._block_to_hash:  # cached (shared, or published by this sequence)
                 self._refcount[block] -= 1
                 if self._refcount[block] == 0:
@@ -183,6 +207,25 @@ class PagedKvCache:
     def take_events(self) -> list[tuple[str, list[int]]]:
         out, self._events = self._events, []
         return out
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def export(self, seq_id: str, num_tokens: int) -> torch.Tensor:
+        """The K/V of a sequence's first `num_tokens` tokens, [2, layers, tokens, kv_heads,
+        head_dim], a copy (the PD hand-off ships it)."""
+        table = torch.tensor(self._seqs[seq_id].table, dtype=torch.long, device=self.k.device)
+        k = self.k[:, table].reshape(self.k.shape[0], -1, *self.k.shape[3:])[:, :num_tokens]
+        v = self.v[:, table].reshape(self.v.shape[0], -1, *self.v.shape[3:])[:, :num_tokens]
+        return torch.stack((k, v)).contiguous()
+
+    def write_slots(self, slots: list[int], kv: torch.Tensor) -> None:
+        """Store K/V given as [2, layers, len(slots), kv_heads, head_dim] into these slots."""
+        flat = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        kv = kv.to(device=self.k.device, dtype=self.k.dtype)
+        for layer in range(self.k.shape[0]):
+            self.k[layer].view(-1, *self.k.shape[3:])[flat] = kv[0, layer]
+            self.v[layer].view(-1, *self.v.shape[3:])[flat] = kv[1, layer]
 
     def table(self, seq_id: str) -> list[int]:
         return list(self._seqs[seq_id].table)

@@ -176,6 +176,12 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The prompt's chained block hashes when the caller already has them (what-if runs from a
     # journal, which records hashes, not tokens); None: computed from the token ids.
     block_hashes: list[int] | None = None
+    # Sampling (the torch engine; the sim's output does not depend on them): temperature 0 is
+    # greedy; seed None: derived from the request id (the same request, the same output).
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
 
 
 class EngineBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,7 +197,7 @@ class TokenOut(msgspec.Struct, frozen=True, kw_only=True):
 
 class FinishedOut(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
-    finish_reason: str  # always "length"
+    finish_reason: str  # "length"; the torch engine: "stop" on the model's end token
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # decode role: as given to submit_decode
@@ -204,6 +210,9 @@ class HandoffOut(msgspec.Struct, frozen=True, kw_only=True):
     batch_id: str
     first_token_id: int
     num_cached_tokens: int
+    # The torch engine: the prompt's K/V, a [2, layers, tokens, kv_heads, head_dim] tensor,
+    # for the decode worker (workers/engines/torch_engine.py). The sim engine: None.
+    kv: object = None
 
 
 class FailedOut(msgspec.Struct, frozen=True, kw_only=True):
@@ -257,6 +266,7 @@ class _Sequence:
     num_cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     num_computed_tokens: int = 0  # tokens whose KV exists (prompt first, then outputs)
     num_output_tokens: int = 0  # tokens generated so far (all emitted)
+    output_token_ids: list[int] = field(default_factory=list)  # those tokens (a recompute feeds them back)
     pinned_block_hashes: list[int] = field(default_factory=list)  # cache blocks it references
     num_registered_blocks: int = 0  # prompt blocks [0, this) already looked at for the cache
     num_private_blocks: int = 0  # blocks it holds outside the cache
@@ -475,7 +485,7 @@ class SimEngine:
                 is_handoff = seq.is_prefilled and seq.num_output_tokens == 0  # role decode, KV arriving
                 if is_handoff:
                     num_hit_blocks = min(self._num_hit_blocks(seq, cap=False), seq.num_prompt_tokens // self.block_size_tokens)
-                    num_left = 0 if seq.request.max_tokens == 1 else 1  # its decode of index 1
+                    num_left = 0 if self._finish_reason(seq, seq.first_token_id, 1) else 1  # its decode of index 1
                 else:
                     num_hit_blocks = self._num_hit_blocks(seq)
                     num_left = seq.num_tokens - num_hit_blocks * self.block_size_tokens
@@ -493,6 +503,7 @@ class SimEngine:
                 self._running.append(seq)
                 if is_handoff:
                     seq.num_output_tokens = 1  # index 0 (the hand-off's token) is emitted this step
+                    seq.output_token_ids = [seq.first_token_id]
                     admitted_handoffs.append(seq)
                 if num_new:
                     scheduled.append((seq, num_new))
@@ -501,37 +512,36 @@ class SimEngine:
 
     def _execute(self, scheduled: list[tuple[_Sequence, int]], num_preempted: int, admitted_handoffs: list[_Sequence],
                  failed: list[FailedOut], batches_done: list[BatchPrefilled]) -> StepResult:
-        p = self.profile
         tokens: list[TokenOut] = []
         finished: list[FinishedOut] = []
         handoffs: list[HandoffOut] = []
         batches_started: list[str] = []
-        chunk_ms: list[tuple[str | None, int, float]] = []  # (batch, k, own linear + quadratic ms)
-        num_prefill_tokens = num_decoding = num_context_tokens = 0
+        work: list[tuple[_Sequence, int, int, bool]] = []  # (sequence, tokens computed before, now, is a decode)
+        num_prefill_tokens = num_decoding = 0
         for seq in admitted_handoffs:  # role decode: the first token came with the hand-off
             tokens.append(TokenOut(request_id=seq.request.request_id, index=0, token_id=seq.first_token_id))
             self._register_prompt_blocks(seq)
-            if seq.request.max_tokens == 1:
-                finished.append(self._finish(seq))
+            reason = self._finish_reason(seq, seq.first_token_id, 1)
+            if reason:
+                finished.append(self._finish(seq, reason))
         for seq, k in scheduled:
             c = seq.num_computed_tokens
             is_decode = seq.num_output_tokens > 0 and c == seq.num_tokens - 1
             if is_decode:
                 num_decoding += 1
-                num_context_tokens += c + 1
             else:
                 num_prefill_tokens += k
-                chunk_ms.append((seq.batch_id if not seq.is_prefilled else None, k,
-                                 p.prefill_per_token_ms * k + p.prefill_per_token_sq_ms * ((c + k) ** 2 - c * c)))
                 progress = self._batches.get(seq.batch_id) if seq.batch_id and not seq.is_prefilled else None
                 if progress is not None and not progress.started:
                     progress.started = True
                     batches_started.append(progress.batch_id)
+            work.append((seq, c, k, is_decode))
             seq.num_computed_tokens = c + k
             self._register_prompt_blocks(seq)
-        for seq, _ in scheduled:
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a chunk of a longer prompt (or recompute): no token yet
+        # Every sequence whose computed tokens reach all its known ones samples one token.
+        sampling = [seq for seq, _ in scheduled if seq.num_computed_tokens >= seq.num_tokens]
+        token_ids, duration_ms, prefill_ms_by_batch = self._compute(work, sampling)
+        for seq, token_id in zip(sampling, token_ids):
             rid = seq.request.request_id
             index = seq.num_output_tokens
             if not seq.is_prefilled:  # its prompt's last chunk: the first token
@@ -539,16 +549,43 @@ class SimEngine:
                 seq.is_prefilled = True
                 if self.role == "prefill":
                     seq.num_output_tokens = 1
-                    handoffs.append(HandoffOut(request_id=rid, batch_id=seq.batch_id or "", first_token_id=sim_token_id(rid, 0),
-                                               num_cached_tokens=seq.num_cached_tokens))
+                    seq.output_token_ids = [token_id]
+                    handoffs.append(self._handoff(seq, token_id))
                     self._running.remove(seq)
                     del self._request_id_to_seq[rid]
                     self._release(seq)
                     continue
-            tokens.append(TokenOut(request_id=rid, index=index, token_id=sim_token_id(rid, index)))
+            tokens.append(TokenOut(request_id=rid, index=index, token_id=token_id))
             seq.num_output_tokens = index + 1
-            if seq.num_output_tokens == seq.request.max_tokens:
-                finished.append(self._finish(seq))
+            seq.output_token_ids.append(token_id)
+            reason = self._finish_reason(seq, token_id, index + 1)
+            if reason:
+                finished.append(self._finish(seq, reason))
+        kind: StepKind = "prefill" if num_prefill_tokens else "decode"
+        return StepResult(
+            kind=kind, duration_ms=duration_ms, batches_started=batches_started, batches_prefilled=batches_done,
+            prefill_ms_by_batch=prefill_ms_by_batch, num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decoding, num_preemptions=num_preempted,
+            tokens=tokens, finished=finished, handoffs=handoffs, failed=failed,
+            blocks_stored=list(self._step_stored), blocks_removed=list(self._step_removed),
+        )
+
+    # ----------------------------------------------------------------------- the compute (the torch engine overrides)
+    def _compute(self, work: list[tuple[_Sequence, int, int, bool]],
+                 sampling: list[_Sequence]) -> tuple[list[int], float, dict[str, float]]:
+        """Run the step: (the token each `sampling` sequence produces, the step's ms, each
+        batch's share of them). Here: `sim_token_id` and the timing profile (module docstring)."""
+        p = self.profile
+        chunk_ms: list[tuple[str | None, int, float]] = []  # (batch, k, own linear + quadratic ms)
+        num_prefill_tokens = num_decoding = num_context_tokens = 0
+        for seq, c, k, is_decode in work:
+            if is_decode:
+                num_decoding += 1
+                num_context_tokens += c + 1
+            else:
+                num_prefill_tokens += k
+                chunk_ms.append((seq.batch_id if not seq.is_prefilled else None, k,
+                                 p.prefill_per_token_ms * k + p.prefill_per_token_sq_ms * ((c + k) ** 2 - c * c)))
         duration_ms = 0.0
         prefill_ms_by_batch: dict[str, float] = {}
         if num_prefill_tokens:
@@ -562,22 +599,26 @@ class SimEngine:
             duration_ms += p.decode_base_ms
         if num_decoding:
             duration_ms += p.decode_per_seq_ms * num_decoding + p.decode_per_context_token_ms * num_context_tokens
-        kind: StepKind = "prefill" if num_prefill_tokens else "decode"
-        return StepResult(
-            kind=kind, duration_ms=duration_ms, batches_started=batches_started, batches_prefilled=batches_done,
-            prefill_ms_by_batch=prefill_ms_by_batch, num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=num_decoding, num_preemptions=num_preempted,
-            tokens=tokens, finished=finished, handoffs=handoffs, failed=failed,
-            blocks_stored=list(self._step_stored), blocks_removed=list(self._step_removed),
-        )
+        token_ids = [sim_token_id(seq.request.request_id, seq.num_output_tokens) for seq in sampling]
+        return token_ids, duration_ms, prefill_ms_by_batch
 
-    def _finish(self, seq: _Sequence) -> FinishedOut:
+    def _finish_reason(self, seq: _Sequence, token_id: int, num_output_tokens: int) -> str | None:
+        """After emitting `token_id` as output number `num_output_tokens` (from 1): why it
+        ends, or None. The sim generates exactly max_tokens."""
+        return "length" if num_output_tokens >= seq.request.max_tokens else None
+
+    def _handoff(self, seq: _Sequence, first_token_id: int) -> HandoffOut:
+        """Role prefill, before the sequence's blocks are released."""
+        return HandoffOut(request_id=seq.request.request_id, batch_id=seq.batch_id or "", first_token_id=first_token_id,
+                          num_cached_tokens=seq.num_cached_tokens)
+
+    def _finish(self, seq: _Sequence, reason: str) -> FinishedOut:
         self._running.remove(seq)
         del self._request_id_to_seq[seq.request.request_id]
         self._release(seq)
         return FinishedOut(
             request_id=seq.request.request_id,
-            finish_reason="length",
+            finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=max(0, seq.num_cached_tokens),

@@ -42,6 +42,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     dtype: str = "float32"
+    eos_token_id: int | None = None  # the end token, if the model has one (the presets do not)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -238,6 +239,7 @@ def hf_config(cfg: LlamaConfig) -> dict:
         "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "attention_bias": False,
         "mlp_bias": False, "head_dim": cfg.head_dim, "torch_dtype": cfg.dtype,
+        **({"eos_token_id": cfg.eos_token_id} if cfg.eos_token_id is not None else {}),
     }
 
 
@@ -249,6 +251,13 @@ def save_hf_dir(model: LlamaModel, path: str | pathlib.Path) -> None:
     (path / "config.json").write_text(json.dumps(hf_config(model.cfg), indent=1))
     out = hf_parameters(model)
     save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path / "model.safetensors"))
+
+
+def _first_eos(value: object) -> int | None:
+    """config.json's eos_token_id: an int, a list (several end tokens: the first is used), or absent."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
 
 
 def load_hf_dir(path: str | pathlib.Path, device: str = "cpu", dtype: str | None = None) -> LlamaModel:
@@ -271,6 +280,7 @@ def load_hf_dir(path: str | pathlib.Path, device: str = "cpu", dtype: str | None
         intermediate_size=raw["intermediate_size"], vocab_size=raw["vocab_size"],
         max_positions=raw.get("max_position_embeddings", 2048), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=raw.get("rope_theta", 10000.0), dtype=dtype or "float32",
+        eos_token_id=_first_eos(raw.get("eos_token_id")),
     )
     tensors: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
