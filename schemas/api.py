@@ -8,8 +8,10 @@ import msgspec
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
-    """`POST /v1/completions`. Unknown OpenAI fields (temperature, top_p, ...) are accepted
-    and ignored by the simulated engine."""
+    """`POST /v1/completions`. Unknown OpenAI fields (stop, logprobs, ...) are accepted and
+    ignored. Sampling (temperature, top_p, seed, ignore_eos) reaches the engine; the sim
+    engine's output does not depend on it. Absent temperature is greedy (0), not OpenAI's 1:
+    the same request gives the same tokens unless asked otherwise."""
 
     prompt: Union[str, list[int]]
     model: str | None = None
@@ -21,6 +23,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     slo_ttft_ms: float | None = None  # override the TTFT target
     slo_tpot_ms: float | None = None  # override the time-per-output-token target
     timeout_s: float | None = None  # this request's deadline (default: the router's request_timeout_s)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):

@@ -15,7 +15,7 @@ Units are in the names: `*_ms`, `*_ns`, `*_tokens`, `*_blocks`, `num_*`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 import msgspec
 
@@ -292,6 +292,17 @@ class KvSnapshot(_Event, tag="kv.snapshot"):
 
 
 # --------------------------------------------------------------------------- commands
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a request's tokens are drawn (the torch engine; the sim engine ignores it).
+    temperature 0: greedy. seed None: the engine derives one from the request id, so the same
+    request gives the same output."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    ignore_eos: bool = False
+
+
 class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One request inside a DispatchBatch command."""
 
@@ -301,6 +312,7 @@ class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     decode_worker_id: str  # == the prefill worker in pd_fusion mode
     token_subject: str  # core-NATS subject the router listens on for this request's tokens
     deadline_ns: int = 0  # 0: none
+    sampling: Sampling | None = None  # None: greedy
 
 
 class DispatchBatch(_Event, tag="cmd.dispatch_batch"):
@@ -326,6 +338,10 @@ class StartDecode(_Event, tag="cmd.start_decode"):
     first_token_id: int  # produced by the prefill
     num_cached_tokens: int = 0
     deadline_ns: int = 0
+    sampling: Sampling | None = None
+    # The torch engine: the prompt's K/V, an object in the JetStream object store KV_BUCKET
+    # (schemas.subjects); the decode worker reads and deletes it. "": no KV shipped (sim).
+    kv_object: str = ""
 
 
 class CancelRequest(_Event, tag="cmd.cancel_request"):
@@ -350,6 +366,7 @@ class SubmitRequest(_Event, tag="cmd.submit_request"):
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     timeout_s: float | None = None
+    sampling: Sampling | None = None
 
 
 class SubmitReply(_Event, tag="cmd.submit_reply"):

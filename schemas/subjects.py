@@ -185,6 +185,18 @@ JOURNAL_STREAM = StreamSpec(
 )
 ALL_STREAMS: tuple[StreamSpec, ...] = (STATUS_STREAM, EVENTS_STREAM, DISPATCH_STREAM, DLQ_STREAM, JOURNAL_STREAM)
 
+# PD hand-off of real KV (the torch engine): the prefill worker puts the prompt's K/V here
+# as one object per request (`kv_object_name`), the decode worker reads and deletes it. An
+# object store, not messages: a 1b prompt of 2,000 tokens is ~45 MB, over any message limit;
+# the store chunks it, checks its digest and keeps it until read. The TTL bounds what a
+# decode worker that died before reading leaves behind.
+KV_BUCKET = "FLEXLB_KV"
+KV_BUCKET_TTL_S = 600
+
+
+def kv_object_name(batch_id: str, request_id: str) -> str:
+    return f"{batch_id}.{request_id}"
+
 
 def journal_subject(router_id: str) -> str:
     """Where a router's core journal goes (captured by FLEXLB_JOURNAL)."""

@@ -12,6 +12,7 @@ a 63-bit int from blake2b (stable across processes and Python versions, unlike `
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import struct
 
@@ -24,6 +25,17 @@ def encode_text(text: str) -> list[int]:
 
 def decode_tokens(token_ids: list[int]) -> str:
     return bytes(t & 0xFF for t in token_ids).decode("utf-8", errors="replace")
+
+
+class TextDecoder:
+    """One request's output text, chunk by chunk: bytes of a character split across chunks
+    are held until it is whole, so the chunks joined equal `decode_tokens` of all tokens."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, token_ids: list[int], final: bool = False) -> str:
+        return self._decoder.decode(bytes(t & 0xFF for t in token_ids), final)
 
 
 def block_hashes(token_ids: list[int], block_size_tokens: int) -> list[int]:

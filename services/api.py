@@ -104,6 +104,19 @@ def parse_completion(body: bytes, settings) -> tuple[CompletionRequest, list[int
     return req, tokens
 
 
+def sampling_of(req: CompletionRequest) -> m.Sampling | None:
+    """The request's sampling for the engine; None: greedy (every field at its default)."""
+    given = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)) if v is not None}
+    if req.ignore_eos:
+        given["ignore_eos"] = True
+    if not given:
+        return None
+    try:
+        return msgspec.convert(given, m.Sampling)
+    except msgspec.ValidationError as exc:
+        raise BadRequest("invalid_request", f"sampling: {exc}") from None
+
+
 def _header_ms(request: Request, name: str) -> float | None:
     raw = request.headers.get(name)
     if raw is None:
@@ -246,6 +259,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
                 validate_token("request_id", request_id)
             slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(request, "x-flexlb-slo-ttft-ms")
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(request, "x-flexlb-slo-tpot-ms")
+            sampling = sampling_of(req)
         except (BadRequest, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
@@ -253,7 +267,8 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
             await service.reject(request_id, code, message)
             return _error(code, message, request_id)
         request_id = request_id or service.new_request_id()
-        outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s)
+        outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
+                                       sampling=sampling)
         if isinstance(outcome, Rejected):
             return _error(outcome.code, outcome.message, request_id)
         handle: RequestHandle = outcome

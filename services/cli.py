@@ -49,7 +49,14 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-scale", type=float, help="engine time multiplier: 1 = profile speed, 0 = instant")
+    p.add_argument("--engine", help="sim (default) | torch: a real model (env FLEXLB_ENGINE; needs the torch extra)")
+    p.add_argument("--model", help="torch: tiny (default) | 1b | a local Hugging Face Llama directory")
+    p.add_argument("--device", help="torch: cpu (default) | cuda | cuda:N")
+    p.add_argument("--model-seed", type=int, help="torch: seed of a preset's random weights (default 0)")
+    p.add_argument("--dtype", help="torch: float32 | bfloat16 | float16 (default: the preset's)")
+    p.add_argument("--torch-threads", type=int,
+                   help="torch on CPU: intra-op threads (default: all cores; flexlb up: cores / workers)")
+    p.add_argument("--time-scale", type=float, help="sim: engine time multiplier: 1 = profile speed, 0 = instant")
     p.add_argument("--heartbeat-interval-ms", type=int, help="status heartbeat period (default 200)")
     p.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks (default 16384)")
     p.add_argument("--block-size-tokens", type=int, help="tokens per KV block (default 16)")
@@ -91,7 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one engine worker process")
     worker.add_argument("--id", dest="worker_id", help="worker id (env FLEXLB_WORKER_ID)")
     worker.add_argument("--role", help="pd_fusion | prefill | decode (env FLEXLB_ROLE)")
-    worker.add_argument("--engine", help="sim (env FLEXLB_ENGINE)")
     worker.add_argument("--nats-url", help="NATS server URL (env FLEXLB_NATS_URL)")
     _add_worker_flags(worker)
     worker.add_argument("--log-level", default="info", help="debug | info | warning | error")

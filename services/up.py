@@ -48,8 +48,9 @@ LAST_UP_STATE = os.environ.get("FLEXLB_UP_STATE") or os.path.join(
     os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state"), "flexlb", "up.json")
 
 
-def _child(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env)
+def _child(argv: list[str], env: dict[str, str], nice: int = 0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float) -> str:
@@ -100,7 +101,7 @@ def run_up(args, settings: RouterSettings) -> int:
             redis_url = servers[-1].url
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url)
         worker_flags: list[str] = []
-        for flag in ("time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
+        for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
                      "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(args, flag)
             if value is not None:
@@ -111,8 +112,17 @@ def run_up(args, settings: RouterSettings) -> int:
             fleet = [(f"p{i}", "prefill") for i in range(args.prefill)] + [(f"d{i}", "decode") for i in range(args.decode)]
         else:
             fleet = [(f"w{i}", "pd_fusion") for i in range(args.workers)]
+        worker_nice = 0
+        if args.engine == "torch" and (args.device or "cpu") == "cpu":
+            # CPU torch workers share this machine's cores (WorkerConfig.torch_threads says why),
+            # and run at a lower priority: computing flat out, they would otherwise starve the
+            # router, whose late reading of heartbeats then declares live workers dead.
+            worker_nice = 10
+            if args.torch_threads is None:
+                worker_flags += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // max(1, len(fleet))))]
         for worker_id, role in fleet:
-            children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags], env)
+            children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags], env,
+                                                     nice=worker_nice)
         router_urls = []
         for i in range(args.routers):
             router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"

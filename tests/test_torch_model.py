@@ -73,6 +73,10 @@ def test_a_packed_batch_equals_each_sequence_alone(checkpoint):
     packed = model(torch.tensor(sum(seqs, [])), torch.cat([torch.arange(n) for n in lengths]), lengths, DenseKv(lengths))
     alone = torch.cat([ours_alone(model, s) for s in seqs])
     assert torch.allclose(packed, alone, atol=1e-6, rtol=0)
+    last = [4, 21, 23]  # each sequence's last token: the only logits the engine samples from
+    only = model(torch.tensor(sum(seqs, [])), torch.cat([torch.arange(n) for n in lengths]), lengths, DenseKv(lengths),
+                 rows=last)
+    assert torch.allclose(only, packed[last], atol=1e-6, rtol=0)
 
 
 def test_a_cached_prefix_then_one_token_at_a_time_equals_the_whole_sequence(checkpoint):

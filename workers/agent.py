@@ -34,11 +34,11 @@ import secrets
 import socket
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats
-from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, ObjectStoreConfig, StreamConfig
 from nats.errors import OutboundBufferLimitError
 from nats.js.errors import BadRequestError
 
@@ -51,18 +51,21 @@ from schemas.subjects import (
     HDR_MSG_ID,
     cancel_subject,
     decode_consumer,
+    KV_BUCKET,
+    KV_BUCKET_TTL_S,
     decode_subject,
     dispatch_consumer,
     dispatch_subject,
     dlq_subject,
     epoch_subject,
     kv_events_subject,
+    kv_object_name,
     kv_snapshot_request_subject,
     status_subject,
     validate_token,
     worker_events_subject,
 )
-from schemas.tokens import decode_tokens
+from schemas.tokens import TextDecoder
 from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, StepResult, load_profile
 
 log = logging.getLogger("flexlb.worker")
@@ -76,7 +79,17 @@ SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (b
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_id: str
     role: str = "pd_fusion"
-    engine: str = "sim"
+    engine: str = "sim"  # sim | torch (workers/engines/torch_engine.py; the `torch` extra)
+    # torch: a preset (tiny, 1b: seeded random weights) or a local Hugging Face Llama
+    # directory; every worker of a PD fleet must run the same model (the KV crosses over).
+    model: str = "tiny"
+    device: str = "cpu"  # torch: cpu | cuda | cuda:N
+    model_seed: int = 0  # torch: seed of a preset's random weights
+    dtype: str | None = None  # torch: float32 | bfloat16 | float16; default: the preset's (HF directory: float32)
+    # torch on a CPU: intra-op threads (0: torch's default, every core). Several CPU workers on
+    # one machine must share the cores (`flexlb up` gives each cores / workers): oversubscribed
+    # OpenMP threads spin against each other and a 0.1 s step takes seconds, missing heartbeats.
+    torch_threads: int = 0
     nats_url: str = "nats://127.0.0.1:4222"
     time_scale: float = 1.0  # engine time multiplier: 0 = instant, 0.01 = 100x faster than the profile
     heartbeat_interval_ms: int = 200
@@ -99,8 +112,15 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def validate(self) -> "WorkerConfig":
         validate_token("worker_id", self.worker_id)
         self.role = m.parse_role(self.role)
-        if self.engine != "sim":
-            raise ValueError(f"engine {self.engine!r} is not available; known: sim")
+        if self.engine not in ("sim", "torch"):
+            raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch")
+        if self.engine == "torch":
+            try:
+                import torch  # noqa: F401  (the torch extra)
+            except ImportError:
+                raise ValueError("engine torch needs torch: pip install -e '.[torch]'") from None
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
         for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens",
@@ -113,12 +133,32 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def make_engine(cfg: WorkerConfig) -> SimEngine:
     """The engine a worker config describes: one construction path for the NATS worker and
     the HTTP front (workers/http_front.py), so both run the very same engine."""
+    if cfg.engine == "torch":
+        import torch
+
+        from workers.engines.torch_engine import TorchEngine, load_model
+
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        return TorchEngine(
+            load_model(cfg.model, device=cfg.device, seed=cfg.model_seed, dtype=cfg.dtype), role=cfg.role,
+            num_kv_blocks=cfg.num_kv_blocks, block_size_tokens=cfg.block_size_tokens,
+            max_seq_len_tokens=cfg.max_seq_len_tokens, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs, chunked_prefill=cfg.chunked_prefill,
+        )
     return SimEngine(
         profile=load_profile(cfg.profile), role=cfg.role, num_kv_blocks=cfg.num_kv_blocks,
         block_size_tokens=cfg.block_size_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         chunked_prefill=cfg.chunked_prefill,
     )
+
+
+def engine_request(request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                   sampling: m.Sampling | None) -> EngineRequest:
+    s = sampling or m.Sampling()
+    return EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
+                         temperature=s.temperature, top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos)
 
 
 @dataclass
@@ -128,6 +168,9 @@ class ReqMeta:
     prompt_token_ids: list[int]  # kept only for the PD hand-off
     max_tokens: int
     deadline_ns: int = 0  # wall clock; past it the worker stops the request (timed_out); 0: none
+    sampling: m.Sampling | None = None  # passed on in a PD hand-off
+    # Its text so far: a UTF-8 character whose bytes span two steps is sent whole, once.
+    text: TextDecoder = field(default_factory=TextDecoder)
 
 
 class WorkerAgent:
@@ -136,6 +179,7 @@ class WorkerAgent:
         self.boot_id = secrets.token_hex(4)
         self.host = socket.gethostname()
         self.engine = make_engine(config)
+        self._kv_bucket = None  # the PD hand-off KV object store (torch engine), opened on first use
         self.envelopes = m.EnvelopeFactory(config.worker_id, self.boot_id)
         self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
         self.seen_batches: OrderedDict[str, None] = OrderedDict()
@@ -182,6 +226,33 @@ class WorkerAgent:
             except BadRequestError:  # it exists: its limits are the router's settings, not ours to reset
                 log.debug("stream %s exists; keeping its configuration", spec.name)
 
+    async def _kv_store(self):
+        """The hand-off KV object store (schemas.subjects.KV_BUCKET), created on first use."""
+        if self._kv_bucket is None:
+            try:
+                self._kv_bucket = await self.js.create_object_store(
+                    KV_BUCKET, config=ObjectStoreConfig(bucket=KV_BUCKET, ttl=KV_BUCKET_TTL_S))
+            except BadRequestError:  # it exists with other limits (an operator's): use it as it is
+                self._kv_bucket = await self.js.object_store(KV_BUCKET)
+        return self._kv_bucket
+
+    async def _put_kv(self, name: str, kv) -> None:
+        from workers.engines.torch_engine import kv_to_bytes
+
+        await (await self._kv_store()).put(name, kv_to_bytes(kv))
+
+    async def _take_kv(self, name: str):
+        """Read a hand-off's K/V and delete it (the bucket's TTL removes what is never read)."""
+        from workers.engines.torch_engine import kv_from_bytes
+
+        store = await self._kv_store()
+        result = await store.get(name)
+        try:
+            await store.delete(name)
+        except Exception as exc:  # harmless: the TTL removes it
+            log.warning("hand-off KV %s: delete failed (%s); the bucket's TTL will remove it", name, exc)
+        return kv_from_bytes(result.data)
+
     def recent_step_ms(self) -> float:
         """Mean engine ms of the steps that ended in the last second (0: none)."""
         horizon = time.monotonic() - RECENT_STEPS_WINDOW_S
@@ -198,7 +269,7 @@ class WorkerAgent:
             engine=self.cfg.engine, pid=os.getpid(), host=self.host, block_size_tokens=self.cfg.block_size_tokens,
             num_kv_blocks=self.cfg.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks,
             num_cached_kv_blocks=e.num_cached_kv_blocks, max_batch_tokens=self.cfg.max_batch_tokens,
-            max_seq_len_tokens=self.cfg.max_seq_len_tokens, num_running_requests=e.num_running_requests,
+            max_seq_len_tokens=e.max_seq_len_tokens, num_running_requests=e.num_running_requests,
             num_queued_batches=e.num_queued_batches,
             running_request_ids=e.running_request_ids() + self.unpublished_request_ids,
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
@@ -338,22 +409,35 @@ class WorkerAgent:
                 return  # every request was withdrawn by the router before the command arrived
             for r in requests:
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
-                self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns)
+                self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns,
+                                                  r.sampling)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
             self.engine.submit_batch(EngineBatch(batch_id=cmd.batch_id, requests=[
-                EngineRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, max_tokens=r.max_tokens)
-                for r in requests
+                engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling) for r in requests
             ]))
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
             key = f"{cmd.batch_id}:{cmd.request_id}"
             if key in self.seen_batches or cmd.request_id in self.withdrawn:
                 return
             self.seen_batches[key] = None
-            self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns)
-            self.engine.submit_decode(
-                EngineRequest(request_id=cmd.request_id, prompt_token_ids=cmd.prompt_token_ids, max_tokens=cmd.max_tokens),
-                first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
-            )
+            request = engine_request(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.sampling)
+            kv = None
+            if cmd.kv_object:
+                try:
+                    kv = await self._take_kv(cmd.kv_object)
+                except Exception as exc:  # the KV is gone or broken: fail visibly, the router re-tries elsewhere
+                    log.error("hand-off %s: reading its KV %s failed: %s", cmd.request_id, cmd.kv_object, exc)
+                    await self._event(m.RequestFailed(
+                        request_id=cmd.request_id, worker_id=self.cfg.worker_id, code="worker_failed", retryable=True,
+                        message=f"the hand-off's KV ({cmd.kv_object}) could not be read: {exc}"))
+                    return
+            self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns,
+                                                cmd.sampling)
+            if getattr(self.engine, "measures_time", False):  # the torch engine decodes from the shipped K/V
+                self.engine.submit_decode(request, first_token_id=cmd.first_token_id,
+                                          num_cached_tokens=cmd.num_cached_tokens, kv=kv)
+            else:
+                self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens)
         else:
             await self._dead_letter(msg, f"{type(cmd).__name__} is not a command for a {self.cfg.role} worker")
             return
@@ -426,9 +510,13 @@ class WorkerAgent:
                 ))
             self.unpublished_request_ids = ([f.request_id for f in step.finished] + [f.request_id for f in step.failed]
                                             + [h.request_id for h in step.handoffs])
-            t0 = time.monotonic()
-            await asyncio.sleep(step.duration_ms * scale / 1000)
-            measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
+            if getattr(self.engine, "measures_time", False):  # the torch engine: the step already ran, measured
+                await asyncio.sleep(0)
+                measured_ms = step.duration_ms
+            else:
+                t0 = time.monotonic()
+                await asyncio.sleep(step.duration_ms * scale / 1000)
+                measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
             self.last_step_ms = measured_ms
             if step.kind != "report":  # the engine's own step time: what the batch costs, not loop lateness
                 self.recent_steps.append((time.monotonic(), step.duration_ms))
@@ -490,7 +578,7 @@ class WorkerAgent:
             try:
                 await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
                     request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
-                    text=decode_tokens(ids), finish_reason=fin.finish_reason if fin else None,
+                    text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
                 )))
             except OutboundBufferLimitError:
                 await self._stream_overflow(request_id)
@@ -509,13 +597,17 @@ class WorkerAgent:
             meta = self._forget(h.request_id)
             if meta is None:
                 continue
-            cmd = m.StartDecode(
-                request_id=h.request_id, prefill_worker_id=wid, decode_worker_id=meta.decode_worker_id,
-                batch_id=h.batch_id, prompt_token_ids=meta.prompt_token_ids, max_tokens=meta.max_tokens,
-                token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
-                deadline_ns=meta.deadline_ns,
-            )
             try:
+                kv_object = ""
+                if h.kv is not None:  # the torch engine: ship the prompt's K/V first
+                    kv_object = kv_object_name(h.batch_id, h.request_id)
+                    await self._put_kv(kv_object, h.kv)
+                cmd = m.StartDecode(
+                    request_id=h.request_id, prefill_worker_id=wid, decode_worker_id=meta.decode_worker_id,
+                    batch_id=h.batch_id, prompt_token_ids=meta.prompt_token_ids, max_tokens=meta.max_tokens,
+                    token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
+                    deadline_ns=meta.deadline_ns, sampling=meta.sampling, kv_object=kv_object,
+                )
                 await self.js.publish(
                     decode_subject(meta.decode_worker_id), self._env(cmd),
                     headers={HDR_MSG_ID: f"{h.batch_id}:{h.request_id}"}, timeout=5,

@@ -225,6 +225,9 @@ class SimFront:
     def __init__(self, cfg: WorkerConfig, model_name: str = DEFAULT_MODEL_NAME) -> None:
         self.cfg = cfg
         self.model_name = model_name
+        if cfg.engine == "torch" and cfg.role != "pd_fusion":
+            raise ValueError("the HTTP front runs the torch engine colocated only (pd_fusion): its PD hand-off of "
+                             "real KV goes through the NATS worker")
         self.engine = make_engine(cfg)
         self._boot = secrets.token_hex(3)
         self._ids = itertools.count()
@@ -365,7 +368,8 @@ class SimFront:
                 continue
             self._is_step_in_flight = True
             try:
-                await asyncio.sleep(step.duration_ms * scale / 1000)
+                # The torch engine measured a step that already ran; the sim's is slept now.
+                await asyncio.sleep(0 if getattr(self.engine, "measures_time", False) else step.duration_ms * scale / 1000)
             finally:
                 self._is_step_in_flight = False
                 self._abandoned_in_step.clear()

@@ -184,6 +184,7 @@ class RequestHandle:
     remote: bool = False  # forwarded by a standby: no local client reads this handle
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
     dispatched: bool = False  # standby: the leader's batch.dispatched listed it
+    sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
 
 
 class RouterService:
@@ -368,25 +369,28 @@ class RouterService:
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
         slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
+        sampling: m.Sampling | None = None,
     ) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching. A
         standby router forwards it to the leader and relays its tokens and outcome."""
         if not self.is_leader:
-            return await self._forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s)
+            return await self._forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
+                                       sampling)
         return await self._admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                       timeout_s)
+                                       timeout_s, sampling=sampling)
 
     async def _admit_local(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None,
         slo_ttft_ms: float | None, slo_tpot_ms: float | None, timeout_s: float | None,
-        token_subject_override: str = "",
+        token_subject_override: str = "", sampling: m.Sampling | None = None,
     ) -> RequestHandle | Rejected:
         now = time.time_ns()
         if request_id in self.handles:
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now,
                                timeout_s=timeout_s if timeout_s is not None else self.settings.request_timeout_s,
-                               token_subject=token_subject_override, remote=bool(token_subject_override))
+                               token_subject=token_subject_override, remote=bool(token_subject_override),
+                               sampling=sampling)
         hashes = tuple(block_hashes(prompt_token_ids, self.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
@@ -496,14 +500,15 @@ class RouterService:
             await self._emit(m.RequestFailed(request_id=item.request_id, worker_id=self.router_id, code="not_ready",
                                              message="router lost the leadership before dispatch", retryable=True))
 
-    async def _forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s):
+    async def _forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
+                       sampling=None):
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
                                timeout_s=timeout_s if timeout_s is not None else self.settings.request_timeout_s)
         self.handles[request_id] = handle
         cmd = m.SubmitRequest(
             request_id=request_id, router_id=self.router_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             token_subject=token_subject(self.router_id, request_id), priority=priority, slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s,
+            slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s, sampling=sampling,
         )
         try:
             msg = await self.nc.request(submit_subject(self.settings.cluster), m.encode(self.envelopes.wrap(cmd, time.time_ns())),
@@ -533,7 +538,8 @@ class RouterService:
                                   message="not the leader any more")
         else:
             out = await self._admit_local(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.priority,
-                                          cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s, token_subject_override=cmd.token_subject)
+                                          cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s, token_subject_override=cmd.token_subject,
+                                          sampling=cmd.sampling)
             if isinstance(out, Rejected):
                 reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.router_id, admitted=False,
                                       code=out.code, message=out.message)
@@ -655,7 +661,7 @@ class RouterService:
                 request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
                 decode_worker_id=item.decode_worker_id,
                 token_subject=handle.token_subject or token_subject(self.router_id, item.request_id),
-                deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9),
+                deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9), sampling=handle.sampling,
             ))
             entries.append(LedgerEntry(item.decode_worker_id, kv_field(item.request_id), {
                 "kind": "decode", "request_id": item.request_id, "batch_id": batch.batch_id,

@@ -274,9 +274,8 @@ class TorchEngine(SimEngine):
         token_ids: list[int] = []
         if work:
             with torch.inference_mode():
-                logits = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                    lengths, SeqKv(self.kv, seq_ids, slots))
-                rows = logits[[last_row[id(s)] for s in sampling]] if sampling else logits[:0]
+                rows = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                  lengths, SeqKv(self.kv, seq_ids, slots), rows=[last_row[id(s)] for s in sampling])
                 greedy = torch.argmax(rows, dim=-1).tolist()  # one device sync for the greedy ones
                 for i, seq in enumerate(sampling):
                     params = self._params[seq.request.request_id]

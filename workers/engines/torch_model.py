@@ -155,18 +155,23 @@ class Layer(nn.Module):
         k = k * c + rotate_half(k) * s
         kv.write(layer, k, v)
         outs = []
-        group = cfg.num_heads // cfg.num_kv_heads
         scale = 1.0 / math.sqrt(d)
         for q_seq, (k_all, v_all) in zip(torch.split(q, new_lengths), kv.read(layer)):
             m, total = q_seq.shape[0], k_all.shape[0]
-            kk = k_all.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, total, d]
-            vv = v_all.repeat_interleave(group, dim=1).transpose(0, 1)
-            scores = torch.matmul(q_seq.transpose(0, 1), kk.transpose(1, 2)) * scale  # [heads, m, total]
-            # causal: new token i (absolute position total - m + i) sees keys 0..total - m + i
-            mask = torch.ones(m, total, dtype=torch.bool, device=x.device).tril(diagonal=total - m)
-            scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-            outs.append(torch.matmul(probs, vv).transpose(0, 1).reshape(m, cfg.num_heads * d))
+            # [1, heads, tokens, d]: 4-D inputs take torch's fused (flash) CPU kernel, 3-D ones the slow math path
+            qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q_seq, k_all, v_all))
+            # Causal: new token i (absolute position total - m + i) sees keys 0..total - m + i.
+            # A whole prompt is the kernel's own causal case; one new token sees everything;
+            # a chunk after a cached prefix needs the shifted mask.
+            if m == total:
+                mask, causal = None, m > 1
+            elif m == 1:
+                mask, causal = None, False
+            else:
+                mask, causal = torch.ones(m, total, dtype=torch.bool, device=x.device).tril(diagonal=total - m), False
+            out = nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal, scale=scale,
+                                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            outs.append(out[0].transpose(0, 1).reshape(m, cfg.num_heads * d))
         x = x + self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
         y = self.post_attention_layernorm(x)
         return x + self.down_proj(nn.functional.silu(self.gate_proj(y)) * self.up_proj(y))
@@ -183,15 +188,18 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, new_lengths: list[int],
-                kv: KvView) -> torch.Tensor:
+                kv: KvView, rows: list[int] | None = None) -> torch.Tensor:
         """Logits [tokens, vocab] for a packed batch: `new_lengths[i]` new tokens of sequence i,
-        at absolute `positions`; their cached prefix (if any) comes from `kv`."""
+        at absolute `positions`; their cached prefix (if any) comes from `kv`. `rows`: only
+        those tokens' logits (the engine samples from each sequence's last token only)."""
         if int(positions.max()) >= self.cfg.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond max_positions {self.cfg.max_positions}")
         x = self.embed_tokens(token_ids)
         cos, sin = rotary(self.cfg, positions, x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, new_lengths, i, kv)
+        if rows is not None:
+            x = x[rows]
         return self.lm_head(self.norm(x))
 
 
