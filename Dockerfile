@@ -27,7 +27,10 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY schemas ./schemas
 COPY services ./services
 COPY workers ./workers
-RUN pip install --no-cache-dir . \
+#    FLEXLB_EXTRAS adds extras: `--build-arg FLEXLB_EXTRAS=torch` gives the torch engine
+#    (`flexlb worker --engine torch`; pip fetches torch for the build platform).
+ARG FLEXLB_EXTRAS=""
+RUN pip install --no-cache-dir ".${FLEXLB_EXTRAS:+[$FLEXLB_EXTRAS]}" \
     && rm -rf build ./*.egg-info
 
 # 3. Run as an unprivileged user, outside the source tree (the installed package is used).

@@ -314,7 +314,10 @@ def test_dockerfile_runs_as_non_root_and_installs_without_embedded_extra():
     users = dockerfile_values("USER")
     assert users and users[-1].split(":")[0] not in {"root", "0"}, f"the image runs as root: USER {users}"
     runs = " ".join(dockerfile_values("RUN"))
-    assert re.search(r"pip install [^&;]*--no-cache-dir[^&;]* \.(\s|$)", runs), "the project is not pip-installed from ."
+    # from ".", plus the extras of the FLEXLB_EXTRAS build argument (empty by default; torch for the torch engine)
+    assert re.search(r'pip install [^&;]*--no-cache-dir[^&;]* (\.|"\.\$\{FLEXLB_EXTRAS:\+\[\$FLEXLB_EXTRAS\]\}")(\s|$)', runs), \
+        "the project is not pip-installed from ."
+    assert dockerfile_values("ARG") == ['FLEXLB_EXTRAS=""'], "the image's extras must default to none"
     assert "embedded" not in runs, "the image must not install the embedded extra (compose runs NATS/Redis images)"
 
 
