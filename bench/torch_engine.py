@@ -39,7 +39,7 @@ from workers.engines.torch_model import PRESETS, LlamaConfig, build_model  # noq
 
 MODELS = {
     "tiny": PRESETS["tiny"],
-    # A mid-size config that a CPU still runs in seconds: 8 layers, 512 wide (~27 M parameters).
+    # A mid-size config that a CPU still runs in seconds: 8 layers, 512 wide (~23 M parameters).
     "mid": LlamaConfig(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1376),
     "1b": PRESETS["1b"],
 }
