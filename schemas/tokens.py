@@ -38,15 +38,26 @@ class TextDecoder:
         return self._decoder.decode(bytes(t & 0xFF for t in token_ids), final)
 
 
+ROOT_DIGEST = b"\x00" * 8  # the parent of a prompt's first block
+
+
 def block_hashes(token_ids: list[int], block_size_tokens: int) -> list[int]:
+    """The chained hashes of a prompt's full blocks (what the router's prefix index and the
+    engines' caches key blocks by)."""
+    return [h for h, _ in chain_block_hashes(token_ids, block_size_tokens, ROOT_DIGEST)]
+
+
+def chain_block_hashes(token_ids: list[int], block_size_tokens: int, parent_digest: bytes) -> list[tuple[int, bytes]]:
+    """(hash, digest) of each full block of `token_ids`, chained from `parent_digest` (a
+    block's digest is the next one's parent; ROOT_DIGEST for a prompt's start). Lets a
+    translator extend a chain whose first blocks it saw earlier (vLLM's KV events)."""
     if block_size_tokens <= 0:
         raise ValueError("block_size_tokens must be positive")
-    hashes: list[int] = []
-    parent = b"\x00" * 8
-    n_full = len(token_ids) // block_size_tokens
-    for i in range(n_full):
+    out: list[tuple[int, bytes]] = []
+    parent = parent_digest
+    for i in range(len(token_ids) // block_size_tokens):
         block = token_ids[i * block_size_tokens : (i + 1) * block_size_tokens]
         digest = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little") >> 1)
+        out.append((int.from_bytes(digest, "little") >> 1, digest))
         parent = digest
-    return hashes
+    return out
