@@ -89,6 +89,16 @@ async def run_concurrent_streams(url: str, bodies: list[dict]) -> list[dict]:
         return await asyncio.gather(*(stream_completion(client, url, b) for b in bodies))
 
 
+async def wait_all_terminal(nats_url: str, ids: set[str], timeout_s: float = 30) -> list[m.Envelope]:
+    """The event log once every request in `ids` has a terminal event (bounded wait)."""
+    async def settled():
+        envs = await read_event_log(nats_url)
+        counts = terminal_counts(envs)
+        return envs if all(counts.get(i, 0) >= 1 for i in ids) else None
+
+    return await wait_async(settled, timeout_s, "a terminal event for every request")
+
+
 async def wait_async(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

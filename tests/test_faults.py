@@ -12,7 +12,7 @@ import time
 import httpx
 
 from schemas import messages as m
-from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_async
+from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
 
 DETECTION_S = 3 * 0.5  # dead_after_missed_syncs x liveness_sync_ms (the defaults)
 
@@ -49,12 +49,7 @@ async def test_kill_9_a_worker_mid_batch_under_load_loses_nothing(flexlb_up):
             ok += 1
     ids = {r["request_id"] for r in results}
 
-    async def settled():
-        envs = await read_event_log(state["nats_url"])
-        counts = terminal_counts(envs)
-        return envs if all(counts.get(i, 0) >= 1 for i in ids) else None
-
-    envs = await wait_async(settled, 30, "a terminal event for every request")
+    envs = await wait_all_terminal(state["nats_url"], ids)
     counts = terminal_counts(envs)
     assert {i: counts[i] for i in ids} == {i: 1 for i in ids}  # exactly one each
     [dead] = [e for e in envs if isinstance(e.payload, m.WorkerLivenessChanged) and e.payload.worker_id == "w0"

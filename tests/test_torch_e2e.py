@@ -21,7 +21,7 @@ from schemas import messages as m
 from services.core.predictor import PredictorParams, PrefillCoefficients, PrefillPredictor
 from schemas.subjects import KV_BUCKET
 from schemas.tokens import decode_tokens, encode_text
-from tests.stack import make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_async
+from tests.stack import make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
 from workers.engines.sim import EngineBatch, EngineRequest
 from workers.engines.torch_engine import TorchEngine, load_model
 
@@ -97,8 +97,9 @@ async def test_fifty_concurrent_streams_on_two_torch_workers_and_the_predictor_l
           f"prior alone {[round(e, 1) for e in priors]}")
     # The tiny model on a CPU is not the llama2-70b fleet the prior describes: the router
     # learns it from the measured batches, and by the third wave predicts it better than
-    # the prior would on the very same batches.
-    assert learned[-1] < priors[-1] and learned[-1] < learned[0], (learned, priors)
+    # the prior would on the very same batches. (Not "better than its first wave": how far
+    # the prior is off at first depends on this machine's speed and load.)
+    assert learned[-1] < priors[-1], (learned, priors)
 
     ids = {r["request_id"] for r in results}
     envs = await read_event_log(state["nats_url"])
@@ -164,12 +165,7 @@ async def test_killing_a_torch_worker_mid_run_fails_only_its_started_requests_re
             assert "".join(res["texts"]) == text, res
     ids = {r["request_id"] for r in results}
 
-    async def settled():
-        envs = await read_event_log(state["nats_url"])
-        counts = terminal_counts(envs)
-        return envs if all(counts.get(i, 0) >= 1 for i in ids) else None
-
-    envs = await wait_async(settled, 60, "a terminal event for every request")
+    envs = await wait_all_terminal(state["nats_url"], ids, 60)
     counts = terminal_counts(envs)
     assert {i: counts[i] for i in ids} == {i: 1 for i in ids}  # exactly one each
     [dead] = [e.payload for e in envs if isinstance(e.payload, m.WorkerLivenessChanged)

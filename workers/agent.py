@@ -433,11 +433,8 @@ class WorkerAgent:
                     return
             self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns,
                                                 cmd.sampling)
-            if getattr(self.engine, "measures_time", False):  # the torch engine decodes from the shipped K/V
-                self.engine.submit_decode(request, first_token_id=cmd.first_token_id,
-                                          num_cached_tokens=cmd.num_cached_tokens, kv=kv)
-            else:
-                self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens)
+            self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
+                                      kv=kv)
         else:
             await self._dead_letter(msg, f"{type(cmd).__name__} is not a command for a {self.cfg.role} worker")
             return
@@ -510,7 +507,7 @@ class WorkerAgent:
                 ))
             self.unpublished_request_ids = ([f.request_id for f in step.finished] + [f.request_id for f in step.failed]
                                             + [h.request_id for h in step.handoffs])
-            if getattr(self.engine, "measures_time", False):  # the torch engine: the step already ran, measured
+            if self.engine.measures_time:  # the torch engine: the step already ran, measured
                 await asyncio.sleep(0)
                 measured_ms = step.duration_ms
             else:

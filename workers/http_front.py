@@ -369,7 +369,7 @@ class SimFront:
             self._is_step_in_flight = True
             try:
                 # The torch engine measured a step that already ran; the sim's is slept now.
-                await asyncio.sleep(0 if getattr(self.engine, "measures_time", False) else step.duration_ms * scale / 1000)
+                await asyncio.sleep(0 if self.engine.measures_time else step.duration_ms * scale / 1000)
             finally:
                 self._is_step_in_flight = False
                 self._abandoned_in_step.clear()

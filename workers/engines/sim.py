@@ -296,6 +296,8 @@ class _BatchProgress:
 class SimEngine:
     """One simulated engine; see the module docstring for the model and the contract."""
 
+    measures_time = False  # duration_ms is modelled: the caller sleeps it (the torch engine: measured, already spent)
+
     def __init__(self, profile: TimingProfile, role: str, num_kv_blocks: int, block_size_tokens: int,
                  max_seq_len_tokens: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  chunked_prefill: bool = True) -> None:
@@ -413,8 +415,10 @@ class SimEngine:
             self._waiting.append(seq)
             self._request_id_to_seq[seq.request.request_id] = seq
 
-    def submit_decode(self, request: EngineRequest, first_token_id: int, num_cached_tokens: int) -> None:
-        """Role decode: queue a handed-off request (its KV arrives; no prefill compute)."""
+    def submit_decode(self, request: EngineRequest, first_token_id: int, num_cached_tokens: int,
+                      kv: object = None) -> None:
+        """Role decode: queue a handed-off request (its KV arrives; no prefill compute). `kv`:
+        the prompt's K/V from a torch prefill worker; the sim models it and ignores it."""
         if self.role != "decode":
             raise ValueError(f"submit_decode on a {self.role} engine")
         self._check_new_ids([request.request_id])
