@@ -5,6 +5,15 @@ bodies are parsed with msgspec (not FastAPI's validation) so that every bad inpu
 code: `invalid_request` (400) for malformed JSON, wrong types, missing prompt or bad
 max_tokens; `too_large` (413) for bodies over `max_body_bytes` or prompts over
 `max_prompt_tokens`. A client that disconnects mid-stream cancels its request.
+
+Text prompts are tokenized here, by `settings.tokenizer` (a Hugging Face tokenizer.json,
+loaded once by `create_app`; default the byte-level one, `schemas/tokens.py`): the router
+hashes and dispatches those ids, so they must be the model's. Before tokenizing, a text
+longer than `max_prompt_tokens x max_chars_per_token` characters (the most one token of
+that tokenizer can stand for; 1 for bytes) is refused `too_large` at once; where the file
+proves no such bound, only `max_body_bytes` bounds the work. An HF tokenizer runs in a
+thread (it releases the GIL), so a long prompt does not stall the event loop. The router
+never decodes ids: output text comes from the workers.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas import messages as m
 from schemas.api import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from schemas.subjects import validate_token
-from schemas.tokens import encode_text
+from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from services.core.scheduler import Rejected
 from services.shell.router import RequestHandle, RouterService, Terminal, error_for
 
@@ -60,8 +69,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_completion(body: bytes, settings) -> tuple[CompletionRequest, list[int]]:
-    """Decode and validate a completion body; raise BadRequest with a design code."""
+def parse_completion(body: bytes, settings,
+                     tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> tuple[CompletionRequest, list[int]]:
+    """Decode and validate a completion body; raise BadRequest with a design code. A text
+    prompt becomes `tokenizer`'s ids."""
     if not body:
         raise BadRequest("invalid_request", "empty body; expected a JSON object with a prompt")
     try:
@@ -77,9 +88,11 @@ def parse_completion(body: bytes, settings) -> tuple[CompletionRequest, list[int
     if req.max_tokens > settings.max_output_tokens:
         raise BadRequest("invalid_request", f"max_tokens {req.max_tokens} exceeds the limit of {settings.max_output_tokens}")
     if isinstance(req.prompt, str):
-        if len(req.prompt) > settings.max_prompt_tokens * 4:  # cheap bound before tokenizing
-            raise BadRequest("too_large", f"prompt of {len(req.prompt)} characters exceeds the limit")
-        tokens = encode_text(req.prompt)
+        bound = tokenizer.max_chars_per_token  # cheap bound before tokenizing (module docstring)
+        if bound is not None and len(req.prompt) > settings.max_prompt_tokens * bound:
+            raise BadRequest("too_large", f"prompt of {len(req.prompt)} characters exceeds the limit of "
+                                          f"{settings.max_prompt_tokens} tokens (one token is at most {bound} characters)")
+        tokens = tokenizer.encode(req.prompt)
     else:
         tokens = req.prompt
         if any(t < 0 or t >= 1 << 31 for t in tokens):
@@ -151,6 +164,7 @@ class Unauthorized(Exception):
 
 def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI:
     settings = service.settings
+    tokenizer = load_tokenizer(settings.tokenizer, settings.tokenizer_add_special_tokens)
 
     async def admin_auth(request: Request) -> str:
         """/admin/* needs `Authorization: Bearer <admin_token>` when a token is set (and one
@@ -253,7 +267,10 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
         request_id = request.headers.get("x-request-id") or None
         try:
             body = await _read_body(request, settings.max_body_bytes)
-            req, tokens = parse_completion(body, settings)
+            if tokenizer.is_costly:
+                req, tokens = await asyncio.to_thread(parse_completion, body, settings, tokenizer)
+            else:
+                req, tokens = parse_completion(body, settings, tokenizer)
             request_id = req.request_id or request_id
             if request_id is not None:
                 validate_token("request_id", request_id)

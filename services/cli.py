@@ -44,12 +44,33 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
                    help="shed: refuse new work while the decoding worker's step time > this x the TPOT target "
                         "(default 0: off)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 32768)")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or its directory) for text prompts: the ids "
+                                       "hashed and sent are the model's (default: the byte-level tokenizer)")
+    p.add_argument("--tokenizer-add-special-tokens",
+                   help="true (default) | false: with --tokenizer, add its special tokens (BOS) to a text prompt, "
+                        "as vLLM and SGLang do")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
     p.add_argument("--log-level", help="debug | info | warning | error")
 
 
-def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", help="sim (default) | torch: a real model (env FLEXLB_ENGINE; needs the torch extra)")
+def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) -> None:
+    p.add_argument("--engine", help="sim (default) | torch: a real model (env FLEXLB_ENGINE; needs the torch extra) | "
+                                    "openai: in front of a vLLM / SGLang server at --engine-url")
+    if many_servers:  # flexlb up: one agent per server
+        p.add_argument("--engine-url", action="append",
+                       help="openai: a server's base URL, once per server (one worker agent each, colocated)")
+    else:
+        p.add_argument("--engine-url", help="openai: the server's base URL, e.g. http://127.0.0.1:8001")
+    p.add_argument("--engine-model", help="openai: the served model name (default: the server's first /v1/models)")
+    p.add_argument("--upstream-max-concurrency", type=int, help="openai: most requests open to the server (default 256)")
+    p.add_argument("--upstream-stall-timeout-s", type=float,
+                   help="openai: a stream silent this long fails with upstream_error (default 60)")
+    many = {"action": "append"} if many_servers else {}  # flexlb up: once per server, in --engine-url order
+    p.add_argument("--kv-events-endpoint", **many, help="openai: vLLM's KV events ZMQ PUB endpoint, e.g. "
+                   "tcp://HOST:5557 (up: once per server, in order); sim-server: publish its own there, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay-endpoint", **many, help="openai: its replay endpoint, e.g. tcp://HOST:5558; "
+                                                               "sim-server: serve replays there, e.g. tcp://*:5558")
+    p.add_argument("--kv-events-topic", help="openai: its topic (default: all); sim-server: the topic to publish on")
     p.add_argument("--model", help="torch: tiny (default) | 1b | a local Hugging Face Llama directory")
     p.add_argument("--device", help="torch: cpu (default) | cuda | cuda:N")
     p.add_argument("--model-seed", type=int, help="torch: seed of a preset's random weights (default 0)")
@@ -82,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run NATS, Redis, a router and simulated workers on this machine")
     _add_router_flags(up)
-    _add_worker_flags(up)
+    _add_worker_flags(up, many_servers=True)
     up.add_argument("--workers", type=int, default=2, help="colocated pd_fusion workers (default 2)")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated mode, with --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated mode, with --prefill)")
@@ -111,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--role", default="pd_fusion", choices=["pd_fusion", "prefill", "decode"],
                      help="pd_fusion (default), or prefill / decode behind a PD router (SGLang's bootstrap "
                           "protocol, workers/http_front.py)")
+    sim.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or its directory): text prompts, /tokenize and "
+                                         "output text use it, as the router's --tokenizer (default: byte-level)")
     _add_worker_flags(sim)
     sim.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
@@ -201,12 +224,21 @@ def run_router(settings: RouterSettings) -> int:
 def run_worker(cfg) -> int:
     from workers.agent import WorkerAgent
 
+    if cfg.engine != "openai" and (cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint):
+        raise ValueError("--kv-events-* are for --engine openai (a sim or torch worker publishes its KV events "
+                         "on NATS; `flexlb sim-server` publishes vLLM's)")
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await WorkerAgent(cfg).run(stop)
+        if cfg.engine == "openai":
+            from workers.openai_agent import OpenAIAgent
+
+            await OpenAIAgent(cfg).run(stop)
+        else:
+            await WorkerAgent(cfg).run(stop)
 
     asyncio.run(main())
     return 0
@@ -215,9 +247,11 @@ def run_worker(cfg) -> int:
 def run_sim_server(args: argparse.Namespace, cfg) -> int:
     """`flexlb sim-server`: the engine of `flexlb worker` (same config and role) behind
     HTTP instead of NATS (workers/http_front.py documents the endpoints)."""
+    from schemas.tokens import load_tokenizer
     from workers.http_front import serve
 
-    serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level)
+    tokenizer = load_tokenizer(args.tokenizer)  # a bad file: ValueError, exit 2 (main)
+    serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer)
     return 0
 
 

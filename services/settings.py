@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import msgspec
 
 from schemas.subjects import validate_token
+from schemas.tokens import load_tokenizer
 
 log = logging.getLogger("flexlb.settings")
 
@@ -61,6 +62,12 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     predictor_learning: bool = True  # refine prefill-time coefficients from measured batches
     prefill_coefficients: dict[str, Any] = {}  # prior of the predictor (default: Splitwise fit)
     max_prompt_tokens: int = 32768  # larger prompts: too_large
+    # Text prompts: a Hugging Face tokenizer.json (or a directory with one), so the ids the
+    # router hashes and sends are the model's; "": the byte-level tokenizer (schemas/tokens.py).
+    tokenizer: str = ""
+    # With tokenizer: add its special tokens (BOS) to a text prompt, as vLLM's /v1/completions
+    # and SGLang do for text (they run our ids as given, so the BOS must be ours).
+    tokenizer_add_special_tokens: bool = True
     max_output_tokens: int = 8192  # larger max_tokens: invalid_request
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: too_large
     max_queue_per_worker: int = 1024  # batcher queue bound per prefill worker: queue_full
@@ -118,6 +125,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise SettingsError(f"setting log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if self.tokenizer:  # read it now: a bad file stops the process at start, not at the first request
+            try:
+                load_tokenizer(self.tokenizer, self.tokenizer_add_special_tokens)
+            except ValueError as exc:
+                raise SettingsError(f"setting tokenizer (--tokenizer / FLEXLB_TOKENIZER): {exc}") from None
         return self
 
 

@@ -4,7 +4,10 @@ Starts, in order: `nats-server` with JetStream (data in `--data-dir` or a tempor
 directory) and `redis-server` (no persistence) on free or given loopback ports — unless
 `FLEXLB_NATS_URL` / `FLEXLB_REDIS_URL` name servers to use instead — then the simulated
 workers (`--workers N` colocated, or `--prefill N --decode M` disaggregated) and the
-router. It waits until the router's `/readyz` says ready, prints the URLs, writes them and
+router. `--engine openai --engine-url URL [--engine-url URL ...]` starts one worker agent
+per OpenAI-compatible server instead (workers/openai_agent.py; colocated; the i-th
+`--kv-events-endpoint` / `--kv-events-replay-endpoint` goes to the i-th server; without
+any, the router's prefix index is `approximate` unless `--prefix-index` says otherwise). It waits until the router's `/readyz` says ready, prints the URLs, writes them and
 every started pid to `--state-file` (JSON); `--routers 2` starts a second router on the
 next port (a standby that forwards to the leader and takes over if it dies), and runs until SIGINT/SIGTERM, when it stops
 every child (router first, servers last) and exits 0. A child that dies is reported on
@@ -73,6 +76,20 @@ def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float) 
 
 
 def run_up(args, settings: RouterSettings) -> int:
+    prefix_index = settings.prefix_index
+    if args.engine == "openai":
+        urls, events, replays = args.engine_url or [], args.kv_events_endpoint or [], args.kv_events_replay_endpoint or []
+        if not urls:
+            raise ValueError("--engine openai needs --engine-url URL, once per server")
+        if args.prefill or args.decode:
+            raise ValueError("--engine openai serves colocated only (no --prefill / --decode)")
+        if len(events) > len(urls) or len(replays) > len(events):
+            raise ValueError("give --kv-events-endpoint at most once per --engine-url (the i-th to the i-th server), "
+                             "and --kv-events-replay-endpoint at most once per --kv-events-endpoint")
+        if not events and args.prefix_index is None and "FLEXLB_PREFIX_INDEX" not in os.environ:
+            prefix_index = "approximate"  # no KV events from the servers: learn the prefixes from decisions
+    elif args.engine_url or args.kv_events_endpoint or args.kv_events_replay_endpoint:
+        raise ValueError("--engine-url and --kv-events-* go with --engine openai")
     if (args.prefill > 0) != (args.decode > 0):
         raise ValueError("--prefill and --decode go together (disaggregated mode needs both roles)")
     if args.routers < 1:
@@ -102,13 +119,22 @@ def run_up(args, settings: RouterSettings) -> int:
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url)
         worker_flags: list[str] = []
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
-                     "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs"):
+                     "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs",
+                     "engine_model", "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
         if args.chunked_prefill is False:
             worker_flags.append("--no-chunked-prefill")
-        if args.prefill:
+        per_worker: dict[str, list[str]] = {}  # flags of one worker only (its server)
+        if args.engine == "openai":
+            fleet = [(f"w{i}", "pd_fusion") for i in range(len(args.engine_url))]
+            per_worker = {f"w{i}": ["--engine-url", url] for i, url in enumerate(args.engine_url)}
+            for i, endpoint in enumerate(args.kv_events_endpoint or []):
+                per_worker[f"w{i}"] += ["--kv-events-endpoint", endpoint]
+            for i, replay in enumerate(args.kv_events_replay_endpoint or []):
+                per_worker[f"w{i}"] += ["--kv-events-replay-endpoint", replay]
+        elif args.prefill:
             fleet = [(f"p{i}", "prefill") for i in range(args.prefill)] + [(f"d{i}", "decode") for i in range(args.decode)]
         else:
             fleet = [(f"w{i}", "pd_fusion") for i in range(args.workers)]
@@ -121,8 +147,8 @@ def run_up(args, settings: RouterSettings) -> int:
             if args.torch_threads is None:
                 worker_flags += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // max(1, len(fleet))))]
         for worker_id, role in fleet:
-            children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags], env,
-                                                     nice=worker_nice)
+            children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags,
+                                                      *per_worker.get(worker_id, [])], env, nice=worker_nice)
         router_urls = []
         for i in range(args.routers):
             router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"
@@ -132,11 +158,14 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
                             "--decode-policy-params", json.dumps(settings.decode_policy_params),
                             "--batcher", settings.batcher, "--batcher-params", json.dumps(settings.batcher_params_effective()),
-                            "--prefix-index", settings.prefix_index, "--slo-mode", settings.slo_mode,
+                            "--prefix-index", prefix_index, "--slo-mode", settings.slo_mode,
                             "--prefill-coefficients", json.dumps(settings.prefill_coefficients),
                             "--predictor-learning", str(settings.predictor_learning).lower(),
                             "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
-                            "--cluster", settings.cluster, "--log-level", settings.log_level]
+                            "--cluster", settings.cluster, "--log-level", settings.log_level,
+                            "--tokenizer-add-special-tokens", str(settings.tokenizer_add_special_tokens).lower()]
+            if settings.tokenizer:  # every replica tokenizes alike: a standby forwards ids, not text
+                router_flags += ["--tokenizer", os.path.abspath(settings.tokenizer)]
             children["router" if i == 0 else f"router-{i}"] = _child(router_flags, env)
             router_urls.append(f"http://{settings.host}:{port}")
             if i == 0:  # the first router takes the lease; the others start as standbys

@@ -1,5 +1,6 @@
-"""vLLM's KV event wire format, pinned by frames encoded by hand from vLLM's struct layout
-(array_like, tagged by class name), and its translation into FlexLB's chained hashes."""
+"""vLLM's KV event wire format, pinned by frames encoded by hand from vLLM's struct layouts
+(array_like, tagged by class name; and the newer tagged maps), and its translation into
+FlexLB's chained hashes."""
 
 from __future__ import annotations
 
@@ -56,6 +57,52 @@ def test_a_bad_frame_is_a_coded_error(parts, fragment):
     assert info.value.code == "invalid_request"
 
 
+def fixmap(pairs: list[tuple[str, bytes]]) -> bytes:
+    assert len(pairs) < 16
+    return bytes([0x80 | len(pairs)]) + b"".join(fixstr(k) + v for k, v in pairs)
+
+
+# vLLM >= PR #42892, as a 0.26 server sends it: [1.5, [{"type": "BlockStored", ...}, {"type":
+# "AllBlocksCleared"}], 0], with fields newer than our structs (lora_name, extra_keys, group_idx).
+GOLDEN_MAP_EVENTS = (
+    b"\x93" + b"\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00" + b"\x92"
+    + fixmap([("type", fixstr("BlockStored")), ("block_hashes", b"\x92\x6f\xcf" + b"\xff" * 8),
+              ("parent_block_hash", b"\xc0"), ("token_ids", b"\x98" + bytes(range(1, 9))), ("block_size", b"\x04"),
+              ("lora_id", b"\xc0"), ("medium", fixstr("GPU")), ("lora_name", b"\xc0"), ("extra_keys", b"\x92\xc0\xc0"),
+              ("group_idx", b"\x00")])
+    + fixmap([("type", b"\xb0AllBlocksCleared")])
+    + b"\x00"
+)
+GOLDEN_MAP_ENVELOPE = fixmap([("ts", b"\xcb\x3f\xf8" + b"\x00" * 6),
+                              ("events", b"\x91" + fixmap([("type", fixstr("BlockRemoved")), ("block_hashes", b"\x91\x6f"),
+                                                           ("medium", b"\xc0")]))])
+
+
+def test_map_encoded_events_of_newer_vllm_decode_too():
+    _, _, batch = decode_frame([b"", (0).to_bytes(8, "big"), GOLDEN_MAP_EVENTS])
+    st, cleared = batch.events
+    assert (batch.ts, batch.data_parallel_rank) == (1.5, 0)
+    assert isinstance(st, BlockStored) and isinstance(cleared, AllBlocksCleared)
+    assert (st.block_hashes, st.parent_block_hash, st.token_ids, st.block_size, st.medium) == (
+        [111, 2**64 - 1], None, list(range(1, 9)), 4, "GPU")
+    _, _, batch = decode_frame([b"", (1).to_bytes(8, "big"), GOLDEN_MAP_ENVELOPE])
+    (gone,) = batch.events
+    assert isinstance(gone, BlockRemoved) and gone.block_hashes == [111] and batch.ts == 1.5
+
+
+def test_a_block_stored_and_removed_in_one_batch_is_in_neither_list():
+    prompt = list(range(8))
+    tr = VllmKvTranslator(4)
+    out = tr.translate(KVEventBatch(ts=0.0, events=[
+        BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=prompt, block_size=4),
+        BlockRemoved(block_hashes=[2])]))
+    assert out.stored == block_hashes(prompt, 4)[:1] and out.removed == [] and len(tr) == 1
+    out = tr.translate(KVEventBatch(ts=0.0, events=[
+        BlockRemoved(block_hashes=[1]),
+        BlockStored(block_hashes=[3], parent_block_hash=None, token_ids=prompt[:4], block_size=4)]))
+    assert out.removed == out.stored == block_hashes(prompt, 4)[:1]  # removed first, then stored: cached
+
+
 def stored(theirs: list, parent, tokens: list[int], bs: int = 4) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[BlockStored(block_hashes=theirs, parent_block_hash=parent, token_ids=tokens,
                                                     block_size=bs)])
@@ -73,10 +120,10 @@ def test_a_chain_stored_in_two_events_gets_the_routers_hashes_of_the_whole_promp
     assert tr.translate(KVEventBatch(ts=0.0, events=[AllBlocksCleared()])).cleared and len(tr) == 0
 
 
-def test_an_unknown_parent_asks_for_a_resync_and_a_wrong_block_size_is_an_error():
+def test_an_unknown_parent_is_counted_unchainable_and_a_wrong_block_size_is_an_error():
     tr = VllmKvTranslator(4)
-    out = tr.translate(stored([5], 4242, [1, 2, 3, 4]))
-    assert out.resync and out.stored == [] and len(tr) == 0
+    out = tr.translate(stored([5, 6], 4242, list(range(8))))
+    assert out.num_unchainable_blocks == 2 and out.stored == [] and not out.cleared and len(tr) == 0
     with pytest.raises(VllmEventError, match="block size"):
         tr.translate(stored([5], None, list(range(16)), bs=16))
 

@@ -79,7 +79,7 @@ SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (b
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_id: str
     role: str = "pd_fusion"
-    engine: str = "sim"  # sim | torch (workers/engines/torch_engine.py; the `torch` extra)
+    engine: str = "sim"  # sim | torch (workers/engines/torch_engine.py; the `torch` extra) | openai (below)
     # torch: a preset (tiny, 1b: seeded random weights) or a local Hugging Face Llama
     # directory; every worker of a PD fleet must run the same model (the KV crosses over).
     model: str = "tiny"
@@ -108,12 +108,37 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # all requests). A request whose tokens do not fit is stopped and failed with
     # stream_overflow (counted in num_stream_overflows), never silently truncated.
     outbound_buffer_bytes: int = 2 * 1024 * 1024
+    # openai: the agent executes on an OpenAI-compatible server (vLLM, SGLang) instead of an
+    # engine of its own (workers/openai_agent.py). Its base URL; the served model name
+    # (default: the first of its GET /v1/models); the most requests open to it at once; how long
+    # a stream may go without a byte before it is failed (upstream_error).
+    engine_url: str = ""
+    engine_model: str = ""
+    upstream_max_concurrency: int = 256
+    upstream_stall_timeout_s: float = 60.0
+    # openai + vLLM's KV events (`vllm serve --kv-events-config`): the ZMQ PUB endpoint to
+    # subscribe to, its replay endpoint (optional) and topic. Empty: no events (run the router
+    # with prefix_index approximate). `flexlb sim-server`: where it publishes such events
+    # itself. A NATS worker of the sim or torch engine publishes on NATS: refused there.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
     def validate(self) -> "WorkerConfig":
         validate_token("worker_id", self.worker_id)
         self.role = m.parse_role(self.role)
-        if self.engine not in ("sim", "torch"):
-            raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch")
+        if self.engine not in ("sim", "torch", "openai"):
+            raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch, openai")
+        if self.engine == "openai":
+            if not self.engine_url.startswith(("http://", "https://")):
+                raise ValueError(f"engine openai needs engine_url, an http:// or https:// base URL, got {self.engine_url!r}")
+            if self.role != "pd_fusion":
+                raise ValueError("engine openai serves colocated (pd_fusion) only: PD through a server's own KV "
+                                 "connector (vLLM kv_transfer_params) is not supported")
+            if self.upstream_max_concurrency <= 0 or self.upstream_stall_timeout_s <= 0:
+                raise ValueError("upstream_max_concurrency and upstream_stall_timeout_s must be > 0")
+            if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.engine == "torch":
             try:
                 import torch  # noqa: F401  (the torch extra)
@@ -133,6 +158,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def make_engine(cfg: WorkerConfig) -> SimEngine:
     """The engine a worker config describes: one construction path for the NATS worker and
     the HTTP front (workers/http_front.py), so both run the very same engine."""
+    if cfg.engine == "openai":
+        raise ValueError("engine openai has no engine of its own: it forwards to the server at engine_url")
     if cfg.engine == "torch":
         import torch
 
@@ -178,7 +205,7 @@ class WorkerAgent:
         self.cfg = config
         self.boot_id = secrets.token_hex(4)
         self.host = socket.gethostname()
-        self.engine = make_engine(config)
+        self.engine = self._make_engine()
         self._kv_bucket = None  # the PD hand-off KV object store (torch engine), opened on first use
         self.envelopes = m.EnvelopeFactory(config.worker_id, self.boot_id)
         self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
@@ -205,6 +232,29 @@ class WorkerAgent:
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
         self.nc = None
         self.js = None
+
+    # ------------------------------------------------------------------ what an engine kind overrides
+    # (workers/openai_agent.py: the same agent in front of an HTTP server instead of an engine)
+    def _make_engine(self):
+        return make_engine(self.cfg)
+
+    async def _prepare(self) -> None:
+        """Before the worker registers (its config may still change)."""
+
+    def _engine_loops(self) -> list:
+        return [self._engine_loop()]
+
+    def _submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
+        self.engine.submit_batch(EngineBatch(batch_id=batch_id, requests=[
+            engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling) for r in requests
+        ]))
+
+    def _cancel(self, request_id: str) -> bool:
+        """Drop the request from the engine: True if it held it."""
+        return self.engine.cancel(request_id)
+
+    def _cached_block_hashes(self) -> list[int]:
+        return self.engine.all_cached_block_hashes()
 
     # ------------------------------------------------------------------ plumbing
     def _forget(self, request_id: str) -> ReqMeta | None:
@@ -295,6 +345,7 @@ class WorkerAgent:
         )
         self.js = self.nc.jetstream()
         await self._ensure_streams()
+        await self._prepare()
         await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
         await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
         await self.nc.subscribe(epoch_subject(cfg.worker_id), cb=self._on_fence_epoch)
@@ -318,8 +369,7 @@ class WorkerAgent:
         tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._command_loop(psub), name="commands"),
-            asyncio.create_task(self._engine_loop(), name="engine"),
-        ]
+        ] + [asyncio.create_task(loop, name="engine") for loop in self._engine_loops()]
         await stop.wait()
         self.state = "stopping"
         for t in tasks:
@@ -338,7 +388,7 @@ class WorkerAgent:
 
     async def _fail_everything(self, reason: str) -> None:
         for request_id in list(self.meta):
-            self.engine.cancel(request_id)
+            self._cancel(request_id)
             self._forget(request_id)
             await self._event(m.RequestFailed(
                 request_id=request_id, worker_id=self.cfg.worker_id, code="worker_failed", message=reason, retryable=True,
@@ -412,9 +462,7 @@ class WorkerAgent:
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns,
                                                   r.sampling)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
-            self.engine.submit_batch(EngineBatch(batch_id=cmd.batch_id, requests=[
-                engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling) for r in requests
-            ]))
+            self._submit_batch(cmd.batch_id, requests)
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
             key = f"{cmd.batch_id}:{cmd.request_id}"
             if key in self.seen_batches or cmd.request_id in self.withdrawn:
@@ -450,10 +498,10 @@ class WorkerAgent:
             self.withdrawn[cmd.request_id] = None
             if len(self.withdrawn) > WITHDRAWN_MAX:
                 self.withdrawn.popitem(last=False)
-            if self.engine.cancel(cmd.request_id):
+            if self._cancel(cmd.request_id):
                 self._forget(cmd.request_id)  # the router owns its terminal event
             return
-        if self.engine.cancel(cmd.request_id):
+        if self._cancel(cmd.request_id):
             self._forget(cmd.request_id)
             await self._event(m.RequestCancelled(request_id=cmd.request_id, worker_id=self.cfg.worker_id, reason=cmd.reason))
 
@@ -476,7 +524,7 @@ class WorkerAgent:
         # Consistent with every KV event published so far (kv_seq does not advance).
         await self.nc.publish(kv_events_subject(self.cfg.worker_id), self._env(m.KvSnapshot(
             worker_id=self.cfg.worker_id, boot_id=self.boot_id, kv_seq=self.kv_seq,
-            block_hashes=self.engine.all_cached_block_hashes(), block_size_tokens=self.cfg.block_size_tokens,
+            block_hashes=self._cached_block_hashes(), block_size_tokens=self.cfg.block_size_tokens,
         )))
 
     async def _publish_kv(self, step: StepResult) -> None:
@@ -536,7 +584,7 @@ class WorkerAgent:
         so. The failure event may not fit either; then the router learns it from the status
         reports, which stop listing the request (calibration), or from the token gap."""
         self.num_stream_overflows += 1
-        self.engine.cancel(request_id)
+        self._cancel(request_id)
         self._forget(request_id)
         log.warning("request %s: outbound buffer of %d bytes full; stopped (stream_overflow)", request_id,
                     self.cfg.outbound_buffer_bytes)
@@ -552,7 +600,7 @@ class WorkerAgent:
         now = time.time_ns()
         late = [rid for rid, meta in self.meta.items() if 0 < meta.deadline_ns <= now]
         for rid in late:
-            if self.engine.cancel(rid):
+            if self._cancel(rid):
                 self._forget(rid)
                 await self._event(m.RequestTimedOut(request_id=rid, worker_id=self.cfg.worker_id, phase="running"))
 

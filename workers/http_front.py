@@ -17,12 +17,19 @@ Every generation request becomes one `EngineBatch` of one `EngineRequest`. Its i
 (`<worker id>-<boot hex>-<n>`); an id that is still in the engine is refused (409
 `duplicate_request`). The simulated output depends on the id (`sim_token_id`). Text is
 tokenized with the project's byte-level tokenizer (`schemas.tokens`: one ASCII character =
-one token) and output ids decoded back with it (incrementally, so a UTF-8 character split
-across chunks is not mangled). A client that disconnects cancels its request in the engine.
+one token), or with `--tokenizer PATH` by a Hugging Face tokenizer.json (the router's
+`--tokenizer`: both then give the same ids for a text), and output ids are decoded back
+with the same one (incrementally, so a UTF-8 character split across chunks is not mangled:
+an HF tokenizer's chunk is held while its text ends in U+FFFD). As in vLLM, a text prompt
+gets the tokenizer's special tokens (BOS) unless the body says `add_special_tokens: false`
+(`/v1/completions`, `/tokenize`, `/v1/completions/render`); output text skips them. An HF
+tokenizer runs in a thread (it releases the GIL; the step loop keeps its pace). A client
+that disconnects cancels its request in the engine.
 
 Endpoints
 - `POST /v1/completions` (OpenAI): `prompt` (text, token ids, or a one-element list of
-  either), `max_tokens` (default 16, as OpenAI), `stream`, `stream_options.include_usage`.
+  either), `max_tokens` (default 16, as OpenAI), `stream`, `stream_options.include_usage`,
+  `return_token_ids` (vLLM >= 0.10.2: each choice also carries `token_ids`, that chunk's).
   Non-streaming: `{"id", "object": "text_completion", "created", "model", "choices":
   [{"index": 0, "text", "logprobs": null, "finish_reason": "length"}], "usage":
   {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details":
@@ -62,8 +69,8 @@ Endpoints
   `page_size`, `max_running_requests`, `chunked_prefill_size`, `dp_size` 1, `tp_size` 1),
   plus ours. `GET /model_info`, `/get_model_info`: `{"is_generation": true,
   "served_model_name", "model_type": "flexlb-sim"}`. Neither has `model_path` or
-  `tokenizer_path`: sglang-router downloads a tokenizer named there (no internet here; we
-  have no HF tokenizer anyway).
+  `tokenizer_path`: sglang-router downloads a tokenizer named there (no internet here);
+  ours is under `tokenizer` (`byte`, or `hf:<path>`).
 - `GET /v1/models`: the one served model, with `max_model_len`.
 - `GET /get_load`: SGLang's list `[{"dp_rank": 0, "num_reqs": running + waiting,
   "num_waiting_reqs", "num_tokens"}]`. The power_of_two policies of sglang-router 0.3.2 and
@@ -76,7 +83,7 @@ Endpoints
 - `GET /metrics` (Prometheus text, built by hand: no global registry). vLLM's names, label
   `model_name`: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (used / total blocks, 0..1; cached-but-free blocks count as
-  free, as in vLLM), `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
+  free, as in vLLM), `vllm:cache_config_info{block_size, num_gpu_blocks}` (value 1), `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
   (prompt tokens / cached prompt tokens of finished requests), `vllm:prompt_tokens_total`,
   `vllm:generation_tokens_total`, `vllm:num_preemptions_total` (when the engine reports
   preemptions). Ours: `flexlb_sim_requests_total` (accepted into the engine, health checks
@@ -99,9 +106,18 @@ token-id prompt itself. vllm-router checks `GET /health` at start, then every
 `/v1/completions/render` as above. Neither calls `/health_generate`, `/metrics` or
 `/v1/models` on its own.
 
+KV events, vLLM's (`--kv-events-endpoint tcp://*:5557`, optionally `--kv-events-replay-endpoint
+tcp://*:5558` and `--kv-events-topic`; needs pyzmq): the server publishes its prefix cache's
+changes as `vllm serve --kv-events-config` does (and, as vLLM, binds an endpoint with `*`
+or `::` but connects to any other), after each engine step one batch of
+BlockStored / BlockRemoved events on a ZMQ PUB socket, with vLLM's replay socket
+(workers/vllm_kv_zmq.py `EngineKvPublisher`: vLLM-side hashes are a different hash of ours;
+a BlockStored's token ids come from the submitted prompts). Counted in
+`flexlb_sim_kv_event_batches_total` / `flexlb_sim_kv_events_unknown_blocks_total`.
+
 Not modelled: sampling (temperature, top_p, stop strings, logprobs: the output is the
 engine's deterministic `sim_token_id` text and always stops at max_tokens, finish_reason
-"length"), chat completions, real tokenizers, several prompts per request, priorities and
+"length"), chat completions, chat templates, several prompts per request, priorities and
 SLO fields, vLLM's PD protocol (kv_transfer_params), data parallelism.
 
 PD disaggregation, SGLang's way (`--role prefill` / `--role decode`; sglang-router
@@ -132,7 +148,6 @@ Imports: `schemas` and `workers` only (never `services`).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import itertools
 import logging
 import secrets
@@ -143,7 +158,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 
 from schemas.errors import ERROR_CODES
-from schemas.tokens import encode_text
+from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.agent import WorkerConfig, make_engine
 from workers.engines.sim import EngineBatch, EngineRequest, FailedOut, FinishedOut, StepResult
 
@@ -222,9 +237,11 @@ class OpenRequest:
 class SimFront:
     """One engine, its step loop, and the open requests' streams (the transport-free half)."""
 
-    def __init__(self, cfg: WorkerConfig, model_name: str = DEFAULT_MODEL_NAME) -> None:
+    def __init__(self, cfg: WorkerConfig, model_name: str = DEFAULT_MODEL_NAME,
+                 tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> None:
         self.cfg = cfg
         self.model_name = model_name
+        self.tokenizer = tokenizer  # text prompts in, output ids to text (module docstring)
         if cfg.engine == "torch" and cfg.role != "pd_fusion":
             raise ValueError("the HTTP front runs the torch engine colocated only (pd_fusion): its PD hand-off of "
                              "real KV goes through the NATS worker")
@@ -257,6 +274,15 @@ class SimFront:
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_engine_errors = 0
+        # vLLM's KV events (module docstring): the engine's cache changes on a ZMQ PUB socket.
+        self.kv_events = None
+        if cfg.kv_events_endpoint:
+            from workers.vllm_kv_zmq import EngineKvPublisher  # pyzmq (the openai extra): only when asked for
+
+            self.kv_events = EngineKvPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint or None,
+                                               cfg.kv_events_topic, cfg.block_size_tokens)
+        elif cfg.kv_events_replay_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -270,6 +296,8 @@ class SimFront:
             except asyncio.CancelledError:
                 pass
         self._fail_all("worker_failed", f"sim-server {self.cfg.worker_id} is shutting down")
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def is_running(self) -> bool:
@@ -297,6 +325,8 @@ class SimFront:
             raise HttpError("not_ready", "the engine's step loop is not running")
         req = OpenRequest(request_id, len(prompt_token_ids), max_tokens, is_health_check)
         request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens)
+        if self.kv_events is not None:
+            self.kv_events.note_prompt(prompt_token_ids)  # the tokens and parents of the blocks it may store
         try:
             if self.role == "decode":
                 first_token_id, num_cached = handoff if handoff is not None else (0, 0)
@@ -366,6 +396,8 @@ class SimFront:
             if step is None:
                 await self._work.wait()
                 continue
+            if self.kv_events is not None:  # at step(), as the engine's state changes
+                self.kv_events.publish_step(step.blocks_stored, step.blocks_removed)
             self._is_step_in_flight = True
             try:
                 # The torch engine measured a step that already ran; the sim's is slept now.
@@ -464,6 +496,8 @@ class SimFront:
         metric("vllm:num_requests_waiting", "gauge", "Requests queued in the engine.", [(model, e.num_queued_requests)])
         metric("vllm:kv_cache_usage_perc", "gauge", "KV blocks held by requests / all KV blocks (0..1).",
                [(model, e.num_used_kv_blocks / total_blocks if total_blocks else 0.0)])
+        metric("vllm:cache_config_info", "gauge", "The KV cache's configuration (labels), as vLLM exports it.",
+               [(f'{{block_size="{self.cfg.block_size_tokens}",num_gpu_blocks="{total_blocks}"}}', 1)])
         metric("vllm:prefix_cache_queries_total", "counter", "Prompt tokens of finished requests.",
                [(model, self.num_prompt_tokens_finished)])
         metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens of finished requests served from the prefix cache.",
@@ -497,6 +531,12 @@ class SimFront:
             ('{state="free"}', e.num_free_kv_blocks), ('{state="cached"}', e.num_cached_kv_blocks),
             ('{state="used"}', e.num_used_kv_blocks),
         ])
+        if self.kv_events is not None:
+            metric("flexlb_sim_kv_event_batches_total", "counter", "vLLM KV event batches published.",
+                   [("", self.kv_events.publisher.num_published)])
+            metric("flexlb_sim_kv_events_unknown_blocks_total", "counter",
+                   "Stored blocks not published as KV events: not among the submitted prompts' blocks.",
+                   [("", self.kv_events.num_unknown_stored)])
         return "\n".join(lines) + "\n"
 
     def server_info(self) -> dict[str, Any]:
@@ -507,23 +547,25 @@ class SimFront:
             "max_running_requests": c.max_num_seqs, "chunked_prefill_size": c.max_num_batched_tokens,
             "dp_size": 1, "tp_size": 1, "engine": "flexlb-sim", "worker_id": c.worker_id,
             "time_scale": c.time_scale, "num_kv_blocks": c.num_kv_blocks, "block_size_tokens": c.block_size_tokens,
-            "chunked_prefill": c.chunked_prefill, "profile": c.profile or "default",
+            "chunked_prefill": c.chunked_prefill, "profile": c.profile or "default", "tokenizer": self.tokenizer.name,
         }
 
 
 # --------------------------------------------------------------------------- request parsing
-def prompt_token_ids(value: Any, field: str) -> list[int]:
-    """Text, token ids, or a one-element list of either -> token ids (byte-level tokenizer).
-    An empty prompt passes: the engine refuses it (`invalid_request`), as on the NATS path."""
+def prompt_token_ids(value: Any, field: str, tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER,
+                     add_special_tokens: bool | None = None) -> list[int]:
+    """Text, token ids, or a one-element list of either -> token ids (text by `tokenizer`,
+    `add_special_tokens` None: its default). An empty prompt passes: the engine refuses it
+    (`invalid_request`), as on the NATS path."""
     if isinstance(value, str):
-        return encode_text(value)
+        return tokenizer.encode(value, add_special_tokens)
     if isinstance(value, list):
         if all(type(v) is int for v in value):
             if any(v < 0 for v in value):
                 raise HttpError("invalid_request", f"{field}: token ids must be >= 0")
             return value
         if len(value) == 1 and isinstance(value[0], (str, list)):
-            return prompt_token_ids(value[0], field)
+            return prompt_token_ids(value[0], field, tokenizer, add_special_tokens)
         if all(isinstance(v, (str, list)) for v in value):
             raise HttpError("invalid_request", f"{field}: a batch of {len(value)} prompts is not supported; send one per request")
     raise HttpError("invalid_request", f"{field} must be text or a list of token ids")
@@ -629,15 +671,15 @@ class Output:
 
     __slots__ = ("token_ids", "text_parts", "_decoder")
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> None:
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder = tokenizer.incremental_decoder()
 
     def add(self, delta: Delta) -> str:
         """Append a step's tokens; return their text (a split UTF-8 character waits)."""
         self.token_ids.extend(delta.token_ids)
-        text = self._decoder.decode(bytes(t & 0xFF for t in delta.token_ids), final=delta.finished is not None)
+        text = self._decoder.decode(delta.token_ids, final=delta.finished is not None)
         self.text_parts.append(text)
         return text
 
@@ -656,12 +698,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 class OpenAIFormat:
     """`/v1/completions` bodies and chunks (OpenAI completion shape)."""
 
-    def __init__(self, request_id: str, model: str, num_prompt_tokens: int, include_usage: bool) -> None:
+    def __init__(self, request_id: str, model: str, num_prompt_tokens: int, include_usage: bool,
+                 return_token_ids: bool = False) -> None:
         self.id = f"cmpl-{request_id}"
         self.model = model
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids  # vLLM >= 0.10.2: each choice carries its token ids
 
     def _usage(self, out: Output, finished: FinishedOut) -> dict[str, Any]:
         n = len(out.token_ids)
@@ -670,8 +714,11 @@ class OpenAIFormat:
 
     def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
         finish_reason = delta.finished.finish_reason if delta.finished is not None else None
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
         data = sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]})
+                    "choices": [choice]})
         if delta.finished is not None and self.include_usage:
             data += sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                          "choices": [], "usage": self._usage(out, delta.finished)})
@@ -680,7 +727,8 @@ class OpenAIFormat:
     def body(self, out: Output, finished: FinishedOut) -> bytes:
         return _json_encode({
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": finished.finish_reason}],
+            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": finished.finish_reason,
+                         **({"token_ids": out.token_ids} if self.return_token_ids else {})}],
             "usage": self._usage(out, finished),
         })
 
@@ -809,9 +857,9 @@ class SimHttpApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.front.start()
-                log.info("sim-server %s: engine ready (%d KV blocks of %d tokens, time scale %g, model %s)",
+                log.info("sim-server %s: engine ready (%d KV blocks of %d tokens, time scale %g, model %s, tokenizer %s)",
                          self.front.cfg.worker_id, self.front.cfg.num_kv_blocks, self.front.cfg.block_size_tokens,
-                         self.front.cfg.time_scale, self.front.model_name)
+                         self.front.cfg.time_scale, self.front.model_name, self.front.tokenizer.name)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.front.stop()
@@ -834,21 +882,22 @@ class SimHttpApp:
         refuse_unmodelled(body)
         if "prompt" not in body:
             raise HttpError("invalid_request", "prompt is required")
-        prompt = prompt_token_ids(body["prompt"], "prompt")
+        prompt = await self._prompt(body["prompt"], "prompt", body)
         max_tokens = int_field(body, "max_tokens", OPENAI_DEFAULT_MAX_TOKENS)
         stream = bool_field(body, "stream")
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         request_id = request_id_of(scope, body) or self.front.new_request_id()
-        fmt = OpenAIFormat(request_id, self.front.model_name, len(prompt), include_usage)
+        fmt = OpenAIFormat(request_id, self.front.model_name, len(prompt), include_usage,
+                           return_token_ids=bool_field(body, "return_token_ids"))
         await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
 
     async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive))
         if body.get("text") is not None:
-            prompt = prompt_token_ids(body["text"], "text")
+            prompt = await self._prompt(body["text"], "text")
         elif body.get("input_ids") is not None:
-            prompt = prompt_token_ids(body["input_ids"], "input_ids")
+            prompt = await self._prompt(body["input_ids"], "input_ids")
         else:
             raise HttpError("invalid_request", "text or input_ids is required")
         params = body.get("sampling_params") or {}
@@ -860,6 +909,17 @@ class SimHttpApp:
         request_id = request_id_of(scope, body) or self.front.new_request_id()
         await self._run(receive, send, request_id, prompt, max_tokens, stream, SGLangFormat(request_id, len(prompt)),
                         self._bootstrap(body))
+
+    async def _prompt(self, value: Any, field: str, body: dict[str, Any] | None = None) -> list[int]:
+        """`prompt_token_ids` by the front's tokenizer, with the body's `add_special_tokens`
+        (vLLM's field; absent: the tokenizer's default); an HF tokenizer in a thread."""
+        add = body.get("add_special_tokens") if body is not None else None
+        if add is not None and not isinstance(add, bool):
+            raise HttpError("invalid_request", f"add_special_tokens must be true or false, got {add!r}")
+        tokenizer = self.front.tokenizer
+        if tokenizer.is_costly:
+            return await asyncio.to_thread(prompt_token_ids, value, field, tokenizer, add)
+        return prompt_token_ids(value, field, tokenizer, add)
 
     def _bootstrap(self, body: dict[str, Any]) -> tuple[str, int, int] | None:
         """PD fields matter on a prefill or decode server only; a colocated one ignores them."""
@@ -896,7 +956,7 @@ class SimHttpApp:
 
     async def _unary(self, send: Send, req: OpenRequest, fmt: OpenAIFormat | SGLangFormat,
                      headers: list[tuple[bytes, bytes]]) -> None:
-        out = Output()
+        out = Output(self.front.tokenizer)
         while True:
             delta = await req.deltas.get()
             if delta is _CLIENT_GONE:
@@ -911,7 +971,7 @@ class SimHttpApp:
 
     async def _stream(self, send: Send, req: OpenRequest, fmt: OpenAIFormat | SGLangFormat,
                       headers: list[tuple[bytes, bytes]]) -> None:
-        out = Output()
+        out = Output(self.front.tokenizer)
         started = False
         while True:
             delta = await req.deltas.get()
@@ -939,7 +999,7 @@ class SimHttpApp:
     async def health_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A real one-token generation (see the module docstring), bounded by 20 s."""
         request_id = f"health-{self.front.new_request_id()}"
-        req = self.front.submit(request_id, encode_text(HEALTH_PROMPT), 1, is_health_check=True)
+        req = self.front.submit(request_id, self.front.tokenizer.encode(HEALTH_PROMPT), 1, is_health_check=True)
         try:
             delta = await asyncio.wait_for(req.deltas.get(), timeout=20)
         except asyncio.TimeoutError:
@@ -977,7 +1037,7 @@ class SimHttpApp:
         value = body.get("prompt", body.get("text"))
         if value is None:
             raise HttpError("invalid_request", "prompt (or text) is required; chat messages are not supported")
-        tokens = prompt_token_ids(value, "prompt")
+        tokens = await self._prompt(value, "prompt", body)
         await send_json(send, 200, {"count": len(tokens), "max_model_len": self.front.cfg.max_seq_len_tokens,
                                     "tokens": tokens, "token_strs": None})
 
@@ -985,7 +1045,7 @@ class SimHttpApp:
         body = parse_json_object(await read_body(receive))
         if "prompt" not in body:
             raise HttpError("invalid_request", "prompt is required")
-        tokens = prompt_token_ids(body["prompt"], "prompt")
+        tokens = await self._prompt(body["prompt"], "prompt", body)
         await send_json(send, 200, [{"request_id": f"cmpl-render-{next(self._render_ids)}", "model": self.front.model_name,
                                      "token_ids": tokens}])
 
@@ -1016,11 +1076,12 @@ class SimHttpApp:
         await send_bytes(send, 200, self.front.metrics_text().encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
 
-def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info") -> None:
+def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info",
+          tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> None:
     """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
     import uvicorn
 
-    app = SimHttpApp(SimFront(cfg, model_name))
+    app = SimHttpApp(SimFront(cfg, model_name, tokenizer))
     uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
     # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",

@@ -1,0 +1,551 @@
+"""The worker agent in front of an OpenAI-compatible server (vLLM, SGLang): `--engine openai`.
+
+The bus side is the agent's own (workers/agent.py, unchanged): it pulls `DispatchBatch`
+from its JetStream consumer, dedupes, honours fencing epochs, withdrawals, cancel,
+deadlines and drain, and publishes lifecycle, token, status and KV events. What differs is
+where a request runs: on the server at `engine_url`, over HTTP.
+
+Execution. A batch is queued in the agent, then released to the server whole: every
+member's `POST {engine_url}/v1/completions` starts at once (the server batches them
+itself), when `upstream_max_concurrency` leaves room for all of them (a batch larger than
+the limit goes alone, when nothing else is open). The body: the prompt as token ids,
+`max_tokens`, `stream: true`, `stream_options.include_usage`, `return_token_ids: true`
+(vLLM >= 0.10.2: every chunk carries its token ids), the sampling of the request
+(`temperature` 0 when it sets none: FlexLB's default is greedy, vLLM's is 1.0), `top_p`,
+`seed`, `ignore_eos`, and `X-Request-Id: <request id>`. Tokens are relayed as they arrive,
+with the server's text. Released: `BatchStarted`; every member's first token (or end):
+`PrefillCompleted` with the batch's measured prefill, the longest first-token latency of its
+members from the release (the agent's own queue is excluded; the server's is not, so a
+server that queues inflates it: keep `upstream_max_concurrency` near the server's
+`--max-num-seqs`), which the router's predictor learns from. Cached prompt tokens: the KV
+event view's count at release when events are on, else 0 until the server's usage says.
+
+Failures, each with a code, never a hang: the server refuses (429, 503) ->
+`upstream_refused`; 400 -> `invalid_request`; 413 -> `too_large`; another status, an
+error chunk, a cut connection, a stream that ends without a finish reason or with vLLM's
+`abort`, a chunk without token ids, or no byte for `upstream_stall_timeout_s` ->
+`upstream_error`. All retryable except the client's own mistakes. A cancel (or a deadline,
+or a withdrawal) closes the upstream request: the server sees the client go and aborts it.
+
+Status. `GET {engine_url}/metrics` at every heartbeat: vLLM's `vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`
+(`num_gpu_blocks`, `block_size`), `vllm:prefix_cache_queries_total` / `hits_total`, or
+SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`. Running
+= the server's; queued = the agent's unreleased batches + the server's waiting requests;
+free blocks = (1 - usage) x blocks; `recent_step_ms` = the mean gap between tokens of the
+streams of the last 3 s (the server's time per output token). The agent is `not_ready`
+until the server first answers, and again after `UNREACHABLE_AFTER_POLLS` polls in a row
+fail: then everything it holds fails with `upstream_error` (queued ones with
+`upstream_refused`), so the router re-routes new work at once and no request waits on a dead
+server (the agent's heartbeats keep coming, so its liveness is unchanged). At start, the
+server's block size and block count (cache_config_info) and max_model_len (/v1/models)
+replace the configured ones before the worker registers.
+
+KV events (`kv_events_endpoint`): vLLM's ZMQ publisher, through workers/vllm_kv_zmq.py,
+translated into FlexLB's `KvBlocksStored` / `KvBlocksRemoved` / `KvAllCleared` with our own
+chained hashes, so the router's exact prefix index works in front of vLLM; a snapshot
+request is answered from that view. A gap the replay socket cannot fill clears the view
+(`KvAllCleared`): the router forgets this worker's blocks and relearns them. Without events
+the agent knows no blocks: run the router with `prefix_index approximate` (`flexlb up
+--engine openai` does so by itself).
+
+Not done: PD through the server's KV connector (vLLM `kv_transfer_params`, SGLang bootstrap),
+chat completions, logprobs; text prompts are tokenized at the router (`--tokenizer`).
+
+Imports: `schemas` and `workers` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+
+from schemas import messages as m
+from schemas.errors import error_code
+from schemas.subjects import kv_events_subject
+from schemas.tokens import block_hashes
+from workers.agent import WorkerAgent
+
+log = logging.getLogger("flexlb.worker.openai")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per /metrics poll and per request otherwise
+
+UNREACHABLE_AFTER_POLLS = 3  # metric polls failed in a row before the server counts as gone
+METRICS_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 5.0
+STREAM_GAPS_WINDOW_S = 3.0
+
+_decode_json = msgspec.json.Decoder().decode
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+class UpstreamFailure(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition -> {metric name: [(labels, value)]}; comments skipped, a
+    line that does not parse is skipped too (a server's exporter may add formats we do not
+    read; what we need is looked up by name and its absence is handled by the caller)."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        out.setdefault(name, []).append((dict(_LABEL.findall(labels or "")), number))
+    return out
+
+
+@dataclass
+class ServerStatus:
+    """What the server's /metrics said last."""
+
+    flavour: str = ""  # "vllm" | "sglang" | "" (neither's names found)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # 0..1
+    num_gpu_blocks: int = 0  # 0: not exported
+    block_size: int = 0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+
+
+def server_status(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> ServerStatus:
+    def total(name: str) -> float:
+        return sum(v for _, v in metrics.get(name, []))
+
+    st = ServerStatus()
+    if "vllm:num_requests_running" in metrics:
+        st.flavour = "vllm"
+        st.num_running = int(total("vllm:num_requests_running"))
+        st.num_waiting = int(total("vllm:num_requests_waiting"))
+        usage = metrics.get("vllm:kv_cache_usage_perc") or metrics.get("vllm:gpu_cache_usage_perc") or []
+        st.kv_usage = max((v for _, v in usage), default=0.0)
+        st.prefix_queries = total("vllm:prefix_cache_queries_total")
+        st.prefix_hits = total("vllm:prefix_cache_hits_total")
+        for labels, _ in metrics.get("vllm:cache_config_info", []):
+            if labels.get("num_gpu_blocks", "").isdigit():
+                st.num_gpu_blocks = int(labels["num_gpu_blocks"])
+            if labels.get("block_size", "").isdigit():
+                st.block_size = int(labels["block_size"])
+    elif "sglang:num_running_reqs" in metrics:
+        st.flavour = "sglang"
+        st.num_running = int(total("sglang:num_running_reqs"))
+        st.num_waiting = int(total("sglang:num_queue_reqs"))
+        st.kv_usage = max((v for _, v in metrics.get("sglang:token_usage", [])), default=0.0)
+    return st
+
+
+def refusal_of(status: int, body: bytes) -> UpstreamFailure:
+    """A non-200 answer of the server -> the failure a request ends with."""
+    try:
+        detail = _decode_json(body)
+        message = detail.get("error", detail) if isinstance(detail, dict) else detail
+        if isinstance(message, dict):
+            message = message.get("message", message)
+    except msgspec.DecodeError:
+        message = body[:300].decode(errors="replace")
+    text = f"the engine server answered {status}: {message}"
+    if status in (429, 503):
+        return UpstreamFailure("upstream_refused", text)
+    if status == 400:
+        return UpstreamFailure("invalid_request", text)
+    if status == 413:
+        return UpstreamFailure("too_large", text)
+    return UpstreamFailure("upstream_error", text)
+
+
+@dataclass
+class OpenBatch:
+    batch_id: str
+    requests: list[m.BatchRequest]
+    released_ns: int = 0
+    waiting_first: set[str] = field(default_factory=set)  # members with neither a first token nor an end yet
+    first_ms: dict[str, float] = field(default_factory=dict)  # member -> first-token latency from release
+    cached: dict[str, int] = field(default_factory=dict)  # member -> cached prompt tokens (estimate)
+
+
+class OpenAIAgent(WorkerAgent):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.base_url = config.engine_url.rstrip("/")
+        self.client: httpx.AsyncClient | None = None
+        self.queued: deque[OpenBatch] = deque()  # not yet released, in arrival order
+        self.streams: dict[str, asyncio.Task] = {}  # request id -> its stream, while open
+        self.batch_of: dict[str, OpenBatch] = {}  # request id -> its batch (queued or open)
+        self.wake = asyncio.Event()
+        self.server = ServerStatus()
+        self.server_ok = False
+        self.num_failed_polls = 0
+        self.num_upstream_failures = 0
+        self.token_gaps: deque[tuple[float, float]] = deque()  # (monotonic s, ms per token)
+        self.kv_view: dict[int, None] = {}  # our block hashes the server holds (KV events)
+        self.kv_feed = None
+        self._background: set[asyncio.Task] = set()  # PrefillCompleted publications on their way
+        # Requests let go of whose terminal event is being published: still reported as held
+        # until it is out, or the router's calibration settles them as lost meanwhile.
+        self.ending: set[str] = set()
+
+    def _make_engine(self):
+        return None  # the server is the engine
+
+    # ------------------------------------------------------------------ start
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        limits = httpx.Limits(max_connections=cfg.upstream_max_concurrency + 8,
+                              max_keepalive_connections=cfg.upstream_max_concurrency + 8)
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
+            connect=CONNECT_TIMEOUT_S, read=cfg.upstream_stall_timeout_s, write=CONNECT_TIMEOUT_S, pool=None))
+        try:
+            await super().run(stop)
+        finally:
+            if self.kv_feed is not None:
+                self.kv_feed.close()
+            await self.client.aclose()
+
+    async def _prepare(self) -> None:
+        """Learn the model name and the KV geometry before registering (non-fatal: a server
+        that is not up yet is waited for by the status loop, not-ready meanwhile)."""
+        cfg = self.cfg
+        try:
+            resp = await self.client.get(f"{self.base_url}/v1/models", timeout=METRICS_TIMEOUT_S)
+            resp.raise_for_status()
+            models = _decode_json(resp.content).get("data") or []
+            if models and not cfg.engine_model:
+                cfg.engine_model = str(models[0].get("id", ""))
+            if models and isinstance(models[0].get("max_model_len"), int):
+                cfg.max_seq_len_tokens = models[0]["max_model_len"]
+        except (httpx.HTTPError, msgspec.DecodeError, AttributeError) as exc:
+            log.warning("engine server %s: GET /v1/models failed (%s); model %r", self.base_url, exc, cfg.engine_model)
+        await self._poll()
+        st = self.server
+        if st.block_size and st.block_size != cfg.block_size_tokens:
+            log.info("engine server block size %d replaces the configured %d", st.block_size, cfg.block_size_tokens)
+            cfg.block_size_tokens = st.block_size
+        if st.num_gpu_blocks:
+            cfg.num_kv_blocks = st.num_gpu_blocks
+        if cfg.kv_events_endpoint:
+            from workers.vllm_kv_zmq import VllmKvSubscriber
+
+            self.kv_feed = VllmKvSubscriber(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint or None,
+                                            cfg.kv_events_topic, cfg.block_size_tokens)
+        log.info("worker %s in front of %s (model %r, %s metrics, %d KV blocks of %d)", cfg.worker_id, self.base_url,
+                 cfg.engine_model, st.flavour or "no known", cfg.num_kv_blocks, cfg.block_size_tokens)
+
+    def _engine_loops(self) -> list:
+        loops = [self._release_loop(), self._status_loop()]
+        if self.kv_feed is not None:
+            loops.append(self._kv_loop())
+        return loops
+
+    # ------------------------------------------------------------------ status
+    async def _poll(self) -> None:
+        try:
+            resp = await self.client.get(f"{self.base_url}/metrics", timeout=METRICS_TIMEOUT_S)
+            resp.raise_for_status()
+            self.server = server_status(parse_prometheus(resp.text))
+        except httpx.HTTPError as exc:
+            self.num_failed_polls += 1
+            if not self.server_ok and self.queued:  # never came up: what was sent here meanwhile fails now
+                await self._fail_held(f"the engine server {self.base_url} does not answer ({exc})")
+            if self.server_ok and self.num_failed_polls >= UNREACHABLE_AFTER_POLLS:
+                self.server_ok = False
+                log.error("engine server %s: %d polls failed (%s); not ready, failing what it holds",
+                          self.base_url, self.num_failed_polls, exc)
+                await self._fail_held(f"the engine server {self.base_url} stopped answering ({exc})")
+            elif self.num_failed_polls == 1:
+                log.warning("engine server %s: GET /metrics failed: %s", self.base_url, exc)
+            return
+        if not self.server_ok:
+            log.info("engine server %s answers: ready", self.base_url)
+        self.server_ok = True
+        self.num_failed_polls = 0
+        self.wake.set()
+
+    async def _status_loop(self) -> None:
+        interval = self.cfg.heartbeat_interval_ms / 1000
+        while True:
+            await self._poll()
+            await self._enforce_deadlines()
+            await asyncio.sleep(interval)
+
+    def recent_step_ms(self) -> float:
+        horizon = time.monotonic() - STREAM_GAPS_WINDOW_S
+        while self.token_gaps and self.token_gaps[0][0] < horizon:
+            self.token_gaps.popleft()
+        if not self.token_gaps:
+            return 0.0
+        return round(sum(ms for _, ms in self.token_gaps) / len(self.token_gaps), 3)
+
+    def status(self) -> m.WorkerStatusReported:
+        cfg, st = self.cfg, self.server
+        held = [r.request_id for b in self.queued for r in b.requests] + list(self.streams) + list(self.ending)
+        used = min(cfg.num_kv_blocks, round(st.kv_usage * cfg.num_kv_blocks))
+        return m.WorkerStatusReported(
+            worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id,
+            state=self.state if (self.server_ok or self.state != "ready") else "not_ready", engine="openai",
+            pid=os.getpid(), host=self.host, block_size_tokens=cfg.block_size_tokens, num_kv_blocks=cfg.num_kv_blocks,
+            num_free_kv_blocks=cfg.num_kv_blocks - used, num_cached_kv_blocks=min(len(self.kv_view), cfg.num_kv_blocks),
+            max_batch_tokens=cfg.max_batch_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
+            num_running_requests=max(st.num_running, len(self.streams)),
+            num_queued_batches=len(self.queued) + st.num_waiting, running_request_ids=held,
+            num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
+            num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
+            num_stream_overflows=self.num_stream_overflows, time_scale=1.0, last_step_ms=self.recent_step_ms(),
+            recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        )
+
+    # ------------------------------------------------------------------ commands
+    def _submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
+        batch = OpenBatch(batch_id, list(requests))
+        for r in requests:
+            self.batch_of[r.request_id] = batch
+        self.queued.append(batch)
+        self.wake.set()
+
+    def _cancel(self, request_id: str) -> bool:
+        batch = self.batch_of.pop(request_id, None)
+        if batch is None:
+            return False
+        if batch.released_ns:
+            task = self.streams.pop(request_id, None)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()  # closes the upstream request: the server aborts it
+        else:
+            batch.requests = [r for r in batch.requests if r.request_id != request_id]
+            if not batch.requests and batch in self.queued:
+                self.queued.remove(batch)
+        self._first_or_end(batch, request_id, None)
+        return True
+
+    def _cached_block_hashes(self) -> list[int]:
+        return list(self.kv_view)
+
+    async def _fail_held(self, message: str) -> None:
+        while self.queued:
+            batch = self.queued.popleft()
+            for r in batch.requests:
+                await self._fail(r.request_id, UpstreamFailure("upstream_refused", message))
+        for request_id in list(self.streams):
+            await self._fail(request_id, UpstreamFailure("upstream_error", message))
+
+    async def _fail(self, request_id: str, failure: UpstreamFailure) -> None:
+        self.ending.add(request_id)
+        try:
+            if not self._cancel(request_id):
+                return
+            self._forget(request_id)
+            self.num_upstream_failures += 1
+            await self._event(m.RequestFailed(request_id=request_id, worker_id=self.cfg.worker_id, code=failure.code,
+                                              message=failure.message, retryable=error_code(failure.code).retryable))
+        finally:
+            self.ending.discard(request_id)
+
+    # ------------------------------------------------------------------ release
+    async def _release_loop(self) -> None:
+        limit = self.cfg.upstream_max_concurrency
+        while True:
+            self.wake.clear()
+            while self.queued and self.server_ok:
+                batch = self.queued[0]
+                if self.streams and len(self.streams) + len(batch.requests) > limit:
+                    break
+                self.queued.popleft()
+                await self._release(batch)
+            await self.wake.wait()
+
+    def _estimate_cached(self, r: m.BatchRequest) -> int:
+        if not self.kv_view:
+            return 0
+        n = 0
+        for h in block_hashes(r.prompt_token_ids, self.cfg.block_size_tokens):
+            if h not in self.kv_view:
+                break
+            n += 1
+        return min(n * self.cfg.block_size_tokens, len(r.prompt_token_ids))
+
+    async def _release(self, batch: OpenBatch) -> None:
+        batch.released_ns = time.monotonic_ns()
+        batch.waiting_first = {r.request_id for r in batch.requests}
+        await self._event(m.BatchStarted(batch_id=batch.batch_id, worker_id=self.cfg.worker_id,
+                                         request_ids=[r.request_id for r in batch.requests]))
+        for r in batch.requests:
+            batch.cached[r.request_id] = self._estimate_cached(r)
+            self.streams[r.request_id] = asyncio.create_task(self._stream(batch, r), name=f"stream {r.request_id}")
+
+    def _first_or_end(self, batch: OpenBatch, request_id: str, first_ms: float | None) -> None:
+        """A member got its first token (first_ms) or ended without one; once every member has,
+        the batch's prefill is complete."""
+        if request_id not in batch.waiting_first:
+            return
+        batch.waiting_first.discard(request_id)
+        if first_ms is not None:
+            batch.first_ms[request_id] = first_ms
+        if batch.waiting_first:
+            return
+        self.batch_members.pop(batch.batch_id, None)
+        if batch.first_ms:  # else every member ended before its first token: no prefill to report
+            task = asyncio.get_running_loop().create_task(self._prefill_completed(batch))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _prefill_completed(self, batch: OpenBatch) -> None:
+        members = [r for r in batch.requests if r.request_id in batch.first_ms]
+        self.num_batches_executed += 1
+        await self._event(m.PrefillCompleted(
+            batch_id=batch.batch_id, worker_id=self.cfg.worker_id, request_ids=[r.request_id for r in members],
+            measured_ms=round(max(batch.first_ms.values()), 3),
+            num_prompt_tokens=sum(len(r.prompt_token_ids) for r in members),
+            num_cached_tokens=sum(batch.cached.get(r.request_id, 0) for r in members),
+        ))
+
+    # ------------------------------------------------------------------ one request
+    def _body(self, r: m.BatchRequest) -> dict:
+        s = r.sampling or m.Sampling()
+        body = {
+            "model": self.cfg.engine_model, "prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True,
+            "temperature": s.temperature if s.temperature is not None else 0.0,
+        }
+        if s.top_p is not None:
+            body["top_p"] = s.top_p
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def _stream(self, batch: OpenBatch, r: m.BatchRequest) -> None:
+        rid = r.request_id
+        wid = self.cfg.worker_id
+        meta = self.meta.get(rid)
+        if meta is None:  # ended by the router between its release and now
+            self.streams.pop(rid, None)
+            return
+        index = 0
+        finish: str | None = None
+        usage: dict = {}
+        first_ns = 0
+        last_s = 0.0
+        try:
+            async with self.client.stream("POST", f"{self.base_url}/v1/completions", json=self._body(r),
+                                          headers={"X-Request-Id": rid}) as resp:
+                if resp.status_code != 200:
+                    raise refusal_of(resp.status_code, await resp.aread())
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        chunk = _decode_json(data)
+                    except msgspec.DecodeError:
+                        raise UpstreamFailure("upstream_error", f"undecodable stream chunk: {data[:200]!r}") from None
+                    if "error" in chunk:
+                        raise UpstreamFailure("upstream_error", f"the engine server failed the request: {chunk['error']}")
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        ids = choice.get("token_ids")
+                        reason = choice.get("finish_reason")
+                        if ids is None:
+                            if choice.get("text") or reason is None:
+                                raise UpstreamFailure("upstream_error", "the server's stream carries no token ids "
+                                                      "(vLLM: return_token_ids needs vLLM >= 0.10.2)")
+                            ids = []
+                        if reason is not None and reason not in ("length", "stop"):
+                            raise UpstreamFailure("upstream_error", f"the engine server ended the request: {reason}")
+                        if not ids and reason is None:
+                            continue
+                        now_s = time.monotonic()
+                        if ids and index == 0:
+                            first_ns = time.time_ns()
+                            self.first_token_ns[rid] = first_ns
+                            self._first_or_end(batch, rid, (time.monotonic_ns() - batch.released_ns) / 1e6)
+                        elif ids:
+                            self.token_gaps.append((now_s, (now_s - last_s) * 1000 / len(ids)))
+                        last_s = now_s
+                        await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
+                            request_id=rid, worker_id=wid, start_index=index, token_ids=list(ids),
+                            text=choice.get("text") or "", finish_reason=reason)))
+                        index += len(ids)
+                        finish = reason or finish
+            if finish is None:
+                raise UpstreamFailure("upstream_error", f"the stream ended after {index} tokens without a finish reason")
+        except asyncio.CancelledError:
+            raise  # cancelled by the router, a deadline or a failure: whoever cancelled reports it
+        except UpstreamFailure as exc:
+            failure = exc
+        except httpx.TimeoutException as exc:
+            failure = UpstreamFailure(
+                "upstream_error", f"no data from the engine server for {self.cfg.upstream_stall_timeout_s:g} s ({exc!r})")
+        except httpx.HTTPError as exc:
+            failure = UpstreamFailure("upstream_error", f"the engine server's stream broke: {exc!r}")
+        else:
+            failure = None
+        finally:
+            self.wake.set()
+        if self.streams.get(rid) is not asyncio.current_task():
+            return  # ended meanwhile by whoever removed it (it reported the end)
+        self.ending.add(rid)
+        self.streams.pop(rid, None)
+        if failure is not None:
+            await self._fail(rid, failure)
+            self.ending.discard(rid)
+            return
+        try:
+            self.batch_of.pop(rid, None)
+            self._first_or_end(batch, rid, None)
+            self._forget(rid)
+            self.num_requests_finished += 1
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            await self._event(m.RequestFinished(
+                request_id=rid, worker_id=wid, finish_reason=finish, num_prompt_tokens=len(r.prompt_token_ids),
+                num_output_tokens=index, num_cached_tokens=cached if isinstance(cached, int) else batch.cached.get(rid, 0),
+                first_token_ns=first_ns))
+        finally:
+            self.ending.discard(rid)
+
+    # ------------------------------------------------------------------ KV events
+    async def _kv_loop(self) -> None:
+        wid = self.cfg.worker_id
+        while True:
+            out = await self.kv_feed.next()
+            if out.cleared:
+                self.kv_view.clear()
+                self.kv_seq += 1
+                await self.nc.publish(kv_events_subject(wid), self._env(m.KvAllCleared(worker_id=wid, boot_id=self.boot_id, kv_seq=self.kv_seq)))
+            for h in out.removed:
+                self.kv_view.pop(h, None)
+            for h in out.stored:
+                self.kv_view[h] = None
+            if out.removed:
+                self.kv_seq += 1
+                await self.nc.publish(kv_events_subject(wid), self._env(m.KvBlocksRemoved(
+                    worker_id=wid, boot_id=self.boot_id, kv_seq=self.kv_seq, block_hashes=list(out.removed))))
+            if out.stored:
+                self.kv_seq += 1
+                await self.nc.publish(kv_events_subject(wid), self._env(m.KvBlocksStored(
+                    worker_id=wid, boot_id=self.boot_id, kv_seq=self.kv_seq, block_hashes=list(out.stored),
+                    block_size_tokens=self.cfg.block_size_tokens)))
+
