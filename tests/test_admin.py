@@ -56,10 +56,17 @@ async def test_drain_finishes_held_work_takes_no_new_work_and_undrain_restores(f
         # Two idle workers tie on cost and the pick among ties is a seeded draw: a few
         # requests in a row can all land on w1 (it failed once with 8 on this VM). Undrained,
         # w0 must be picked within 40; drained it never is (asserted above for 10).
+        # Sent 4 at a time: with work pending on w1, fewest-pending sends the next to w0, so the
+        # check does not rest on the seeded draw among tied idle workers (a clean-clone run saw 40
+        # sequential picks all on w1).
         picks = []
+
+        async def pick(i: int) -> str:
+            b = (await c.post(url + "/v1/completions", json={"prompt": f"undrained {i}", "max_tokens": 20})).json()
+            return (await c.get(url + f"/admin/requests/{b['id']}")).json()["admission"]["prefill_worker_id"]
+
         while "w0" not in picks and len(picks) < 40:
-            b = (await c.post(url + "/v1/completions", json={"prompt": f"undrained {len(picks)}", "max_tokens": 2})).json()
-            picks.append((await c.get(url + f"/admin/requests/{b['id']}")).json()["admission"]["prefill_worker_id"])
+            picks += await asyncio.gather(*(pick(len(picks) + k) for k in range(4)))
     assert "w0" in picks, picks
     assert not r.exists("flexlb:default:drain:w0")
     assert proc.stop() == 0
