@@ -99,6 +99,28 @@ async def wait_all_terminal(nats_url: str, ids: set[str], timeout_s: float = 30)
     return await wait_async(settled, timeout_s, "a terminal event for every request")
 
 
+def start_sim_server(spawn, *args: str, timeout_s: float = 45) -> tuple[str, object]:
+    """`flexlb sim-server ARGS` on a free loopback port (through the `spawn` fixture); returns
+    (its URL, the process) once /health answers 200, or fails with the server's log tail."""
+    from services.infra import free_port
+    from tests.conftest import wait_for
+
+    port = free_port()
+    proc = spawn("sim-server", "--port", str(port), *args, name=f"sim-{port}")
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"sim-server exited with {proc.popen.returncode}:\n{proc.tail()}")
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, timeout_s, f"the sim-server at {url} to answer /health")
+    return url, proc
+
+
 async def wait_async(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

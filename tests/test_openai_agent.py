@@ -19,25 +19,12 @@ from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes, encode_text
 from services.infra import free_port
 from tests.conftest import wait_for
-from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, wait_all_terminal, wait_async
+from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async
 from workers.openai_agent import parse_prometheus, refusal_of, server_status
 
 
 def sim_server(spawn, *extra: str, time_scale: str = "0.05") -> tuple[str, object]:
-    port = free_port()
-    proc = spawn("sim-server", "--port", str(port), "--time-scale", time_scale, *extra, name=f"sim-{port}")
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"sim-server exited:\n{proc.tail()}")
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, 30, "the sim-server to answer")
-    return url, proc
+    return start_sim_server(spawn, "--time-scale", time_scale, *extra)
 
 
 def metric(url: str, name: str) -> float:

@@ -27,8 +27,7 @@ from schemas.tokens import BYTE_TOKENIZER, HFTokenizer, block_hashes, encode_tex
 from services.api import BadRequest, parse_completion
 from services.infra import free_port
 from services.settings import RouterSettings, SettingsError, load
-from tests.conftest import wait_for
-from tests.stack import read_event_log, wait_async
+from tests.stack import read_event_log, start_sim_server, wait_async
 
 import tokenizers  # noqa: E402  (the openai extra; the README test command installs it)
 
@@ -183,19 +182,7 @@ def test_a_bad_tokenizer_stops_the_router_and_the_sim_server_with_status_2(spawn
 # --------------------------------------------------------------------------- the real stack
 async def test_the_router_dispatches_the_ids_the_sim_server_tokenizes(flexlb_up, spawn, tokenizer_file, hf):
     _, state = flexlb_up("--tokenizer", tokenizer_file, "--time-scale", "0", "--workers", "1", "--block-size-tokens", "1")
-    sim_port = free_port()
-    sim = spawn("sim-server", "--port", str(sim_port), "--tokenizer", tokenizer_file, "--time-scale", "0", name="sim")
-    sim_url = f"http://127.0.0.1:{sim_port}"
-
-    def sim_healthy():
-        if sim.popen.poll() is not None:
-            raise AssertionError(f"sim-server exited with {sim.popen.returncode}:\n{sim.tail()}")
-        try:
-            return httpx.get(sim_url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    await asyncio.to_thread(wait_for, sim_healthy, 45, "the sim-server's /health")
+    sim_url, _ = await asyncio.to_thread(start_sim_server, spawn, "--tokenizer", tokenizer_file, "--time-scale", "0")
     async with httpx.AsyncClient(timeout=60) as c:
         resp = await c.post(state["router_url"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert resp.status_code == 200, resp.text
