@@ -17,6 +17,7 @@ Configurations (`--configs a,b,...`, default all; the names are stable):
 | `flexlb-slo-budget` | `--batcher slo-budget` |
 | `flexlb-cache-aware` | `--prefill-policy cache-aware` |
 | `flexlb-round-robin` | `--prefill-policy round-robin` |
+| `flexlb-openai` | FlexLB through its OpenAI adapter in front of the peers' very engines: K `flexlb sim-server` processes (each also publishing vLLM's KV events over ZMQ) and `flexlb up --engine openai --engine-url URL --kv-events-endpoint PUB --kv-events-replay-endpoint REPLAY` per server (`AdapterFleet`) |
 | `sglang-<policy>` | `python -m sglang_router.launch_router --policy <policy>` (round_robin, cache_aware, power_of_two) |
 | `vllm-<policy>` | `python -m vllm_router.launch_router --policy <policy>` (the same three) |
 | `direct-round-robin` | no router: the load generator sends request i to engine i mod K |
@@ -25,7 +26,8 @@ Configurations (`--configs a,b,...`, default all; the names are stable):
 `--flexlb-args "..."` is appended to every FlexLB command line of the run (after the
 configuration's own flags, so it wins), which is then reported as `--name` (or
 `<config>+<name>` when several FlexLB configurations run). The FlexLB configurations run
-NATS, Redis, the router and K NATS workers (`flexlb up`); every other configuration runs K
+NATS, Redis, the router and K NATS workers (`flexlb up`), except `flexlb-openai`, whose
+agents stream from the sim-servers; every other configuration runs K
 `flexlb sim-server` processes: the same simulated engine behind an HTTP front
 (`--sim-server-cmd` replaces that command, e.g. to try another build). Engine flags
 (`--num-kv-blocks`, `--block-size-tokens`, `--max-seq-len-tokens`, `--max-num-batched-tokens`,
@@ -160,7 +162,7 @@ WARMUP_PREFIX = "warmup-"
 @dataclass(frozen=True)
 class Config:
     name: str
-    kind: str  # "flexlb" | "sglang" | "vllm" | "direct"
+    kind: str  # "flexlb" | "flexlb-openai" (FlexLB's agents in front of the sim-servers) | "sglang" | "vllm" | "direct"
     policy: str | None = None  # the peer router's --policy
     flexlb_flags: tuple[str, ...] = ()  # added to `flexlb up`
     pd: tuple[int, int] | None = None  # disaggregated: (prefill engines, decode engines); None: colocated
@@ -195,6 +197,7 @@ def builtin_configs() -> dict[str, Config]:
         Config("flexlb-slo-budget", "flexlb", flexlb_flags=("--batcher", "slo-budget")),
         Config("flexlb-cache-aware", "flexlb", flexlb_flags=("--prefill-policy", "cache-aware")),
         Config("flexlb-round-robin", "flexlb", flexlb_flags=("--prefill-policy", "round-robin")),
+        Config("flexlb-openai", "flexlb-openai"),
         *(Config(f"sglang-{p}", "sglang", policy=p) for p in PEER_POLICIES),
         *(Config(f"vllm-{p}", "vllm", policy=p) for p in PEER_POLICIES),
         Config("direct-round-robin", "direct"),
@@ -668,13 +671,18 @@ class FlexlbFleet(Fleet):
 
     def start(self) -> None:
         a = self.args
+        self.start_up(["--workers", str(a.workers), "--time-scale", f"{a.time_scale:g}", *engine_flags(a)])
+
+    def start_up(self, fleet_flags: list[str]) -> None:
+        """`flexlb up FLEET_FLAGS` (+ the configuration's flags, + --flexlb-args); returns once
+        its router answers /readyz."""
+        a = self.args
         self.port = bt.free_port()
         self.state_file = self.workdir / f"state-{self.tag}.json"
-        argv = [*flexlb_exe(), "up", "--workers", str(a.workers), "--time-scale", f"{a.time_scale:g}",
-                "--port", str(self.port), "--state-file", str(self.state_file), *engine_flags(a),
+        argv = [*flexlb_exe(), "up", *fleet_flags, "--port", str(self.port), "--state-file", str(self.state_file),
                 *self.config.flexlb_flags, *a.flexlb_args_list]
         up = Proc("up", argv, self.workdir / f"{self.tag}-up.log", child_env(self.workdir))
-        self.procs = [up]
+        self.procs.append(up)
         up.start()
         deadline = time.monotonic() + a.startup_timeout_s
         while not self.state_file.exists():
@@ -691,13 +699,19 @@ class FlexlbFleet(Fleet):
 
     def pids(self) -> dict[str, int]:
         pids = {k: v for k, v in self.state.get("pids", {}).items()} if hasattr(self, "state") else {}
-        return {**pids, "up": self.procs[0].pid if self.procs else 0}
+        return {**pids, **{p.name: p.pid for p in self.procs}}
 
     def counters(self) -> dict[str, Any] | None:
+        return self.router_counters()
+
+    def router_counters(self) -> dict[str, Any] | None:
         status, text = bt.http_get(self.state["router_url"] + "/metrics")
         return bt.parse_metrics(text) if status == 200 else None
 
     async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
+        return await self.event_log_facts(before)
+
+    async def event_log_facts(self, before: dict[str, Any] | None) -> dict[str, Any]:
         """Prefix hits and per-worker requests from the event log (warm-ups left out)."""
         from schemas import messages as m
         from tests.stack import read_event_log
@@ -725,7 +739,7 @@ class FlexlbFleet(Fleet):
                 terminal[f"rejected:{p.code}"] += 1
             elif isinstance(p, m.RequestCancelled):
                 terminal["cancelled"] += 1
-        after = self.counters() or {}
+        after = self.router_counters() or {}
         best_effort = None
         if after and before is not None:
             key = "flexlb_best_effort_admissions_total"
@@ -746,19 +760,27 @@ class FlexlbFleet(Fleet):
 class SimFleet(Fleet):
     """K `flexlb sim-server` processes, and the peer router in front of them (or none)."""
 
-    def start(self) -> None:
+    def start_engines(self, kv_events: bool = False) -> float:
+        """K sim-servers (with vLLM's KV events sockets on loopback when `kv_events`: their
+        endpoints in self.kv_endpoints); returns the start-up deadline once all are healthy."""
         a = self.args
         env = child_env(self.workdir)
         base = shlex.split(a.sim_server_cmd) if a.sim_server_cmd else [*flexlb_exe(), "sim-server"]
         engines = []
         self.engine_urls: list[str] = []
+        self.kv_endpoints: list[tuple[str, str]] = []  # (PUB, replay) per engine
         pd = self.config.pd
         roles = ["prefill"] * pd[0] + ["decode"] * pd[1] if pd else ["pd_fusion"] * a.workers
         for i, role in enumerate(roles):
             port = bt.free_port()
+            events: list[str] = []
+            if kv_events:
+                pub, replay = f"tcp://127.0.0.1:{bt.free_port()}", f"tcp://127.0.0.1:{bt.free_port()}"
+                self.kv_endpoints.append((pub, replay))
+                events = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
             argv = [*base, "--port", str(port), "--worker-id", f"w{i}", "--time-scale", f"{a.time_scale:g}",
                     *(["--role", role] if pd else []),
-                    *(["--host", "127.0.0.1"] if a.sim_server_has_host else []), *engine_flags(a),
+                    *(["--host", "127.0.0.1"] if a.sim_server_has_host else []), *engine_flags(a), *events,
                     *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else [])]
             engines.append(Proc(f"worker-w{i}", argv, self.workdir / f"{self.tag}-w{i}.log", env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
@@ -768,6 +790,13 @@ class SimFleet(Fleet):
         deadline = time.monotonic() + a.startup_timeout_s
         for url in self.engine_urls:
             wait_http(url + "/health", deadline, engines, lambda s, _: s == 200)
+        return deadline
+
+    def start(self) -> None:
+        a = self.args
+        env = child_env(self.workdir)
+        pd = self.config.pd
+        deadline = self.start_engines()
         kind = self.config.kind
         if kind == "direct":
             self.urls = [("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in self.engine_urls]
@@ -840,7 +869,7 @@ class SimFleet(Fleet):
 
     def router_metrics(self) -> dict[str, float]:
         """The peer router's own counters of retries, errors and circuit breaking."""
-        if self.config.kind == "direct":
+        if self.config.kind not in ("sglang", "vllm"):
             return {}
         status, text = bt.http_get(f"http://127.0.0.1:{self.prometheus_port}/metrics")
         if status != 200:
@@ -879,6 +908,43 @@ class SimFleet(Fleet):
         }
 
 
+class AdapterFleet(SimFleet, FlexlbFleet):
+    """FlexLB through its OpenAI adapter: the same K sim-servers as the peers' (each also
+    publishing vLLM's KV events over ZMQ), and `flexlb up --engine openai --engine-url URL
+    --kv-events-endpoint PUB --kv-events-replay-endpoint REPLAY` per server in front of them
+    (+ the configuration's flags, + --flexlb-args). The engine's facts come from the servers'
+    /metrics, as for the peers; the outcome counts from FlexLB's event log."""
+
+    def start(self) -> None:
+        self.start_engines(kv_events=True)
+        flags = ["--engine", "openai"]
+        for url, (pub, replay) in zip(self.engine_urls, self.kv_endpoints):
+            flags += ["--engine-url", url, "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+        self.start_up(flags)
+
+    def target_of(self, i: int) -> int:
+        return 0
+
+    def pids(self) -> dict[str, int]:
+        """`flexlb up`'s processes (its agents are worker-*), and the servers as engine-*."""
+        state = self.state.get("pids", {}) if hasattr(self, "state") else {}
+        procs = {("engine-" + p.name.removeprefix("worker-") if p.name.startswith("worker-") else p.name): p.pid
+                 for p in self.procs}
+        return {**state, **procs}
+
+    def stop(self) -> dict[str, int | None]:
+        return Fleet.stop(self)  # `flexlb up` (the last started) first, the servers after
+
+    def counters(self) -> dict[str, Any] | None:
+        return SimFleet.counters(self)
+
+    async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
+        engines = await SimFleet.after_replay(self, before)
+        flexlb = await self.event_log_facts(None)
+        keep = ("terminal_events", "failure_messages", "requests_per_worker", "events")
+        return engines | {"flexlb_" + k: flexlb[k] for k in keep}
+
+
 def _strip_ansi(s: str) -> str:
     import re
 
@@ -886,7 +952,8 @@ def _strip_ansi(s: str) -> str:
 
 
 def make_fleet(config: Config, args: argparse.Namespace, workdir: Path, tag: str) -> Fleet:
-    return (FlexlbFleet if config.kind == "flexlb" else SimFleet)(config, args, workdir, tag)
+    fleets = {"flexlb": FlexlbFleet, "flexlb-openai": AdapterFleet}
+    return fleets.get(config.kind, SimFleet)(config, args, workdir, tag)
 
 
 # --------------------------------------------------------------------------- one run
@@ -1413,12 +1480,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peer_args_list = shlex.split(args.peer_args)
     if args.name and not args.flexlb_args_list:
         p.error("--name labels a --flexlb-args variant; give --flexlb-args too")
-    flexlb_selected = [n for n in names if known[n].kind == "flexlb"]
+    flexlb_selected = [n for n in names if known[n].kind.startswith("flexlb")]
     if args.flexlb_args_list and not flexlb_selected:
         p.error("--flexlb-args given but no FlexLB configuration selected")
     label = {}
     for n in names:
-        if known[n].kind == "flexlb" and args.flexlb_args_list:
+        if known[n].kind.startswith("flexlb") and args.flexlb_args_list:
             custom = args.name or "custom"
             label[n] = custom if len(flexlb_selected) == 1 else f"{n}+{custom}"
         else:

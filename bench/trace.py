@@ -437,7 +437,7 @@ class CpuSampler(threading.Thread):
                     per_proc[k].append(v)
         groups: dict[str, float] = defaultdict(float)
         for k, vs in per_proc.items():
-            g = "workers" if k.startswith("worker-") else k
+            g = "workers" if k.startswith("worker-") else "engines" if k.startswith("engine-") else k
             groups[g] += sum(vs) / len(vs)
         # Busy cores of the machine not used by the stack or this process: others' load.
         foreign = sorted(s["machine"] - sum(v for k, v in s.items() if k not in ("t", "machine"))
