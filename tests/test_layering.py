@@ -68,3 +68,50 @@ def test_the_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "x.py"
     bad.write_text("from services.shell.router import RouterService\nimport workers.agent\n")
     assert imports_of(bad) == {"services.shell.router", "workers.agent"}
+
+
+# The router's parts (services/shell/router.py's docstring has the table): which other shell
+# modules each may import. Calls go one way, so no part reaches back into one that calls it.
+SHELL_PARTS = {
+    "state": {"bus", "ledger", "metrics"},
+    "journal": {"state"},
+    "intake": {"state"},
+    "relay": {"state"},
+    "upkeep": {"state", "ledger"},
+    "recovery": {"state", "upkeep"},
+    "admin": {"state", "recovery"},
+    "leadership": {"state", "intake"},
+    "dispatch": {"state", "ledger", "recovery", "upkeep"},
+    "fold": {"state", "ledger", "relay", "recovery", "upkeep"},
+    "liveness": {"state", "recovery", "admin", "upkeep", "leadership"},
+    "bus": set(), "ledger": set(), "metrics": set(),
+}
+SHELL_MAX_LINES = 400
+
+
+def shell_modules() -> dict[str, Path]:
+    return {p.stem: p for p in (REPO / "services" / "shell").glob("*.py") if p.stem != "__init__"}
+
+
+def test_every_shell_module_is_a_known_part_and_imports_only_the_parts_below_it():
+    modules = shell_modules()
+    assert set(modules) == set(SHELL_PARTS) | {"router"}, "a new shell module needs its row in SHELL_PARTS"
+    bad = []
+    for name, allowed in SHELL_PARTS.items():
+        for imported in imports_of(modules[name]):
+            if imported.startswith("services.shell."):
+                part = imported.split(".")[2]
+                if part not in allowed:
+                    bad.append(f"shell/{name}.py imports shell/{part}.py")
+    assert not bad, bad
+
+
+def test_each_part_is_one_class_in_a_module_of_at_most_400_lines():
+    for name, path in shell_modules().items():
+        text = path.read_text()
+        assert len(text.splitlines()) <= SHELL_MAX_LINES, f"services/shell/{name}.py has {len(text.splitlines())} lines"
+        tree = ast.parse(text)
+        assert ast.get_docstring(tree), f"services/shell/{name}.py says nothing about what it owns"
+        classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+        if name not in ("state", "bus", "ledger", "metrics"):  # state also holds the request types
+            assert len(classes) == 1, f"services/shell/{name}.py defines {classes}: one part, one class"

@@ -1,0 +1,115 @@
+"""Admin: operator actions and views.
+
+Owns: drain flags (in Redis, so every router replica honours them), drain / undrain / remove,
+the "drained" event once a draining worker holds nothing, and the workers view of
+GET /admin/workers. Calls: Redis, the core, recovery (a forced remove). Called by: the
+HTTP API, recovery (each liveness cycle).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from schemas import messages as m
+from services.shell.state import RouterState
+
+if TYPE_CHECKING:
+    from services.shell.recovery import Recovery
+
+log = logging.getLogger("flexlb.router")
+
+
+class Admin:
+    def __init__(self, state: RouterState, recovery: "Recovery") -> None:
+        self.s = state
+        self.recovery = recovery
+
+    def drain_key(self, worker_id: str) -> str:
+        return f"flexlb:{self.s.settings.cluster}:drain:{worker_id}"
+
+    async def refresh_drain_flags(self) -> None:
+        """Drain flags live in Redis, so every router replica (and a restarted one) honours them."""
+        prefix = f"flexlb:{self.s.settings.cluster}:drain:"
+        try:
+            flags = {k.decode()[len(prefix):] if isinstance(k, bytes) else k[len(prefix):]
+                     async for k in self.s.redis.scan_iter(match=prefix + "*", count=500)}
+        except Exception as exc:  # Redis away: keep the flags we have
+            log.warning("could not read drain flags: %s", exc)
+            return
+        self.s.scheduler.set_drain_flags(flags)
+        self.s.reported_drained &= flags
+
+    async def report_drained(self) -> None:
+        for worker_id in sorted(self.s.scheduler.view.drain_flags - self.s.reported_drained):
+            if worker_id in self.s.scheduler.view.workers and self.s.scheduler.holds_work(worker_id) == 0:
+                self.s.reported_drained.add(worker_id)
+                await self.s.emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.s.router_id, action="drained"))
+                log.info("worker %s drained", worker_id)
+
+    def worker_state(self, worker_id: str) -> str:
+        w = self.s.scheduler.view.workers.get(worker_id)
+        if w is None:
+            return "unknown"
+        if w.draining:
+            return "drained" if worker_id in self.s.reported_drained else "draining"
+        return w.state if w.liveness in ("ready", "suspect") else w.liveness
+
+    async def drain(self, worker_id: str, by: str) -> dict[str, Any]:
+        await self.s.redis.set(self.drain_key(worker_id), by or "admin")
+        await self.refresh_drain_flags()
+        await self.s.emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.s.router_id, action="drain", by=by))
+        await self.report_drained()
+        return {"worker_id": worker_id, "state": self.worker_state(worker_id)}
+
+    async def undrain(self, worker_id: str, by: str) -> dict[str, Any]:
+        await self.s.redis.delete(self.drain_key(worker_id))
+        await self.refresh_drain_flags()
+        await self.s.emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.s.router_id, action="undrain", by=by))
+        self.s.wakeup.set()
+        return {"worker_id": worker_id, "state": self.worker_state(worker_id)}
+
+    async def remove(self, worker_id: str, force: bool, by: str) -> tuple[bool, dict[str, Any]]:
+        """Forget a worker. Refused while it holds work, unless forced: then its requests are
+        re-routed (not started) or failed retryable (started), as for a dead worker."""
+        if worker_id not in self.s.scheduler.view.workers:
+            return False, {"code": "not_found", "message": f"no worker {worker_id}"}
+        held = self.s.scheduler.holds_work(worker_id)
+        if held and not force:
+            return False, {"code": "conflict", "message": f"worker {worker_id} holds {held} requests; drain it first or force"}
+        moved = 0
+        self.s.scheduler.mark_dead(worker_id)  # re-routes must go elsewhere
+        if held:
+            await self.recovery.recover_dead_worker(worker_id, "removed")
+            moved = held
+        for item in self.s.scheduler.remove_worker(worker_id):
+            moved += 1
+            await self.recovery.reroute(item.payload, f"worker {worker_id} removed by an operator")
+        await self.s.redis.delete(self.drain_key(worker_id))
+        await self.refresh_drain_flags()
+        await self.s.emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.s.router_id, action="removed", by=by,
+                                              num_requests_moved=moved))
+        return True, {"worker_id": worker_id, "removed": True, "num_requests_moved": moved}
+
+    def workers_view(self) -> list[dict[str, Any]]:
+        now = time.time_ns()
+        out = []
+        for w in sorted(self.s.scheduler.view.workers.values(), key=lambda w: w.worker_id):
+            live = w.is_live(now, self.s.scheduler.timeout_ns)
+            out.append({
+                "id": w.worker_id, "role": w.role,
+                "live": live, "liveness": w.liveness, "num_missed_syncs": w.num_missed_syncs,
+                "draining": w.draining, "state": self.worker_state(w.worker_id), "reported_state": w.state,
+                "num_dispatched": self.s.num_dispatched.get(w.worker_id, 0),
+                "num_finished": self.s.num_finished.get(w.worker_id, 0),
+                "num_held": self.s.scheduler.holds_work(w.worker_id), "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
+                "last_heartbeat_ns": w.last_heartbeat_ns,
+                "last_heartbeat_age_ms": round((now - w.last_heartbeat_ns) / 1e6, 1),
+                "num_kv_blocks": w.num_kv_blocks, "num_free_kv_blocks": w.num_free_kv_blocks,
+                "num_running_requests": w.num_running_requests, "num_queued_batches": w.num_queued_batches,
+                "num_queued_at_router": len(self.s.scheduler.batchers[w.worker_id]) if w.worker_id in self.s.scheduler.batchers else 0,
+                "num_restarts": w.num_restarts,
+            })
+        return out
+

@@ -1,0 +1,146 @@
+"""Dispatch: formed batches to workers.
+
+Owns: the batch loop (sleeps until the core's next batch window or a wake-up, ticks the
+core), a queued request the batcher gave up on, and one batch's dispatch: Redis ledger
+reservation, then the acked JetStream publish with the batch id as Nats-Msg-Id; an
+uncertain publish rolls back and fails its requests retryable. Calls: the core, Redis,
+the bus, recovery (withdraw), upkeep (ledger failures). Called by: the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from schemas import messages as m
+from schemas.subjects import dispatch_subject, HDR_MSG_ID, token_subject
+from services.core.scheduler import FormedBatch, QueueFailure
+from services.shell.ledger import kv_field, LedgerEntry, prefill_field
+from services.shell.state import RequestHandle, RouterState
+
+if TYPE_CHECKING:
+    from services.shell.recovery import Recovery
+    from services.shell.upkeep import Upkeep
+
+log = logging.getLogger("flexlb.router")
+
+EXPECTED_DECODE_CAP_TOKENS = 1000  # expected KV = prompt + min(max_tokens, 1000), as FlexLB
+
+
+class Dispatcher:
+    def __init__(self, state: RouterState, recovery: "Recovery", upkeep: "Upkeep") -> None:
+        self.s = state
+        self.recovery = recovery
+        self.upkeep = upkeep
+
+    async def batch_loop(self) -> None:
+        while self.s.running:
+            due = self.s.scheduler.next_due_ns(time.time_ns())
+            self.s.wakeup.clear()
+            if due is None:
+                await self.s.wakeup.wait()
+            else:
+                delay_s = (due - time.time_ns()) / 1e9
+                if delay_s > 0:
+                    try:
+                        await asyncio.wait_for(self.s.wakeup.wait(), delay_s)
+                    except asyncio.TimeoutError:
+                        pass  # the earliest batch window elapsed: poll below
+            result = self.s.scheduler.tick(time.time_ns())
+            while self.s.scheduler.poll_errors:
+                self.s.metrics.consumer_errors.labels("batcher").inc()
+                log.error("batcher poll failed (queue kept, retried next tick): %s", self.s.scheduler.poll_errors.pop())
+            for failure in result.failures:
+                await self.fail_queued(failure)
+            for batch in result.batches:
+                try:
+                    await self.dispatch(batch)
+                except Exception:  # one failed dispatch must not stop the others
+                    log.exception("dispatch of %s failed", batch.batch_id)
+
+    async def fail_queued(self, failure: QueueFailure) -> None:
+        """A queued request the batcher gave up on: the router owns its terminal event."""
+        item = failure.item
+        self.s.metrics.requests.labels("timed_out" if failure.code == "queue_timeout" else "failed", failure.code).inc()
+        self.s.records.note(item.request_id, time.time_ns(), "queue_failure", code=failure.code, message=failure.message)
+        self.s.finish_router(item.payload, "failed", failure.code, failure.message)
+        if failure.code == "queue_timeout":
+            await self.s.emit(m.RequestTimedOut(request_id=item.request_id, worker_id=self.s.router_id, phase="queued"))
+        else:
+            await self.s.emit(m.RequestFailed(request_id=item.request_id, worker_id=self.s.router_id, code=failure.code,
+                                             message=failure.message))
+
+    async def dispatch(self, batch: FormedBatch) -> None:
+        now = time.time_ns()
+        requests: list[m.BatchRequest] = []
+        entries = [
+            LedgerEntry(batch.worker_id, prefill_field(batch.batch_id), {
+                "kind": "prefill", "batch_id": batch.batch_id, "request_ids": [i.request_id for i in batch.items],
+                "num_prompt_tokens": batch.num_prompt_tokens, "created_ms": now // 1_000_000,
+            })
+        ]
+        for item in batch.items:
+            handle: RequestHandle = item.payload
+            handle.batch_id = batch.batch_id
+            self.s.request_batch[item.request_id] = batch.batch_id
+            requests.append(m.BatchRequest(
+                request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
+                decode_worker_id=item.decode_worker_id,
+                token_subject=handle.token_subject or token_subject(self.s.router_id, item.request_id),
+                deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9), sampling=handle.sampling,
+            ))
+            entries.append(LedgerEntry(item.decode_worker_id, kv_field(item.request_id), {
+                "kind": "decode", "request_id": item.request_id, "batch_id": batch.batch_id,
+                "hard_kv_tokens": item.num_prompt_tokens,
+                "expected_kv_tokens": item.num_prompt_tokens + min(item.max_tokens, EXPECTED_DECODE_CAP_TOKENS),
+                "created_ms": now // 1_000_000,
+            }))
+        self.s.batch_pending[batch.batch_id] = {i.request_id for i in batch.items}
+        cmd = m.DispatchBatch(
+            batch_id=batch.batch_id, router_id=self.s.router_id, worker_id=batch.worker_id, epoch=self.s.epoch, requests=requests
+        )
+        try:
+            await self.s.ledger.reserve(entries, now // 1_000_000)
+        except Exception as exc:  # Redis away: the in-memory mirror keeps scheduling; resync later
+            self.upkeep.ledger_failed("reserve", exc)
+        try:
+            await self.s.js.publish(
+                dispatch_subject(batch.worker_id), m.encode(self.s.envelopes.wrap(cmd, now)),
+                headers={HDR_MSG_ID: batch.batch_id}, timeout=5,
+            )
+        except Exception as exc:  # roll back the reservation and fail the batch visibly
+            self.s.metrics.dispatch_failures.inc()
+            log.error("dispatch of batch %s to %s failed: %s", batch.batch_id, batch.worker_id, exc)
+            # Uncertain: the command may have been stored without its ack reaching us. Withdraw
+            # its requests, so that if it does arrive the worker drops them silently.
+            for item in batch.items:
+                await self.recovery.withdraw(item.request_id, {batch.worker_id, item.decode_worker_id}, "dispatch uncertain")
+            try:
+                await self.s.ledger.release([e.field for e in entries])
+            except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
+                log.error("rollback of batch %s reservations failed: %s", batch.batch_id, rel_exc)
+            self.s.batch_pending.pop(batch.batch_id, None)
+            self.s.scheduler.rollback(batch)
+            for item in batch.items:
+                self.s.request_batch.pop(item.request_id, None)
+                self.s.metrics.requests.labels("failed", "dispatch_failed").inc()
+                self.s.finish_router(item.payload, "failed", "dispatch_failed", f"dispatch to {batch.worker_id} failed: {exc}")
+                await self.s.emit(m.RequestFailed(
+                    request_id=item.request_id, worker_id=self.s.router_id, code="dispatch_failed",
+                    message=str(exc), retryable=True,
+                ))
+            return
+        self.s.metrics.batches.labels(batch.reason).inc()
+        self.s.metrics.batch_size.observe(len(batch.items))
+        self.s.num_dispatched[batch.worker_id] = self.s.num_dispatched.get(batch.worker_id, 0) + len(batch.items)
+        for item in batch.items:
+            self.s.records.note(item.request_id, now, "batch_dispatched", batch_id=batch.batch_id, worker_id=batch.worker_id,
+                              batch_size=len(batch.items), close_reason=batch.reason,
+                              predicted_batch_ms=round(batch.predicted_ms, 3))
+        await self.s.emit(m.BatchDispatched(
+            batch_id=batch.batch_id, router_id=self.s.router_id, worker_id=batch.worker_id, epoch=self.s.epoch,
+            request_ids=[i.request_id for i in batch.items], num_prompt_tokens=batch.num_prompt_tokens, reason=batch.reason,
+        ))
+

@@ -1,0 +1,214 @@
+"""Fold: bus events into the core.
+
+Owns: worker status (live subscription, and at start the last report per worker from the
+status stream), KV events (and snapshot requests when the index needs a resync), and the
+worker lifecycle events (a durable pull consumer: fetched in batches, folded, their ledger
+fields released in one Redis call per fetch, then acked), including calibration's
+settlements of requests whose terminal event was lost. Calls: the core, the bus, relay
+(a finished stream's grace), recovery, upkeep. Called by: the service (subscriptions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from schemas import messages as m
+from schemas.subjects import ALL_STATUS, kv_snapshot_request_subject, STATUS_STREAM
+from services.shell.ledger import kv_field, prefill_field
+from services.shell.state import RouterState
+
+if TYPE_CHECKING:
+    from services.shell.relay import Relay
+    from services.shell.recovery import Recovery
+    from services.shell.upkeep import Upkeep
+
+log = logging.getLogger("flexlb.router")
+
+SNAPSHOT_RETRY_NS = 1_000_000_000  # ask a worker for a KV snapshot at most once a second
+
+
+class Fold:
+    def __init__(self, state: RouterState, relay: "Relay", recovery: "Recovery", upkeep: "Upkeep") -> None:
+        self.s = state
+        self.relay = relay
+        self.recovery = recovery
+        self.upkeep = upkeep
+
+    async def load_last_status(self) -> None:
+        try:
+            info = await self.s.js.stream_info(STATUS_STREAM.name, subjects_filter=ALL_STATUS)
+            subjects = sorted((info.state.subjects or {}).keys())
+        except Exception as exc:  # no history: the live subscription fills the view
+            log.warning("could not read the status stream: %s", exc)
+            return
+        for subject in subjects:
+            try:
+                msg = await self.s.js.get_last_msg(STATUS_STREAM.name, subject)
+            except Exception as exc:  # e.g. purged meanwhile
+                log.warning("could not read the last status on %s: %s", subject, exc)
+                continue
+            await self.on_status_msg(msg)
+
+    async def on_status_msg(self, msg) -> None:
+        try:
+            env = m.decode_as(msg.data, m.WorkerStatusReported, m.WorkerRegistered)
+        except m.DecodeError as exc:
+            await self.s.undecodable("status", msg, exc)
+            return
+        now = time.time_ns()
+        stale_ns = self.s.settings.dead_after_missed_syncs * self.s.settings.liveness_sync_ms * 1_000_000
+        info = self.s.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=now - env.time_ns > stale_ns)
+        for worker_id, rid in self.s.scheduler.take_settled():
+            await self.settle(worker_id, rid)
+        if self.s.settings.prefix_index == "exact" and info.worker_id not in self.s.scheduler.index.workers():
+            await self.request_snapshot(info.worker_id, "no KV state for this worker yet", now)
+        if self.s.view_ready_after_ms is None and self.s.scheduler.view.readiness(now, self.s.scheduler.timeout_ns)[0]:
+            self.s.view_ready_after_ms = round((now - self.s.started_ns) / 1e6, 1)
+            log.info("worker view complete %.1f ms after start", self.s.view_ready_after_ms)
+
+    async def settle(self, worker_id: str, request_id: str) -> None:
+        """Calibration settled a request: the worker reported it running, then stopped
+        reporting it, and no terminal event came (lost). End it once, release its Redis
+        entry, and say so."""
+        self.s.metrics.ledger_settlements.inc()
+        why = f"worker {worker_id} stopped reporting it and no terminal event arrived"
+        handle = self.s.handles.get(request_id)
+        if handle is not None and not handle.done:
+            await self.recovery.fail_from_router(handle, "worker_failed", why)
+        else:
+            self.s.scheduler.on_terminal(request_id)
+            await self.upkeep.release_request(request_id)
+        log.warning("settled %s: %s", request_id, why)
+        await self.s.emit(m.LedgerEntryEvicted(worker_id=worker_id, router_id=self.s.router_id, field=kv_field(request_id),
+                                              ttl_s=0.0, reason="calibration"))
+
+    async def request_snapshot(self, worker_id: str, reason: str, now_ns: int) -> None:
+        last = self.s.snapshot_requested_ns.get(worker_id, 0)
+        if now_ns - last < SNAPSHOT_RETRY_NS:
+            return
+        self.s.snapshot_requested_ns[worker_id] = now_ns
+        cmd = m.RequestKvSnapshot(worker_id=worker_id, requester=self.s.router_id, reason=reason)
+        try:
+            await self.s.nc.publish(kv_snapshot_request_subject(worker_id), m.encode(self.s.envelopes.wrap(cmd, now_ns)))
+        except Exception as exc:  # retried on the next status report after SNAPSHOT_RETRY_NS
+            log.warning("could not ask %s for a KV snapshot: %s", worker_id, exc)
+
+    async def on_kv_msg(self, msg) -> None:
+        try:
+            env = m.decode_as(msg.data, m.KvBlocksStored, m.KvBlocksRemoved, m.KvAllCleared, m.KvSnapshot)
+        except m.DecodeError as exc:
+            await self.s.undecodable("kv", msg, exc)
+            return
+        update = self.s.scheduler.on_kv_event(env.payload)
+        self.s.metrics.kv_events.labels(update.status).inc()
+        if update.status == "needs_resync":
+            await self.request_snapshot(update.worker_id, update.reason, time.time_ns())
+
+    async def events_loop(self) -> None:
+        while self.s.running:
+            try:
+                msgs = await self.s.events_sub.fetch(batch=256, timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # bus outage: wait it out, retry
+                self.s.metrics.consumer_errors.labels("events").inc()
+                log.warning("events fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            # Fold the whole fetched batch, then release its ledger fields in ONE script call,
+            # then ack: one Redis round trip per fetch, not per event (under load, per-event
+            # round trips left the router seconds behind its workers). If Redis is away the
+            # in-memory mirror has applied the events anyway; the Redis ledger is rebuilt
+            # from it when Redis answers again (_resync_ledger).
+            handled = []
+            for msg in msgs:
+                try:
+                    await self.on_worker_event_msg(msg)
+                    handled.append(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # one bad event must not stop the loop; it is redelivered
+                    self.s.metrics.consumer_errors.labels("events").inc()
+                    log.exception("handling event on %s failed", msg.subject)
+            fields, self.s.release_buffer = self.s.release_buffer, []
+            if fields:
+                try:
+                    n = await self.s.ledger.release(fields)
+                    self.s.metrics.ledger_releases.labels("events").inc(n)
+                except Exception as exc:  # Redis away: the mirror has applied them; resync later
+                    self.upkeep.ledger_failed("release", exc)
+            for msg in handled:
+                try:
+                    await msg.ack()
+                except Exception as exc:  # redelivered later; handling is idempotent
+                    log.warning("ack failed: %s", exc)
+
+    async def on_worker_event_msg(self, msg) -> None:
+        try:
+            env = m.decode(msg.data)
+        except m.DecodeError as exc:
+            await self.s.undecodable("events", msg, exc)
+            return
+        ev = env.payload
+        if isinstance(ev, m.WorkerRegistered):
+            self.s.scheduler.on_worker_event(ev, min(env.time_ns, time.time_ns()))
+        elif isinstance(ev, m.BatchStarted):
+            self.s.scheduler.on_batch_started(ev.worker_id, ev.batch_id, min(env.time_ns, time.time_ns()))
+            for rid in ev.request_ids:
+                self.s.records.note(rid, time.time_ns(), "batch_started", batch_id=ev.batch_id, worker_id=ev.worker_id)
+        elif isinstance(ev, m.PrefillCompleted):
+            batch = self.s.scheduler.on_prefill_completed(ev.worker_id, ev.batch_id, ev.measured_ms, ev.num_cached_tokens)
+            if batch is not None:
+                error_pct = abs(batch.predicted_ms - ev.measured_ms) / max(ev.measured_ms, 1e-6) * 100
+                self.s.metrics.predictor_error_pct.observe(error_pct)
+            self.s.metrics.prompt_tokens.inc(ev.num_prompt_tokens)
+            self.s.metrics.cached_tokens.inc(ev.num_cached_tokens)
+            for rid in ev.request_ids:
+                self.s.records.note(rid, time.time_ns(), "prefill_completed", batch_id=ev.batch_id,
+                                  measured_ms=ev.measured_ms, predicted_batch_ms=round(batch.predicted_ms, 3) if batch else None)
+            self.s.release_buffer.append(prefill_field(ev.batch_id))
+            self.s.wakeup.set()  # a backpressured batcher may dispatch now
+        elif isinstance(ev, (m.RequestFinished, m.RequestFailed, m.RequestCancelled, m.RequestTimedOut)):
+            await self.on_worker_terminal(ev)
+
+    async def on_worker_terminal(self, ev) -> None:
+        request_id = ev.request_id
+        live_handle = self.s.handles.get(request_id)
+        if live_handle is not None and ev.worker_id not in (live_handle.prefill_worker_id, live_handle.decode_worker_id):
+            # From a worker the request was taken from (declared dead, re-routed): its
+            # reservations now belong to the new assignment; count it, apply nothing.
+            self.s.metrics.duplicate_terminal.inc()
+            log.warning("ignoring %s of %s from %s (re-routed away)", type(ev).__name__, request_id, ev.worker_id)
+            return
+        self.s.release_buffer.extend(self.upkeep.fields_to_release(request_id))
+        if isinstance(ev, m.RequestFinished):
+            self.s.num_finished[ev.worker_id] = self.s.num_finished.get(ev.worker_id, 0) + 1
+        self.s.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
+                          **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
+        ours = self.s.scheduler.on_terminal(request_id)
+        if not ours and request_id not in self.s.handles:
+            return  # another router's request, or one we forgot across a restart
+        self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
+        outcome = {m.RequestFinished: "finished", m.RequestFailed: "failed", m.RequestCancelled: "cancelled", m.RequestTimedOut: "timed_out"}[type(ev)]
+        code = getattr(ev, "code", None) or ("timed_out" if outcome == "timed_out" else ("cancelled" if outcome == "cancelled" else ""))
+        self.s.metrics.requests.labels(outcome, code).inc()
+        handle = self.s.handles.get(request_id)
+        if handle is None or handle.done:
+            return
+        if isinstance(ev, m.RequestFinished):
+            if handle.remote:  # forwarded by a standby: it relays the tokens, we only account
+                self.s.finish_router(handle, "finished", None, "")
+            elif handle.next_index < ev.num_output_tokens:
+                # Tokens travel on core NATS and may still be in flight: give them a grace period.
+                handle.grace_task = asyncio.get_running_loop().create_task(self.relay.grace(handle, ev.num_output_tokens))
+            return
+        message = getattr(ev, "message", "") or getattr(ev, "reason", "")
+        if isinstance(ev, m.RequestTimedOut):
+            message = f"past its deadline ({ev.phase}) on worker {ev.worker_id}"
+        self.s.finish_router(handle, outcome, code or outcome, message)
+

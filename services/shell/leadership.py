@@ -1,0 +1,128 @@
+"""Leadership: one scheduler per cluster.
+
+Owns: the Redis lease (PX TTL, renewed every LEASE_RENEW_S), the fencing epoch it bumps when
+it takes the lease and announces to every worker, stepping down (queued requests fail
+retryable), failing a standby's forwards stranded at a leader that is gone, and the bus
+connection state (a reconnect grants workers a liveness grace). Calls: Redis, the bus,
+intake (it subscribes intake.on_submit while leader). Called by: the service, liveness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from schemas import messages as m
+from schemas.subjects import epoch_subject, submit_subject
+from services.shell.state import RouterState
+
+if TYPE_CHECKING:
+    from services.shell.intake import Intake
+
+log = logging.getLogger("flexlb.router")
+
+# Take the lease if it is free, or held by an earlier incarnation of this same router id
+# (router ids are unique per process: that incarnation is dead, no need to wait out its TTL).
+ACQUIRE_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or string.sub(cur, 1, string.len(ARGV[3])) == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+LEASE_RENEW_S = 0.5  # renew (leader) / try to take (standby) this often
+LEASE_TTL_S = 2.0  # the leader's lease; a standby takes over at most this long after it dies
+RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class Leadership:
+    def __init__(self, state: RouterState, intake: "Intake") -> None:
+        self.s = state
+        self.intake = intake
+
+    def lease_key(self) -> str:
+        return f"flexlb:{self.s.settings.cluster}:leader"
+
+    async def lease_loop(self) -> None:
+        while self.s.running:
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                await self.lease_cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: a leader keeps its lease until it expires
+                self.s.metrics.consumer_errors.labels("lease").inc()
+                log.warning("lease cycle failed: %s", exc)
+
+    async def lease_cycle(self) -> None:
+        """Hold or take the scheduling lease (Redis, PX TTL). Taking it bumps the fencing epoch,
+        announced to every worker, so the previous leader's commands are refused."""
+        key = self.lease_key()
+        ttl_ms = int(LEASE_TTL_S * 1000)
+        if self.s.is_leader:
+            renewed = await self.s.redis.eval(RENEW_LUA, 1, key, self.s.lease_value, ttl_ms)
+            if not renewed:
+                await self.step_down("lease lost")
+            return
+        if await self.s.redis.eval(ACQUIRE_LUA, 1, key, self.s.lease_value, ttl_ms, f"{self.s.router_id}:"):
+            self.s.epoch = int(await self.s.redis.incr(f"flexlb:{self.s.settings.cluster}:epoch"))
+            self.s.is_leader = True
+            self.s.submit_sub = await self.s.nc.subscribe(submit_subject(self.s.settings.cluster), cb=self.intake.on_submit)
+            self.s.metrics.leader.set(1)
+            log.warning("router %s is the leader (epoch %d)", self.s.router_id, self.s.epoch)
+            await self.announce_epoch()
+            await self.fail_stranded_forwards(self.s.router_id)
+            return
+        holder = await self.s.redis.get(key)
+        if holder:
+            await self.fail_stranded_forwards((holder.decode() if isinstance(holder, bytes) else holder).split(":")[0])
+
+    async def fail_stranded_forwards(self, leader_id: str) -> None:
+        """Standby: requests we forwarded to a leader that is gone, and that it never
+        dispatched, were queued in its memory only: nothing will ever answer them. Fail them
+        now (retryable) instead of at their deadline. One it dispatched is running on a worker
+        that streams to us directly and is left alone. (A lost batch.dispatched event makes
+        us fail a request that is running: the client retries; its tokens are dropped.)"""
+        for handle in list(self.s.handles.values()):
+            if (handle.leader_id and handle.leader_id != leader_id and not handle.remote and not handle.done
+                    and not handle.dispatched and handle.next_index == 0):
+                self.s.metrics.requests.labels("failed", "not_ready").inc()
+                self.s.records.note(handle.request_id, time.time_ns(), "failed_by_router", code="not_ready",
+                                  message=f"leader {handle.leader_id} gone before dispatching it")
+                self.s.finish_router(handle, "failed", "not_ready",
+                                    f"leader router {handle.leader_id} is gone and had not dispatched it; retry")
+
+    async def step_down(self, why: str) -> None:
+        log.error("router %s steps down: %s", self.s.router_id, why)
+        self.s.is_leader = False
+        self.s.metrics.leader.set(0)
+        if self.s.submit_sub is not None:
+            await self.s.submit_sub.unsubscribe()
+            self.s.submit_sub = None
+        for item in self.s.scheduler.drain_queues():  # not dispatched: the client may retry elsewhere
+            self.s.finish_router(item.payload, "failed", "not_ready", f"router {self.s.router_id} lost the leadership")
+            await self.s.emit(m.RequestFailed(request_id=item.request_id, worker_id=self.s.router_id, code="not_ready",
+                                             message="router lost the leadership before dispatch", retryable=True))
+
+    async def announce_epoch(self) -> None:
+        """Tell every worker we schedule for our epoch (each cycle: new workers learn it too)."""
+        now = time.time_ns()
+        for w in self.s.scheduler.view.live():
+            cmd = m.FenceEpoch(worker_id=w.worker_id, router_id=self.s.router_id, epoch=self.s.epoch)
+            await self.s.nc.publish(epoch_subject(w.worker_id), m.encode(self.s.envelopes.wrap(cmd, now)))
+
+    async def on_bus_state(self, state: str) -> None:
+        self.s.bus_state = state
+        if state == "reconnected":
+            # Heartbeats we missed while we were cut off are our fault, not the workers':
+            # give them a full detection window to be heard again before counting misses.
+            self.s.liveness_grace_cycles = self.s.settings.dead_after_missed_syncs + 1
+

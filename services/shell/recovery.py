@@ -1,0 +1,131 @@
+"""Recovery: what happens to requests when a worker dies or is removed.
+
+Owns: a dead worker's recovery (its queued commands purged,
+its not-started batches re-routed once, its started requests failed retryable), re-routes,
+router-side failures, and withdrawing a request from workers. Calls: the core, the bus,
+upkeep. Called by: liveness, fold, dispatch, admin.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from schemas import messages as m
+from schemas.errors import error_code
+from schemas.subjects import cancel_subject, DISPATCH_STREAM, dispatch_subject
+from services.core.scheduler import Admitted
+from services.shell.state import RequestHandle, RouterState, decision_event
+
+if TYPE_CHECKING:
+    from services.shell.upkeep import Upkeep
+
+log = logging.getLogger("flexlb.router")
+
+MAX_REROUTES = 1  # a request whose worker died is re-routed at most this many times
+
+
+class Recovery:
+    def __init__(self, state: RouterState, upkeep: "Upkeep") -> None:
+        self.s = state
+        self.upkeep = upkeep
+
+    async def recover_dead_worker(self, worker_id: str, verdict: str) -> None:
+        """A worker died: purge its queued commands, re-route what it had not started, fail
+        (retryable) what it had, so no admitted request waits for a dead worker."""
+        purged = 0
+        try:
+            info = await self.s.js.stream_info(DISPATCH_STREAM.name, subjects_filter=dispatch_subject(worker_id))
+            purged = (info.state.subjects or {}).get(dispatch_subject(worker_id), 0)
+            await self.s.js.purge_stream(DISPATCH_STREAM.name, subject=dispatch_subject(worker_id))
+        except Exception as exc:  # it may come back and run them: it is fenced by batch dedupe + token fencing
+            log.error("could not purge dispatch commands of dead worker %s: %s", worker_id, exc)
+        started: set[str] = set()
+        not_started: list[str] = []
+        inflight = self.s.scheduler.ledger.workers.get(worker_id)
+        for batch_id, batch in list(inflight.batches.items()) if inflight else []:
+            if batch.started_ns is None:
+                self.s.scheduler.forget_batch(worker_id, batch_id)
+                not_started.extend(batch.request_ids)
+            else:
+                started.update(batch.request_ids)
+        rerouted = failed = 0
+        for rid in not_started:
+            handle = self.s.handles.get(rid)
+            if handle is not None and not handle.done:
+                await self.withdraw(rid, {worker_id}, f"worker declared {verdict}")  # in case it is a zombie
+                await self.upkeep.release_request(rid)
+                rerouted += await self.reroute(handle, f"worker {worker_id} {verdict} before starting its batch")
+        for rid, handle in list(self.s.handles.items()):
+            if handle.done or rid in not_started:
+                continue
+            # Started there (prefill running), or decoding there. A request whose prefill
+            # finished there and was handed to a live decode worker is unaffected.
+            if handle.decode_worker_id == worker_id or rid in started:
+                failed += 1
+                await self.withdraw(rid, {handle.prefill_worker_id, handle.decode_worker_id}, f"worker declared {verdict}")
+                await self.fail_from_router(handle, "worker_failed", f"worker {worker_id} {verdict} while running it")
+        self.records_liveness(worker_id, verdict)
+        await self.s.emit(m.WorkerLivenessChanged(
+            worker_id=worker_id, router_id=self.s.router_id, liveness=verdict,
+            num_missed_syncs=self.s.settings.dead_after_missed_syncs, num_rerouted=rerouted, num_failed=failed,
+            num_purged_commands=purged,
+        ))
+        log.warning("worker %s %s: re-routed %d, failed %d, purged %d commands", worker_id, verdict, rerouted, failed, purged)
+
+    def records_liveness(self, worker_id: str, verdict: str) -> None:
+        now = time.time_ns()
+        for rid, handle in self.s.handles.items():
+            if worker_id in (handle.prefill_worker_id, handle.decode_worker_id):
+                self.s.records.note(rid, now, f"worker_{verdict}", worker_id=worker_id)
+
+    async def reroute(self, handle: RequestHandle | None, why: str) -> int:
+        """Re-admit a request whose worker died (once); else fail it retryable. 1 if re-routed."""
+        if handle is None or handle.done:
+            return 0
+        rid = handle.request_id
+        self.s.scheduler.on_terminal(rid)
+        old = (handle.prefill_worker_id, handle.decode_worker_id)
+        if handle.num_reroutes < MAX_REROUTES and handle.admit is not None:
+            handle.num_reroutes += 1
+            decision = self.s.scheduler.admit(handle.admit, time.time_ns())
+            if isinstance(decision, Admitted):
+                handle.prefill_worker_id = decision.request.prefill_worker_id
+                handle.decode_worker_id = decision.request.decode_worker_id
+                handle.batch_id = ""
+                for d in decision.decisions:
+                    await self.s.emit(decision_event(rid, self.s.router_id, d))
+                self.s.records.note(rid, time.time_ns(), "rerouted", reason=why, from_workers=list(old),
+                                  prefill_worker_id=handle.prefill_worker_id, decode_worker_id=handle.decode_worker_id)
+                self.s.metrics.reroutes.inc()
+                self.s.wakeup.set()
+                return 1
+            why = f"{why}; re-route rejected: {decision.code}: {decision.message}"
+        await self.fail_from_router(handle, "worker_failed", why, already_forgotten=True)
+        return 0
+
+    async def fail_from_router(self, handle: RequestHandle, code: str, message: str, already_forgotten: bool = False) -> None:
+        rid = handle.request_id
+        if not already_forgotten:
+            self.s.scheduler.on_terminal(rid)
+        await self.upkeep.release_request(rid)
+        self.s.metrics.requests.labels("failed", code).inc()
+        self.s.records.note(rid, time.time_ns(), "failed_by_router", code=code, message=message)
+        self.s.finish_router(handle, "failed", code, message)
+        await self.s.emit(m.RequestFailed(request_id=rid, worker_id=self.s.router_id, code=code, message=message,
+                                         retryable=error_code(code).retryable))
+        self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
+
+    async def withdraw(self, request_id: str, worker_ids: set[str], reason: str) -> None:
+        """Tell workers to drop a request the router has ended (best effort, core NATS)."""
+        now = time.time_ns()
+        for worker_id in worker_ids:
+            if not worker_id:
+                continue
+            cmd = m.CancelRequest(request_id=request_id, worker_id=worker_id, reason=reason, withdraw=True)
+            try:
+                await self.s.nc.publish(cancel_subject(worker_id), m.encode(self.s.envelopes.wrap(cmd, now)))
+            except Exception as exc:  # the bus is away: the worker's own deadline still bounds it
+                log.warning("could not withdraw %s from %s: %s", request_id, worker_id, exc)
+

@@ -1,0 +1,184 @@
+"""What the parts of one router share, and the request handle the HTTP API reads.
+
+RouterState holds the router's identity, its connections (NATS, JetStream, Redis, the Redis
+ledger), the core (the Scheduler, wrapped by the journal's Recorder), the live request
+handles and batch membership, leadership facts (is_leader, epoch) and the counters the admin
+views show. It owns no behaviour beyond three leaf actions every part needs: publish a
+router event (emit), dead-letter an undecodable message, and give a client its terminal
+outcome once (finish_router). Each part (intake, dispatch, fold, relay, leadership,
+liveness, recovery, upkeep, admin, journal) holds this one object and reads and writes
+these fields; none keeps a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import messages as m
+from schemas.subjects import router_events_subject
+from services.core.journal import Recorder
+from services.core.scheduler import AdmitRequest, RouteDecision, Scheduler
+from services.settings import RouterSettings
+from services.shell.bus import dead_letter
+from services.shell.ledger import Ledger
+from services.shell.metrics import RouterMetrics
+
+log = logging.getLogger("flexlb.router")
+
+RECENT_RECORDS_MAX = 10_000  # requests whose decision record /admin/requests/{id} can show
+
+
+class RequestRecords:
+    """Decision records of live and recent requests, for GET /admin/requests/{id}: the
+    admission verdict, the routing decisions with every candidate's score card, the batch,
+    and a timeline of what happened, in ms since arrival. Bounded: oldest forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def open(self, request_id: str, arrival_ns: int, **fields: Any) -> dict[str, Any]:
+        rec = {"request_id": request_id, "found": True, "source": "live", "arrival_ns": arrival_ns, "timeline": [], **fields}
+        self.records[request_id] = rec
+        self.records.move_to_end(request_id)
+        while len(self.records) > self.capacity:
+            self.records.popitem(last=False)
+        return rec
+
+    def note(self, request_id: str, now_ns: int, what: str, **detail: Any) -> None:
+        rec = self.records.get(request_id)
+        if rec is not None:
+            # The shape of `flexlb explain --json` (t_ms, source, what), plus "event" as before.
+            rec["timeline"].append({"t_ms": round((now_ns - rec["arrival_ns"]) / 1e6, 3), "source": "router", "what": what,
+                                    "event": what, **detail})
+
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        return self.records.get(request_id)
+
+
+def decision_view(d: RouteDecision) -> dict[str, Any]:
+    return {
+        "stage": d.stage, "policy": d.policy, "decision_seq": d.decision_seq, "seed": d.seed,
+        "picked": d.pick.worker_id, "reason": d.pick.reason,
+        "candidates": [
+            {"worker_id": s.worker_id, "score": s.score, "components": s.components, "filtered_by": s.filtered_by}
+            for s in d.pick.scores
+        ],
+    }
+
+
+def decision_event(request_id: str, router_id: str, d: RouteDecision) -> m.RouteDecided:
+    return m.RouteDecided(
+        request_id=request_id, router_id=router_id, decision_seq=d.decision_seq, seed=d.seed, stage=d.stage,
+        policy=d.policy, picked_worker_id=d.pick.worker_id, reason=d.pick.reason,
+        candidates=[m.CandidateScore(worker_id=s.worker_id, score=float(s.score), components=s.components,
+                                     filtered_by=s.filtered_by) for s in d.pick.scores],
+    )
+
+
+@dataclass(frozen=True)
+class Terminal:
+    """The end of a request's stream, as the client sees it."""
+
+    outcome: str  # finished | failed | cancelled | timed_out | rejected
+    code: str | None = None
+    message: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_ns: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokensGenerated | Terminal
+    next_index: int = 0  # index of the next output token we expect
+    num_buffered: int = 0  # token chunks queued and not yet read by the client
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    batch_id: str = ""
+    done: bool = False  # the client has been given its terminal outcome
+    first_token_ns: int = 0
+    grace_task: asyncio.Task | None = None
+    admit: AdmitRequest | None = None  # what it was admitted with, for a re-route
+    num_reroutes: int = 0
+    timeout_s: float = 600.0  # its deadline, from arrival
+    token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
+    remote: bool = False  # forwarded by a standby: no local client reads this handle
+    leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
+    dispatched: bool = False  # standby: the leader's batch.dispatched listed it
+    sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
+
+
+class RouterState:
+    """One router's shared facts (module docstring). Built by RouterService, which wires the
+    connections in at start()."""
+
+    def __init__(self, settings: RouterSettings, boot_id: str, scheduler: Scheduler | Recorder) -> None:
+        self.settings = settings
+        self.router_id = settings.router_id
+        self.boot_id = boot_id
+        self.metrics = RouterMetrics()
+        self.scheduler: Scheduler | Recorder = scheduler
+        self.records = RequestRecords(RECENT_RECORDS_MAX)
+        self.snapshot_requested_ns: dict[str, int] = {}  # worker id -> when we last asked for a KV snapshot
+        self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)
+        self.handles: dict[str, RequestHandle] = {}  # request id -> handle, until the client is answered
+        self.batch_pending: dict[str, set[str]] = {}  # batch id -> member request ids without terminal event
+        self.request_batch: dict[str, str] = {}  # request id -> batch id
+        self.epoch = 0  # fencing epoch: a Redis counter bumped at every router start (see start())
+        self.wakeup = asyncio.Event()
+        self.nc = None
+        self.js = None
+        self.redis = None
+        self.ledger: Ledger | None = None
+        self.events_sub = None  # the durable pull consumer of worker events (fold)
+        self.started_ns = 0
+        self.running = False
+        self.bus_state = "disconnected"
+        self.view_ready_after_ms: float | None = None  # start -> first complete worker view
+        self.num_dispatched: dict[str, int] = {}  # worker id -> requests dispatched to it
+        self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
+        self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
+        self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
+        self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
+        self.is_leader = False  # holds the Redis lease: schedules and dispatches
+        self.lease_value = f"{self.router_id}:{self.boot_id}"
+        self.submit_sub = None
+        self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
+        self.redis_run_id: str | None = None
+
+    async def emit(self, payload: Any) -> None:
+        env = self.envelopes.wrap(payload, time.time_ns())
+        try:
+            await self.nc.publish(router_events_subject(self.router_id), m.encode(env))
+        except Exception as exc:  # the record is lost only if the bus is gone; say so loudly
+            self.metrics.consumer_errors.labels("emit").inc()
+            log.error("could not publish %s: %s", type(payload).__name__, exc)
+
+    async def undecodable(self, source: str, msg, exc: Exception) -> None:
+        self.metrics.undecodable.labels(source).inc()
+        log.warning("undecodable message on %s: %s", msg.subject, exc)
+        try:
+            await dead_letter(self.nc, self.router_id, msg.subject, msg.data, str(exc))
+        except Exception as dlq_exc:  # the bus is down: the message is lost; say so
+            log.error("could not dead-letter a message from %s: %s", msg.subject, dlq_exc)
+
+    def finish_router(self, handle: RequestHandle | None, outcome: str, code: str | None, message: str) -> None:
+        """Give the client its terminal outcome (once)."""
+        if handle is None:
+            return
+        if handle.done:
+            self.metrics.duplicate_terminal.inc()
+            return
+        handle.done = True
+        self.handles.pop(handle.request_id, None)
+        if handle.grace_task is not None:
+            handle.grace_task.cancel()
+        handle.queue.put_nowait(Terminal(outcome, code, message))
