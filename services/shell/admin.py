@@ -79,7 +79,14 @@ class Admin:
         if held and not force:
             return False, {"code": "conflict", "message": f"worker {worker_id} holds {held} requests; drain it first or force"}
         moved = 0
-        self.s.scheduler.mark_dead(worker_id)  # re-routes must go elsewhere
+        # Re-routes must go elsewhere. Marking it dead is not enough: the recovery below awaits
+        # the bus, a heartbeat of the (still running) worker revives it meanwhile, and a
+        # re-route then picked it again. That dispatch carried a request the worker had just
+        # been told to withdraw, so the worker dropped it silently and its client hung. A drain
+        # flag survives a re-registration; it is cleared below, once the worker is forgotten.
+        await self.s.redis.set(self.drain_key(worker_id), f"removing:{by or 'admin'}")
+        await self.refresh_drain_flags()
+        self.s.scheduler.mark_dead(worker_id)
         if held:
             await self.recovery.recover_dead_worker(worker_id, "removed")
             moved = held
