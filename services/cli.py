@@ -216,6 +216,7 @@ def run_router(settings: RouterSettings) -> int:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
         lifespan="on", timeout_graceful_shutdown=5,
+        loop="uvloop", http="httptools",  # dependencies: a third less CPU per request than asyncio + h11
     )
     uvicorn.Server(config).run()
     return 0
