@@ -1,4 +1,5 @@
-"""The router's HTTP API (FastAPI): OpenAI-compatible completions, health and admin.
+"""The router's HTTP API: OpenAI-compatible completions (raw ASGI, CompletionsFront), and
+health, metrics and admin (FastAPI).
 
 Every error is `{"error": {"code", "message", "retryable"}}` with the design's HTTP status;
 bodies are parsed with msgspec (not FastAPI's validation) so that every bad input maps to a
@@ -26,7 +27,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,7 +36,7 @@ from schemas.api import CompletionChoice, CompletionRequest, CompletionResponse,
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from services.core.scheduler import Rejected
-from services.shell.router import RequestHandle, RouterService, Terminal, error_for
+from services.shell.router import RequestHandle, RouterService, error_for
 
 log = logging.getLogger("flexlb.api")
 
@@ -56,17 +57,23 @@ class BadRequest(Exception):
         self.message = message
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def _read_body(receive, declared: bytes | None, limit: int) -> bytes:
+    """The request body from ASGI `receive`, refused `too_large` past `limit` (by its declared
+    content-length at once, or as it arrives); ClientGone if the client disconnects."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest("too_large", f"body of {declared} bytes exceeds the limit of {limit}")
+        raise BadRequest("too_large", f"body of {declared.decode()} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BadRequest("too_large", f"body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def parse_completion(body: bytes, settings,
@@ -130,8 +137,7 @@ def sampling_of(req: CompletionRequest) -> m.Sampling | None:
         raise BadRequest("invalid_request", f"sampling: {exc}") from None
 
 
-def _header_ms(request: Request, name: str) -> float | None:
-    raw = request.headers.get(name)
+def _header_ms(raw: str | None, name: str) -> float | None:
     if raw is None:
         return None
     try:
@@ -162,7 +168,9 @@ class Unauthorized(Exception):
     pass
 
 
-def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI:
+def create_app(service: RouterService, manage_lifecycle: bool = True) -> "CompletionsFront":
+    """The router's ASGI app: `POST /v1/completions` on the raw ASGI path (CompletionsFront),
+    everything else (health, metrics, admin, lifespan) through FastAPI."""
     settings = service.settings
     tokenizer = load_tokenizer(settings.tokenizer, settings.tokenizer_add_special_tokens)
 
@@ -262,109 +270,182 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> FastAPI
             return _error("not_found", f"no live or recent request {request_id} (the last {len(service.records.records)} are kept)")
         return record
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        request_id = request.headers.get("x-request-id") or None
+    return CompletionsFront(service, tokenizer, app)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request was read."""
+
+
+_GONE = object()  # put in a stream's queue when its client disconnects
+_JSON_TYPE = (b"content-type", b"application/json")
+_SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
+async def _send_json(send, status: int, body: bytes, request_id: str | None = None) -> None:
+    headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send, code: str, message: str, request_id: str | None = None) -> None:
+    status, body = error_for(code, message)
+    await _send_json(send, status, body, request_id)
+
+
+class CompletionsFront:
+    """`POST /v1/completions` on the raw ASGI path; every other request goes to FastAPI.
+
+    The completion path is the router's hot path: FastAPI's and Starlette's request,
+    response and middleware objects were a third of its CPU per request (bench/README.md,
+    "hotpath.py"). Here the body is read from `receive`, parsed by msgspec, and the answer
+    sent as ASGI messages; one deadline timer per request bounds the wait for its outcome
+    (the request's timeout plus 2 s for the worker's timed_out report to arrive first). A
+    streaming client that disconnects cancels its request: a watcher on `receive` tells the
+    stream. Behaviour, codes and headers are the FastAPI route's, which this replaced.
+    """
+
+    def __init__(self, service: RouterService, tokenizer: ByteTokenizer | HFTokenizer, app: FastAPI) -> None:
+        self.service, self.settings, self.tokenizer, self.app = service, service.settings, tokenizer, app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
-            body = await _read_body(request, settings.max_body_bytes)
-            if tokenizer.is_costly:
-                req, tokens = await asyncio.to_thread(parse_completion, body, settings, tokenizer)
+            if scope["method"] != "POST":
+                await _send_error(tracked_send, "invalid_request", "Method Not Allowed")
+                return
+            await self.completions(scope, receive, tracked_send)
+        except ClientGone:
+            return
+        except Exception as exc:
+            log.exception("unhandled error on /v1/completions")
+            if not started:
+                await _send_error(send, "internal", f"internal error: {exc.__class__.__name__}")
+
+    async def completions(self, scope, receive, send) -> None:
+        service, settings = self.service, self.settings
+        request_id = length = slo_ttft_raw = slo_tpot_raw = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"x-request-id":
+                request_id = value.decode("latin-1") or None
+            elif name == b"x-flexlb-slo-ttft-ms":
+                slo_ttft_raw = value.decode("latin-1")
+            elif name == b"x-flexlb-slo-tpot-ms":
+                slo_tpot_raw = value.decode("latin-1")
+        try:
+            body = await _read_body(receive, length, settings.max_body_bytes)
+            if self.tokenizer.is_costly:
+                req, tokens = await asyncio.to_thread(parse_completion, body, settings, self.tokenizer)
             else:
-                req, tokens = parse_completion(body, settings, tokenizer)
+                req, tokens = parse_completion(body, settings, self.tokenizer)
             request_id = req.request_id or request_id
             if request_id is not None:
                 validate_token("request_id", request_id)
-            slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(request, "x-flexlb-slo-ttft-ms")
-            slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(request, "x-flexlb-slo-tpot-ms")
+            slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(slo_ttft_raw, "x-flexlb-slo-ttft-ms")
+            slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
             sampling = sampling_of(req)
         except (BadRequest, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
             request_id = request_id or service.new_request_id()
             await service.reject(request_id, code, message)
-            return _error(code, message, request_id)
+            await _send_error(send, code, message, request_id)
+            return
         request_id = request_id or service.new_request_id()
         outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
                                        sampling=sampling)
         if isinstance(outcome, Rejected):
-            return _error(outcome.code, outcome.message, request_id)
-        handle: RequestHandle = outcome
-        created = int(time.time())
-        model = settings.model_name
+            await _send_error(send, outcome.code, outcome.message, request_id)
+            return
         if req.stream:
-            return StreamingResponse(
-                _stream(service, handle, created, model), media_type="text/event-stream",
-                headers={"X-Request-Id": request_id, "Cache-Control": "no-cache"},
-            )
-        return await _collect(service, handle, created, model)
+            await self.stream(outcome, receive, send)
+        else:
+            await self.collect(outcome, send)
 
-    return app
+    def _deadline(self, handle: RequestHandle) -> float:
+        """The router's own deadline (loop time): the request's, plus a little for the
+        worker's timed_out report to arrive first (the worker enforces the same deadline)."""
+        return asyncio.get_running_loop().time() + handle.timeout_s + 2.0
 
+    async def stream(self, handle: RequestHandle, receive, send) -> None:
+        service, created, model = self.service, int(time.time()), self.settings.model_name
+        rid = handle.request_id
 
-def _client_deadline(service: RouterService, handle: RequestHandle) -> float:
-    """The router's own deadline: the request's, plus a little for the worker's timed_out
-    report to arrive first (the worker enforces the same deadline where the work runs)."""
-    return time.monotonic() + handle.timeout_s + 2.0
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            handle.queue.put_nowait(_GONE)
 
-
-async def _next_item(service: RouterService, handle: RequestHandle, deadline: float):
-    timeout = deadline - time.monotonic()
-    if timeout <= 0:
-        raise asyncio.TimeoutError
-    item = await asyncio.wait_for(handle.queue.get(), timeout)
-    if isinstance(item, m.TokensGenerated):
-        handle.num_buffered -= 1
-    return item
-
-
-async def _stream(service: RouterService, handle: RequestHandle, created: int, model: str):
-    deadline = _client_deadline(service, handle)
-    finished = False
-    try:
-        while True:
-            try:
-                item = await _next_item(service, handle, deadline)
-            except asyncio.TimeoutError:
-                await service.cancel(handle, "router request timeout")
-                _, body = error_for("timed_out", f"no terminal outcome within {service.settings.request_timeout_s}s")
-                yield b"data: " + body + b"\n\n"
-                break
-            if isinstance(item, m.TokensGenerated):
-                yield b"data: " + _chunk_json(handle.request_id, created, model, item.text, item.finish_reason) + b"\n\n"
-                continue
-            assert isinstance(item, Terminal)
-            if item.outcome != "finished":
-                _, body = error_for(item.code or "worker_failed", item.message)
-                yield b"data: " + body + b"\n\n"
-            finished = True
-            break
-        yield b"data: [DONE]\n\n"
-    finally:
-        if not finished and not handle.done:
-            # The client went away (or the generator was closed): stop the work.
-            await service.cancel(handle, "client disconnected")
-
-
-async def _collect(service: RouterService, handle: RequestHandle, created: int, model: str) -> Response:
-    deadline = _client_deadline(service, handle)
-    parts: list[str] = []
-    num_tokens = 0
-    while True:
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        finished = False
         try:
-            item = await _next_item(service, handle, deadline)
-        except asyncio.TimeoutError:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [_SSE_TYPE, (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
+            try:
+                async with asyncio.timeout_at(self._deadline(handle)):
+                    while True:
+                        item = await handle.queue.get()
+                        if item is _GONE:
+                            return  # finally: cancel the work
+                        if isinstance(item, m.TokensGenerated):
+                            handle.num_buffered -= 1
+                            chunk = _chunk_json(rid, created, model, item.text, item.finish_reason)
+                            await send({"type": "http.response.body", "body": b"data: " + chunk + b"\n\n", "more_body": True})
+                            continue
+                        if item.outcome != "finished":
+                            _, body = error_for(item.code or "worker_failed", item.message)
+                            await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n", "more_body": True})
+                        finished = True
+                        break
+            except TimeoutError:
+                await service.cancel(handle, "router request timeout")
+                _, body = error_for("timed_out", f"no terminal outcome within {self.settings.request_timeout_s}s")
+                await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n", "more_body": True})
+                finished = True
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        finally:
+            watcher.cancel()
+            if not finished and not handle.done:
+                # The client went away (or the send failed): stop the work.
+                await service.cancel(handle, "client disconnected")
+
+    async def collect(self, handle: RequestHandle, send) -> None:
+        service, created, model = self.service, int(time.time()), self.settings.model_name
+        parts: list[str] = []
+        num_tokens = 0
+        try:
+            async with asyncio.timeout_at(self._deadline(handle)):
+                while True:
+                    item = await handle.queue.get()
+                    if not isinstance(item, m.TokensGenerated):
+                        break
+                    handle.num_buffered -= 1
+                    parts.append(item.text)
+                    num_tokens += len(item.token_ids)
+        except TimeoutError:
             await service.cancel(handle, "router request timeout")
-            return _error("timed_out", f"no terminal outcome within {handle.timeout_s}s", handle.request_id)
-        if isinstance(item, m.TokensGenerated):
-            parts.append(item.text)
-            num_tokens += len(item.token_ids)
-            continue
+            await _send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", handle.request_id)
+            return
         if item.outcome != "finished":
-            return _error(item.code or "worker_failed", item.message, handle.request_id)
+            await _send_error(send, item.code or "worker_failed", item.message, handle.request_id)
+            return
         n_prompt = len(handle.prompt_token_ids)
-        body = CompletionResponse(
+        body = _ENC.encode(CompletionResponse(
             id=handle.request_id, created=created, model=model,
             choices=[CompletionChoice(text="".join(parts), finish_reason=item.finish_reason)],
             usage=Usage(prompt_tokens=n_prompt, completion_tokens=num_tokens, total_tokens=n_prompt + num_tokens),
-        )
-        return Response(_ENC.encode(body), media_type="application/json", headers={"X-Request-Id": handle.request_id})
+        ))
+        await _send_json(send, 200, body, handle.request_id)

@@ -56,17 +56,19 @@ async def test_drain_finishes_held_work_takes_no_new_work_and_undrain_restores(f
         # Two idle workers tie on cost and the pick among ties is a seeded draw: a few
         # requests in a row can all land on w1 (it failed once with 8 on this VM). Undrained,
         # w0 must be picked within 40; drained it never is (asserted above for 10).
-        # Sent 4 at a time: with work pending on w1, fewest-pending sends the next to w0, so the
-        # check does not rest on the seeded draw among tied idle workers (a clean-clone run saw 40
-        # sequential picks all on w1).
+        # Sent 16 at a time: with work waiting on w1, its cost rises past w0's, so the check
+        # does not rest on the seeded draw among tied idle workers (a clean-clone run saw 40
+        # sequential picks all on w1). Not 4: w0's predictor may still carry what it learned
+        # while loaded (a 3-token prefill predicted 34 ms on w0 against 5 ms on w1, seen), and
+        # 4 pending on w1 did not outweigh that in 40 picks.
         picks = []
 
         async def pick(i: int) -> str:
             b = (await c.post(url + "/v1/completions", json={"prompt": f"undrained {i}", "max_tokens": 20})).json()
             return (await c.get(url + f"/admin/requests/{b['id']}")).json()["admission"]["prefill_worker_id"]
 
-        while "w0" not in picks and len(picks) < 40:
-            picks += await asyncio.gather(*(pick(len(picks) + k) for k in range(4)))
+        while "w0" not in picks and len(picks) < 96:
+            picks += await asyncio.gather(*(pick(len(picks) + k) for k in range(16)))
     assert "w0" in picks, picks
     assert not r.exists("flexlb:default:drain:w0")
     assert proc.stop() == 0
