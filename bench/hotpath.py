@@ -19,6 +19,12 @@ Workloads: a non-streaming 1-token completion, and a streaming 16-token one
 (wrk -t1 -cC, keep-alive). Printed per level: requests/s, latency p50/p99 (wrk's), non-2xx
 responses and socket errors, tokens/s for streaming, and the CPU cores of wrk, the router
 and the engines. The last table is FlexLB's requests/s over sglang-router's.
+With `--router-time N` (FlexLB only), N more requests are sent one at a time (C = 1) after
+the levels, and the router's own time of each is read from its decision record
+(`/admin/requests/ID`): from its arrival at intake to the JetStream ack of its batch's
+dispatch (`batch_dispatched`'s t_ms + `dispatch_ms`: admission, the batching window, the
+Redis ledger reservation and the acked publish). Printed as p50/p90/p99; run it with
+`--flexlb-args "--batch-wait-ms 0"` for the router's latency without a batching window.
 Exit status 0 when every target started and every level ran.
 """
 
@@ -160,6 +166,27 @@ class Target:
         wait_http(self.url + "/readiness", deadline, self.procs, ready)
         self.watch = {"router": [router.pid], "engines": [p.pid for p in self.procs if p.name.startswith("engine-")]}
 
+    def router_time(self, n: int) -> dict[str, Any]:
+        """The router's own time per request at C = 1, from the decision records (module docstring)."""
+        import httpx
+
+        body = {**WORKLOADS["plain-1"], "model": MODEL}
+        ms: list[float] = []
+        with httpx.Client(timeout=30) as c:
+            for i in range(n):
+                rid = f"hotpath-{i}"
+                r = c.post(self.url + "/v1/completions", json={**body, "request_id": rid})
+                r.raise_for_status()
+                rec = c.get(self.url + f"/admin/requests/{rid}").json()
+                disp = [e for e in rec["timeline"] if e["event"] == "batch_dispatched"]
+                ms.append(disp[0]["t_ms"] + disp[0]["dispatch_ms"])
+        ms.sort()
+
+        def q(p: float) -> float:
+            return round(ms[min(len(ms) - 1, int(p * len(ms)))], 3)
+
+        return {"requests": n, "router_ms": {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": round(ms[-1], 3)}}
+
     def stop(self) -> dict[str, int | None]:
         return {p.name: p.stop(20) for p in reversed(self.procs)}
 
@@ -172,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="flexlb,sglang")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--flexlb-args", default="", help="appended to `flexlb up`")
+    p.add_argument("--router-time", type=int, default=0, metavar="N",
+                   help="FlexLB: N sequential requests after the levels, the router's own time from their records")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "hotpath.json"))
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
@@ -204,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{name} {wl} C={c}] {res['requests_per_s']} req/s, p50/p99 "
                           f"{res['latency_ms'].get('p50')}/{res['latency_ms'].get('p99')} ms, non-2xx {res['non_2xx']}, "
                           f"socket errors {res['socket_errors']}, cores {res['cores']}", flush=True)
+            if name == "flexlb" and args.router_time > 0:
+                result["router_time"] = target.router_time(args.router_time)
+                print(f"[flexlb router time, C=1, {args.router_time} requests] {result['router_time']['router_ms']} ms",
+                      flush=True)
         except Exception as exc:  # a target that does not start is a failed run, said so
             ok = False
             print(f"[{name}] failed: {exc!r}", file=sys.stderr)

@@ -391,31 +391,39 @@ class CompletionsFront:
 
         watcher = asyncio.get_running_loop().create_task(watch_disconnect())
         finished = False
+        queue = handle.queue
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [_SSE_TYPE, (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
             try:
                 async with asyncio.timeout_at(self._deadline(handle)):
-                    while True:
-                        item = await handle.queue.get()
-                        if item is _GONE:
-                            return  # finally: cancel the work
-                        if isinstance(item, m.TokensGenerated):
-                            handle.num_buffered -= 1
-                            chunk = _chunk_json(rid, created, model, item.text, item.finish_reason)
-                            await send({"type": "http.response.body", "body": b"data: " + chunk + b"\n\n", "more_body": True})
-                            continue
-                        if item.outcome != "finished":
-                            _, body = error_for(item.code or "worker_failed", item.message)
-                            await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n", "more_body": True})
-                        finished = True
-                        break
+                    while not finished:
+                        # Every chunk already queued goes out in one write: an engine step's
+                        # tokens often arrive together, and each ASGI send is a transport write.
+                        out: list[bytes] = []
+                        item = await queue.get()
+                        while True:
+                            if item is _GONE:
+                                return  # finally: cancel the work
+                            if isinstance(item, m.TokensGenerated):
+                                handle.num_buffered -= 1
+                                out.append(b"data: " + _chunk_json(rid, created, model, item.text, item.finish_reason) + b"\n\n")
+                            else:
+                                if item.outcome != "finished":
+                                    _, body = error_for(item.code or "worker_failed", item.message)
+                                    out.append(b"data: " + body + b"\n\n")
+                                out.append(b"data: [DONE]\n\n")
+                                finished = True
+                                break
+                            if queue.empty():
+                                break
+                            item = queue.get_nowait()
+                        await send({"type": "http.response.body", "body": b"".join(out), "more_body": not finished})
             except TimeoutError:
                 await service.cancel(handle, "router request timeout")
                 _, body = error_for("timed_out", f"no terminal outcome within {self.settings.request_timeout_s}s")
-                await send({"type": "http.response.body", "body": b"data: " + body + b"\n\n", "more_body": True})
                 finished = True
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+                await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n"})
         finally:
             watcher.cancel()
             if not finished and not handle.done:

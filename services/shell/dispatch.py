@@ -132,13 +132,14 @@ class Dispatcher:
                     message=str(exc), retryable=True,
                 ))
             return
+        dispatch_ms = round((time.time_ns() - now) / 1e6, 3)  # ledger reservation + the publish's ack
         self.s.metrics.batches.labels(batch.reason).inc()
         self.s.metrics.batch_size.observe(len(batch.items))
         self.s.num_dispatched[batch.worker_id] = self.s.num_dispatched.get(batch.worker_id, 0) + len(batch.items)
         for item in batch.items:
             self.s.records.note(item.request_id, now, "batch_dispatched", batch_id=batch.batch_id, worker_id=batch.worker_id,
                               batch_size=len(batch.items), close_reason=batch.reason,
-                              predicted_batch_ms=round(batch.predicted_ms, 3))
+                              predicted_batch_ms=round(batch.predicted_ms, 3), dispatch_ms=dispatch_ms)
         await self.s.emit(m.BatchDispatched(
             batch_id=batch.batch_id, router_id=self.s.router_id, worker_id=batch.worker_id, epoch=self.s.epoch,
             request_ids=[i.request_id for i in batch.items], num_prompt_tokens=batch.num_prompt_tokens, reason=batch.reason,
