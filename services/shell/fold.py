@@ -179,7 +179,8 @@ class Fold:
     async def on_worker_terminal(self, ev) -> None:
         request_id = ev.request_id
         live_handle = self.s.handles.get(request_id)
-        if live_handle is not None and ev.worker_id not in (live_handle.prefill_worker_id, live_handle.decode_worker_id):
+        if (live_handle is not None and live_handle.decode_worker_id
+                and ev.worker_id not in (live_handle.prefill_worker_id, live_handle.decode_worker_id)):
             # From a worker the request was taken from (declared dead, re-routed): its
             # reservations now belong to the new assignment; count it, apply nothing.
             self.s.metrics.duplicate_terminal.inc()

@@ -118,6 +118,7 @@ class Intake:
         if not reply.admitted:
             self.s.handles.pop(request_id, None)
             return Rejected(reply.code, reply.message)
+        # (Relay may have set the decode worker already, from tokens that beat the reply here.)
         handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
         handle.leader_id = reply.router_id
         self.s.metrics.forwarded.inc()

@@ -28,6 +28,10 @@ class Relay:
             return
         chunk: m.TokensGenerated = env.payload
         handle = self.s.handles.get(chunk.request_id)
+        if handle is not None and not handle.decode_worker_id and not handle.done:
+            # Forwarded, and the leader's reply (which names the workers) is still on its way:
+            # an instant engine can stream before it arrives. The worker streaming is its worker.
+            handle.decode_worker_id = chunk.worker_id
         if handle is None or handle.done or chunk.worker_id != handle.decode_worker_id:
             # Not ours, finished, or from a worker the request was taken away from (re-routed).
             self.s.metrics.orphan_tokens.inc()
