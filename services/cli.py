@@ -25,6 +25,9 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     if with_listen:
         p.add_argument("--host", help="HTTP listen address (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+        p.add_argument("--reuse-port", action="store_true", default=None,
+                       help="bind the port with SO_REUSEPORT: several router processes share it")
+        p.add_argument("--own-port", type=int, help="with --reuse-port: a second port only this process listens on")
     p.add_argument("--router-id", help="router id, stable across restarts (default router-0)")
     p.add_argument("--cluster", help="cluster name: the Redis key prefix")
     p.add_argument("--prefill-policy", help=PREFILL_HELP)
@@ -108,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated mode, with --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated mode, with --prefill)")
     up.add_argument("--routers", type=int, default=1, help="router replicas on consecutive ports, or free ones if taken (leader + standbys)")
+    up.add_argument("--http-workers", type=int, default=1,
+                    help="router processes sharing --port (SO_REUSEPORT): the leader and N-1 standbys that take HTTP "
+                         "and forward scheduling to it, so the HTTP side uses N cores (default 1)")
     up.add_argument("--state-file", help="write URLs and the pid of every started process here (JSON)")
     up.add_argument("--data-dir", help="NATS JetStream data directory (default: a temporary one)")
     up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one)")
@@ -218,8 +224,27 @@ def run_router(settings: RouterSettings) -> int:
         lifespan="on", timeout_graceful_shutdown=5,
         loop="uvloop", http="httptools",  # dependencies: a third less CPU per request than asyncio + h11
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=_listen_sockets(settings) if settings.reuse_port else None)
     return 0
+
+
+def _listen_sockets(settings: RouterSettings) -> list:
+    """The shared port, bound with SO_REUSEPORT (every process of the group sets it, and the
+    kernel spreads new connections among them), and this process's own port if it has one."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    shared = socket.socket(family, socket.SOCK_STREAM)
+    shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    shared.bind((settings.host, settings.port))
+    sockets = [shared]
+    if settings.own_port:
+        own = socket.socket(family, socket.SOCK_STREAM)
+        own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        own.bind((settings.host, settings.own_port))
+        sockets.append(own)
+    return sockets
 
 
 def run_worker(cfg) -> int:

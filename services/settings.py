@@ -47,6 +47,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"  # HTTP listen address
     port: int = 8000
+    # Bind the port with SO_REUSEPORT, so that several router processes share it and the
+    # kernel spreads connections among them (`flexlb up --http-workers N`: one leader, the
+    # rest standbys that forward to it over NATS).
+    reuse_port: bool = False
+    own_port: int = 0  # with reuse_port: a second port only this process listens on (its /metrics, its view); 0: none
     model_name: str = "flexlb-sim"  # what /v1/models lists and completions accept
     prefill_policy: str = "cost-based"  # see services/core/policies.py
     prefill_policy_params: dict[str, Any] = {}  # JSON object of the policy's parameters
@@ -104,6 +109,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting {name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.own_port < 65536 or (self.own_port and (not self.reuse_port or self.own_port == self.port)):
+            raise SettingsError(f"setting own_port goes with reuse_port and must be another port than port, got {self.own_port!r}")
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise SettingsError(f"setting batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
         if self.batch_size_max is not None and self.batch_size_max < 1:

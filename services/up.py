@@ -9,7 +9,11 @@ per OpenAI-compatible server instead (workers/openai_agent.py; colocated; the i-
 `--kv-events-endpoint` / `--kv-events-replay-endpoint` goes to the i-th server; without
 any, the router's prefix index is `approximate` unless `--prefix-index` says otherwise). It waits until the router's `/readyz` says ready, prints the URLs, writes them and
 every started pid to `--state-file` (JSON); `--routers 2` starts a second router on the
-next port (a standby that forwards to the leader and takes over if it dies), and runs until SIGINT/SIGTERM, when it stops
+next port (a standby that forwards to the leader and takes over if it dies); `--http-workers N`
+starts N routers on the one `--port` instead (SO_REUSEPORT: the kernel spreads connections
+among them; the first is the leader, the others standbys that forward to it, so the HTTP side
+uses N cores; each also listens on a port of its own, for its /metrics and its view, in the
+state file's `http_worker_urls`), and runs until SIGINT/SIGTERM, when it stops
 every child (router first, servers last) and exits 0. A child that dies is reported on
 stderr; the rest keep running (an operator restarts what is missing, or Ctrl-C).
 """
@@ -94,6 +98,10 @@ def run_up(args, settings: RouterSettings) -> int:
         raise ValueError("--prefill and --decode go together (disaggregated mode needs both roles)")
     if args.routers < 1:
         raise ValueError("--routers must be >= 1")
+    if args.http_workers < 1:
+        raise ValueError("--http-workers must be >= 1")
+    if args.http_workers > 1 and args.routers > 1:
+        raise ValueError("--http-workers N already runs N routers (a leader and standbys); give one of the two")
     if args.prefill == 0 and args.workers < 1:
         raise ValueError("--workers must be >= 1")
     servers: list[ManagedServer] = []
@@ -149,11 +157,17 @@ def run_up(args, settings: RouterSettings) -> int:
         for worker_id, role in fleet:
             children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags,
                                                       *per_worker.get(worker_id, [])], env, nice=worker_nice)
-        router_urls = []
-        for i in range(args.routers):
+        router_urls, http_worker_urls = [], []
+        for i in range(max(args.routers, args.http_workers)):
             router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"
-            port = settings.port if i == 0 else _replica_port(settings.host, settings.port + i)
-            router_flags = ["router", "--host", settings.host, "--port", str(port), "--router-id", router_id,
+            if args.http_workers > 1:  # one shared port; each process also has its own
+                port = settings.port
+                own_port = _replica_port(settings.host, settings.port + 1 + i)
+                listen = ["--reuse-port", "--own-port", str(own_port)]
+            else:
+                port = settings.port if i == 0 else _replica_port(settings.host, settings.port + i)
+                listen = []
+            router_flags = ["router", *listen, "--host", settings.host, "--port", str(port), "--router-id", router_id,
                             "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
                             "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
                             "--decode-policy-params", json.dumps(settings.decode_policy_params),
@@ -167,15 +181,21 @@ def run_up(args, settings: RouterSettings) -> int:
             if settings.tokenizer:  # every replica tokenizes alike: a standby forwards ids, not text
                 router_flags += ["--tokenizer", os.path.abspath(settings.tokenizer)]
             children["router" if i == 0 else f"router-{i}"] = _child(router_flags, env)
-            router_urls.append(f"http://{settings.host}:{port}")
+            if args.http_workers > 1:
+                http_worker_urls.append(f"http://{settings.host}:{own_port}")
+                if i == 0:
+                    router_urls.append(f"http://{settings.host}:{port}")
+            else:
+                router_urls.append(f"http://{settings.host}:{port}")
             if i == 0:  # the first router takes the lease; the others start as standbys
-                _wait_ready(router_urls[0], children, READY_TIMEOUT_S)
+                _wait_ready(http_worker_urls[0] if http_worker_urls else router_urls[0], children, READY_TIMEOUT_S)
         router_url = router_urls[0]
-        for url in router_urls[1:]:
+        for url in router_urls[1:] + http_worker_urls[1:]:
             _wait_ready(url, children, READY_TIMEOUT_S)
         state = {
             "router_url": router_url,
             "router_urls": router_urls,
+            "http_worker_urls": http_worker_urls,  # --http-workers: each process's own port (its /metrics, its view)
             "nats_url": nats_url,
             "redis_url": redis_url,
             "workers": [{"id": w, "role": r} for w, r in fleet],

@@ -174,6 +174,26 @@ async def test_flexlb_up_with_two_routers_serves_through_both(flexlb_up):
     assert proc.stop() == 0
 
 
+async def test_http_workers_share_one_port_and_the_standbys_forward_to_the_leader(flexlb_up):
+    proc, state = flexlb_up("--time-scale", "0", "--workers", "2", "--http-workers", "2")
+    url, own = state["router_url"], state["http_worker_urls"]
+    assert len(state["router_urls"]) == 1 and len(own) == 2 and "router-1" in state["pids"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        roles = [(await c.get(u + "/healthz")).json()["role"] for u in own]
+        assert roles == ["leader", "standby"]
+        bodies = []
+        for wave in range(10):  # a new connection per request: the kernel spreads them
+            async with httpx.AsyncClient(timeout=60) as fresh:
+                bodies += [r.json() for r in await asyncio.gather(*(
+                    fresh.post(url + "/v1/completions", json={"prompt": f"shared {wave} {k}", "max_tokens": 3},
+                               headers={"Connection": "close"}) for k in range(20)))]
+        forwarded = [line for line in (await c.get(own[1] + "/metrics")).text.splitlines()
+                     if line.startswith("flexlb_forwarded_requests_total")]
+    assert all(b["choices"][0]["text"] == expected_text(b["id"], 3) for b in bodies), bodies[:2]
+    assert forwarded and 0 < float(forwarded[0].split()[-1]) < 200, forwarded  # both processes took some
+    assert proc.stop() == 0
+
+
 async def test_a_standby_relays_tokens_that_arrive_before_the_leaders_reply(flexlb_up):
     """Instant workers stream a forwarded request's tokens to the standby, and under load they
     can get there before the leader's SubmitReply (which names the workers). Those tokens are

@@ -22,6 +22,8 @@ def test_environment_then_flags_override_defaults():
         ({"FLEXLB_BATCH_SIZE_MAX": "0"}, "batch_size_max"),
         ({"FLEXLB_ROUTER_ID": "a.b"}, "router_id"),
         ({"FLEXLB_LOG_LEVEL": "chatty"}, "log_level"),
+        ({"FLEXLB_OWN_PORT": "9001"}, "own_port"),  # without reuse_port
+        ({"FLEXLB_REUSE_PORT": "true", "FLEXLB_PORT": "9001", "FLEXLB_OWN_PORT": "9001"}, "own_port"),
     ],
 )
 def test_bad_values_fail_naming_the_setting(env, fragment):
