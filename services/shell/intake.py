@@ -9,6 +9,7 @@ Calls: the core, the bus. Called by: the HTTP API, leadership (the submit subscr
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 
@@ -16,7 +17,7 @@ from schemas import messages as m
 from schemas.subjects import cancel_subject, submit_subject, token_subject
 from schemas.tokens import block_hashes
 from services.core.scheduler import AdmitRequest, Admitted, Rejected
-from services.shell.state import RequestHandle, RouterState, decision_event, decision_view
+from services.shell.state import RequestHandle, RouterState, decision_event
 
 FORWARD_TIMEOUT_S = 5.0  # a standby waits this long for the leader to admit a forwarded request
 
@@ -24,9 +25,13 @@ FORWARD_TIMEOUT_S = 5.0  # a standby waits this long for the leader to admit a f
 class Intake:
     def __init__(self, state: RouterState) -> None:
         self.s = state
+        # Ids this router makes: a random 48-bit prefix per process and a counter (as long as
+        # the 96 random bits they replaced; secrets.token_hex per request was 1.5 % of the CPU).
+        self._id_prefix = "cmpl-" + secrets.token_hex(6)
+        self._id_seq = itertools.count(1)
 
     def new_request_id(self) -> str:
-        return "cmpl-" + secrets.token_hex(12)
+        return f"{self._id_prefix}{next(self._id_seq):012x}"
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
@@ -60,7 +65,7 @@ class Intake:
         )
         decision = self.s.scheduler.admit(handle.admit, now)
         rec = self.s.records.open(request_id, now, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                                decisions=[decision_view(d) for d in decision.decisions])
+                                decisions=list(decision.decisions))
         self.s.records.note(request_id, now, "arrived")
         for d in decision.decisions:
             await self.s.emit(decision_event(request_id, self.s.router_id, d))
