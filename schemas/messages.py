@@ -351,6 +351,10 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     # withdraw: the router has already ended this request (failed, re-routed elsewhere): drop
     # it silently — now, or when its command arrives later — and publish no terminal event.
     withdraw: bool = False
+    # The batch (a DispatchBatch's, or for a decode worker the StartDecode's) the withdrawal
+    # is of: a later dispatch of the same request in another batch (re-routed, possibly back
+    # to this worker) is run. "" (a router before this field): every batch of the request.
+    batch_id: str = ""
 
 
 class SubmitRequest(_Event, tag="cmd.submit_request"):

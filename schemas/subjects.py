@@ -30,6 +30,17 @@ PREFIX = "flexlb"
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 
 
+def nats_servers(url: str) -> list[str]:
+    """The server URLs of a NATS setting: one URL, or a cluster's, comma-separated
+    (`nats://a:4222,nats://b:4222`). A client is given every one and moves to another
+    server when its own is lost. ValueError names a malformed entry."""
+    servers = [u.strip() for u in url.split(",")]
+    for u in servers:
+        if not re.fullmatch(r"(nats|tls)://[^\s,/]+(:\d+)?/?", u):
+            raise ValueError(f"not a NATS server URL: {u!r} (nats://host:port, comma-separated for a cluster)")
+    return servers
+
+
 def validate_token(kind: str, value: str) -> str:
     """Return `value` if it is usable as one subject token, else raise ValueError."""
     if not _TOKEN_RE.match(value):
@@ -127,9 +138,14 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     duplicate_window_s: float = 120.0
     storage: str = "file"
 
-    def api_config(self) -> dict:
+    def api_config(self, replicas: int = 1) -> dict:
+        """`replicas`: copies of the stream across a NATS cluster (1 on one server; 3 on a
+        three-node cluster, so any one node can be lost). Consumers inherit it."""
+        if not 1 <= replicas <= 5:
+            raise ValueError(f"stream replicas must be 1..5 (JetStream's limit), got {replicas!r}")
         return {
             "name": self.name,
+            "num_replicas": replicas,
             "subjects": list(self.subjects),
             "retention": self.retention,
             "max_age": int(self.max_age_s * 1e9),
@@ -196,6 +212,9 @@ KV_BUCKET_TTL_S = 600
 
 def kv_object_name(batch_id: str, request_id: str) -> str:
     return f"{batch_id}.{request_id}"
+
+
+JOURNAL_PREFIX = f"{PREFIX}.journal."
 
 
 def journal_subject(router_id: str) -> str:

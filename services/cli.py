@@ -116,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "and forward scheduling to it, so the HTTP side uses N cores (default 1)")
     up.add_argument("--state-file", help="write URLs and the pid of every started process here (JSON)")
     up.add_argument("--data-dir", help="NATS JetStream data directory (default: a temporary one)")
-    up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one)")
+    up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one); "
+                                                   "with --nats-cluster N, the first of N consecutive ports")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="start N clustered nats-server processes (routes, JetStream on each, a store each under "
+                         "--data-dir) with streams replicated min(N, 3) times, so one node can be lost (default 1)")
     up.add_argument("--redis-port", type=int, help="port for the started redis-server (default: a free one)")
 
     router = sub.add_parser("router", help="run one router process")

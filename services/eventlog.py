@@ -32,7 +32,7 @@ import logging
 import msgspec
 
 from schemas import messages as m
-from schemas.subjects import EVENTS_STREAM, JOURNAL_STREAM
+from schemas.subjects import EVENTS_STREAM, JOURNAL_STREAM, nats_servers
 from services.core.journal import OPS, ReplayReport, config_from_builtins, replay, request_from_builtins, split_journals
 from services.core.scheduler import Admitted, Scheduler
 
@@ -87,7 +87,7 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
     from rich.progress import Progress
 
     since_p, until_p = parse_point(since), parse_point(until)
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2, allow_reconnect=False,
+    nc = await nats.connect(nats_servers(nats_url), connect_timeout=5, max_reconnect_attempts=2, allow_reconnect=False,
                             error_cb=_nats_error)
     js = nc.jetstream()
     header: dict[str, Any] = {"flexlb_export": EXPORT_FORMAT, "schema_version": m.SCHEMA_VERSION,
@@ -391,7 +391,7 @@ async def tail(nats_url: str, kinds: list[str], request_id: str | None, out: Tex
                stop: asyncio.Event | None = None) -> None:
     import nats
 
-    nc = await nats.connect(nats_url, error_cb=_nats_error)
+    nc = await nats.connect(nats_servers(nats_url), error_cb=_nats_error)
     stop = stop or asyncio.Event()
 
     async def on_msg(msg):

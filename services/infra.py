@@ -100,13 +100,84 @@ def _popen(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def nats_argv(port: int, data_dir: str, name: str | None = None, cluster_port: int | None = None,
+              routes: list[int] = ()) -> list[str]:
+    """The command line of one loopback `nats-server` with JetStream storing under `data_dir`;
+    with `cluster_port`, a node of cluster `flexlb` routed to the `routes` cluster ports."""
+    argv = [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", data_dir]
+    if name:
+        argv += ["-n", name]
+    if cluster_port is not None:
+        argv += ["--cluster_name", "flexlb", "--cluster", f"nats://127.0.0.1:{cluster_port}",
+                 "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in routes)]
+    return argv
+
+
 def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
     port = port or free_port()
     os.makedirs(data_dir, exist_ok=True)
-    argv = [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", data_dir]
+    argv = nats_argv(port, data_dir)
     proc = _popen(argv)
     wait_port(port, timeout_s, proc)
     return ManagedServer("nats-server", port, proc, f"nats://127.0.0.1:{port}", argv)
+
+
+def start_nats_cluster(data_root: str, size: int = 3, ports: list[int] | None = None,
+                       timeout_s: float = 30.0) -> list[ManagedServer]:
+    """`size` clustered nats-server processes on loopback: JetStream on each, a store
+    directory each (`data_root/nats-I`), routes to one another, cluster name `flexlb`.
+    Returns once JetStream answers on every node (its meta leader is elected), so streams
+    with `size` replicas can be created. Names are nats-0 .. nats-(size-1)."""
+    if size < 1:
+        raise InfraError(f"a NATS cluster needs >= 1 node, got {size}")
+    ports = ports or [free_port() for _ in range(size)]
+    if len(ports) != size:
+        raise InfraError(f"a NATS cluster of {size} needs {size} ports, got {len(ports)}")
+    cluster_ports = [free_port() for _ in range(size)]
+    nodes: list[ManagedServer] = []
+    try:
+        for i, (port, cport) in enumerate(zip(ports, cluster_ports)):
+            data_dir = os.path.join(data_root, f"nats-{i}")
+            os.makedirs(data_dir, exist_ok=True)
+            argv = nats_argv(port, data_dir, f"nats-{i}", cport, cluster_ports)
+            nodes.append(ManagedServer(f"nats-{i}", port, _popen(argv), f"nats://127.0.0.1:{port}", argv))
+        for node in nodes:
+            wait_port(node.port, timeout_s, node.proc)
+        wait_jetstream([n.url for n in nodes], timeout_s)
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return nodes
+
+
+def wait_jetstream(urls: list[str], timeout_s: float) -> None:
+    """Wait until JetStream answers an account-info request through each of `urls`."""
+    import asyncio
+
+    import nats
+
+    async def ready(url: str) -> bool:
+        try:
+            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False, max_reconnect_attempts=0)
+        except Exception:  # not accepting yet
+            return False
+        try:
+            await nc.jetstream(timeout=1).account_info()
+            return True
+        except Exception:  # no meta leader yet (cluster forming)
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        pending = [u for u in pending if not asyncio.run(ready(u))]
+        if pending and time.monotonic() > deadline:
+            raise InfraError(f"JetStream not ready on {', '.join(pending)} after {timeout_s}s")
+        if pending:
+            time.sleep(0.2)
 
 
 def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from schemas.subjects import validate_token
+from schemas.subjects import nats_servers, validate_token
 from schemas.tokens import load_tokenizer
 
 log = logging.getLogger("flexlb.settings")
@@ -43,7 +43,10 @@ class SettingsError(ValueError):
 class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cluster: str = "default"  # Redis key prefix flexlb:<cluster>:
     router_id: str = "router-0"  # stable across restarts: names the durable event consumer
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # a cluster: every server's URL, comma-separated
+    # Copies of each JetStream stream across the NATS cluster: 3 on a three-node cluster (any
+    # one node may be lost), 1 on one server (`flexlb up --nats-cluster 3` sets 3).
+    nats_replicas: int = 1
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"  # HTTP listen address
     port: int = 8000
@@ -101,6 +104,12 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             validate_token("cluster", self.cluster)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+        try:
+            nats_servers(self.nats_url)
+        except ValueError as exc:
+            raise SettingsError(f"setting nats_url: {exc}") from None
+        if not 1 <= self.nats_replicas <= 5:
+            raise SettingsError(f"setting nats_replicas must be 1..5 (JetStream's limit), got {self.nats_replicas!r}")
         positive = [
             "port", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
             "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs", "settle_after_missed_reports", "expire_after_ms", "token_buffer_max",

@@ -14,7 +14,10 @@ starts N routers on the one `--port` instead (SO_REUSEPORT: the kernel spreads c
 among them; the first is the leader, the others standbys that forward to it, so the HTTP side
 uses N cores; each also listens on a port of its own, for its /metrics and its view, in the
 state file's `http_worker_urls`), and runs until SIGINT/SIGTERM, when it stops
-every child (router first, servers last) and exits 0. A child that dies is reported on
+every child (router first, servers last) and exits 0. `--nats-cluster 3` starts three
+clustered nats-server processes instead of one (nats-0..2, a store each under `--data-dir`);
+every client is given all three URLs and the streams are created with 3 replicas
+(FLEXLB_NATS_REPLICAS), so any one node may be lost. A child that dies is reported on
 stderr; the rest keep running (an operator restarts what is missing, or Ctrl-C).
 """
 
@@ -30,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 
-from services.infra import InfraError, ManagedServer, start_nats, start_redis
+from services.infra import InfraError, ManagedServer, start_nats, start_nats_cluster, start_redis
 from services.settings import RouterSettings
 
 READY_TIMEOUT_S = 90.0
@@ -102,6 +105,10 @@ def run_up(args, settings: RouterSettings) -> int:
         raise ValueError("--http-workers must be >= 1")
     if args.http_workers > 1 and args.routers > 1:
         raise ValueError("--http-workers N already runs N routers (a leader and standbys); give one of the two")
+    if not 1 <= args.nats_cluster <= 7:
+        raise ValueError("--nats-cluster must be 1..7 (nodes of one NATS cluster on this machine)")
+    if args.nats_cluster > 1 and os.environ.get("FLEXLB_NATS_URL"):
+        raise ValueError("--nats-cluster starts a cluster; FLEXLB_NATS_URL names servers to use instead: give one of the two")
     if args.prefill == 0 and args.workers < 1:
         raise ValueError("--workers must be >= 1")
     servers: list[ManagedServer] = []
@@ -116,15 +123,23 @@ def run_up(args, settings: RouterSettings) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         nats_url = os.environ.get("FLEXLB_NATS_URL")
+        replicas_env: dict[str, str] = {}
         if not nats_url:
             data_dir = args.data_dir or tempfile.mkdtemp(prefix="flexlb-nats-")
-            servers.append(start_nats(data_dir, args.nats_port))
-            nats_url = servers[-1].url
+            if args.nats_cluster > 1:
+                ports = [args.nats_port + i for i in range(args.nats_cluster)] if args.nats_port else None
+                servers.extend(start_nats_cluster(data_dir, args.nats_cluster, ports))
+                nats_url = ",".join(s.url for s in servers)
+                if "FLEXLB_NATS_REPLICAS" not in os.environ:
+                    replicas_env["FLEXLB_NATS_REPLICAS"] = str(min(3, args.nats_cluster))
+            else:
+                servers.append(start_nats(data_dir, args.nats_port))
+                nats_url = servers[-1].url
         redis_url = os.environ.get("FLEXLB_REDIS_URL")
         if not redis_url:
             servers.append(start_redis(args.redis_port))
             redis_url = servers[-1].url
-        env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url)
+        env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env)
         worker_flags: list[str] = []
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
                      "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs",
@@ -202,6 +217,9 @@ def run_up(args, settings: RouterSettings) -> int:
             "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
             "up_pid": os.getpid(),
             "nats_data_dir": next((s.argv[s.argv.index("-sd") + 1] for s in servers if s.name == "nats-server"), None),
+            # Every server this run started, with its command line: an operator (or a fault test)
+            # restarts a killed node as it was, on its port and store.
+            "servers": [{"name": s.name, "url": s.url, "pid": s.proc.pid, "argv": s.argv} for s in servers],
         }
         for path in filter(None, (args.state_file, LAST_UP_STATE)):  # LAST_UP_STATE: what `flexlb events` finds
             try:

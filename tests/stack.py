@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import string
+import time
 from collections import Counter
 
 import httpx
@@ -18,7 +19,7 @@ from workers.engines.sim import sim_token_id
 
 async def read_event_log(nats_url: str, stream: str = EVENTS_STREAM.name) -> list[m.Envelope]:
     """Every message in a stream, decoded, in stream order (direct gets by sequence)."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url.split(","))
     try:
         js = nc.jetstream()
         info = await js.stream_info(stream)
@@ -48,13 +49,22 @@ def expected_text(request_id: str, max_tokens: int) -> str:
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     """One streamed completion; returns request id, texts, finish reason, whether [DONE] came."""
-    out = {"request_id": None, "texts": [], "finish_reason": None, "done": False, "errors": [], "status": None}
+    out = {"request_id": None, "texts": [], "finish_reason": None, "done": False, "errors": [], "status": None,
+           "sent": time.monotonic(), "ended": None}
+    try:
+        await _stream_into(out, client, url, body)
+    finally:
+        out["ended"] = time.monotonic()
+    return out
+
+
+async def _stream_into(out: dict, client: httpx.AsyncClient, url: str, body: dict) -> None:
     async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as resp:
         out["status"] = resp.status_code
         out["request_id"] = resp.headers.get("x-request-id")
         if resp.status_code != 200:
             out["errors"].append((await resp.aread()).decode())
-            return out
+            return
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -70,7 +80,6 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
             out["texts"].append(choice["text"])
             if choice["finish_reason"]:
                 out["finish_reason"] = choice["finish_reason"]
-    return out
 
 
 def make_bodies(n: int, seed: int, max_prompt_chars: int = 400) -> list[dict]:
@@ -91,12 +100,21 @@ async def run_concurrent_streams(url: str, bodies: list[dict]) -> list[dict]:
 
 async def wait_all_terminal(nats_url: str, ids: set[str], timeout_s: float = 30) -> list[m.Envelope]:
     """The event log once every request in `ids` has a terminal event (bounded wait)."""
-    async def settled():
-        envs = await read_event_log(nats_url)
-        counts = terminal_counts(envs)
-        return envs if all(counts.get(i, 0) >= 1 for i in ids) else None
+    missing: list = ["the log not read yet"]
 
-    return await wait_async(settled, timeout_s, "a terminal event for every request")
+    async def settled():
+        try:
+            envs = await read_event_log(nats_url)
+        except nats.errors.TimeoutError:  # a cluster's stream electing a new leader: ask again
+            return None
+        counts = terminal_counts(envs)
+        missing[:] = [i for i in ids if counts.get(i, 0) == 0]
+        return envs if not missing else None
+
+    try:
+        return await wait_async(settled, timeout_s, "a terminal event for every request")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {len(missing)} of {len(ids)} without one, e.g. {missing[:3]}") from None
 
 
 def start_sim_server(spawn, *args: str, timeout_s: float = 45) -> tuple[str, object]:
@@ -131,3 +149,44 @@ async def wait_async(predicate, timeout_s: float, what: str, interval_s: float =
             return last
         await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+def fault_outcome(bodies: list[dict], results: list[dict], fault_at: float) -> dict:
+    """What an issue-15 fault test asserts of a load run through a fault at `fault_at`
+    (time.monotonic()): every stream ended ([DONE]: none hung); every failure carries a code
+    (an SSE error object with one, or an HTTP error body with one); every success has exactly
+    the sim engine's text. Returns counts: ok, failed by code, and how many requests were in
+    flight (sent before the fault, ended after it)."""
+    codes: Counter = Counter()
+    ok = 0
+    for body, res in zip(bodies, results):
+        if res["status"] != 200:
+            [raw] = res["errors"]
+            err = json.loads(raw)["error"]  # a JSON error body, or this fails: a failure without a code
+            assert err["code"], res
+            codes[err["code"]] += 1
+            continue
+        assert res["done"], res  # the stream ended with [DONE]: nothing hung
+        if res["errors"]:
+            for e in res["errors"]:
+                assert isinstance(e, dict) and e.get("code"), res
+            codes[res["errors"][0]["code"]] += 1
+        else:
+            assert "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"]), res
+            ok += 1
+    in_flight = sum(1 for r in results if r["sent"] <= fault_at < r["ended"])
+    return {"ok": ok, "failed": dict(codes), "in_flight": in_flight, "total": len(results)}
+
+
+async def settled_cleanly(url: str, nats_url: str, results: list[dict], timeout_s: float = 60) -> None:
+    """After a fault: exactly one terminal event per request (so nothing was released twice:
+    a request's ledger entries go with its one terminal event) and the router's ledger empty."""
+    ids = {r["request_id"] for r in results if r["request_id"]}
+    envs = await wait_all_terminal(nats_url, ids, timeout_s)
+    counts = terminal_counts(envs)
+    assert {i: counts[i] for i in ids} == {i: 1 for i in ids}
+    async with httpx.AsyncClient(timeout=30) as c:
+        async def ledger_empty():
+            return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0
+
+        await wait_async(ledger_empty, timeout_s, "an empty ledger")

@@ -289,6 +289,45 @@ async def test_a_withdrawn_request_is_dropped_silently_even_if_its_command_comes
     await nc.close()
 
 
+async def test_a_withdrawal_is_of_one_batch_and_the_request_re_routed_back_to_the_same_worker_runs(spawn, nats_url, redis_url):
+    """The router judged a worker dead (a frozen bus) and withdrew a request's batch there; the
+    re-route picked the same worker again. The old batch's copy is dropped, the new one runs:
+    before the withdrawal named its batch, the worker dropped both and the client hung."""
+    stack = start_stack(spawn, nats_url, redis_url)
+    worker = stack["workers"][0]
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    rid, kept = _ids("moved"), _ids("kept")
+    old_batch, new_batch = _ids("old"), _ids("new")
+    f = m.EnvelopeFactory("test-router", "b")
+
+    def dispatch(batch_id: str, rids: tuple[str, ...]) -> m.DispatchBatch:
+        return m.DispatchBatch(batch_id=batch_id, router_id="test-router", worker_id=worker, epoch=10**6, requests=[
+            m.BatchRequest(request_id=r, prompt_token_ids=[5, 6, 7], max_tokens=2, decode_worker_id=worker,
+                           token_subject=f"flexlb.tok.test-router.{r}") for r in rids])
+
+    await nc.publish(cancel_subject(worker), m.encode(f.wrap(m.CancelRequest(
+        request_id=rid, worker_id=worker, withdraw=True, batch_id=old_batch), 1)))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    await js.publish(dispatch_subject(worker), m.encode(f.wrap(dispatch(old_batch, (rid, kept)), 2)))
+    await js.publish(dispatch_subject(worker), m.encode(f.wrap(dispatch(new_batch, (rid,)), 3)))
+
+    async def both_finished():
+        envs = await read_event_log(nats_url)
+        done = {e.payload.request_id for e in envs if isinstance(e.payload, m.RequestFinished)}
+        return envs if {rid, kept} <= done else None
+
+    await wait_async(both_finished, 15, "the kept and the re-dispatched request to finish")
+    await asyncio.sleep(0.5)
+    envs = await read_event_log(nats_url)
+    assert [type(e.payload) for e in envs if getattr(e.payload, "request_id", None) == rid
+            and isinstance(e.payload, m.TERMINAL_TYPES)] == [m.RequestFinished]  # once: the new batch's
+    [started] = [e.payload for e in envs if isinstance(e.payload, m.BatchStarted) and rid in e.payload.request_ids]
+    assert started.batch_id == new_batch
+    await nc.close()
+
+
 async def test_requests_a_dead_leader_held_undispatched_fail_retryable_at_once_on_the_standby(spawn, nats_url, redis_url):
     """The leader holds forwarded requests in its batch queue (a 20 s window) and is killed:
     nothing will ever dispatch them, so the standby fails them with a retryable not_ready as

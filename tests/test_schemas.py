@@ -124,6 +124,10 @@ def test_streams_do_not_overlap():
             assert subj not in seen
             seen.add(subj)
         assert spec.api_config()["name"] == spec.name
+        assert spec.api_config()["num_replicas"] == 1 and spec.api_config(3)["num_replicas"] == 3
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="replicas must be 1..5"):
+            ALL_STREAMS[0].api_config(bad)
 
 
 def test_block_hashes_chain_and_share_prefixes():

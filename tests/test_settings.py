@@ -24,6 +24,10 @@ def test_environment_then_flags_override_defaults():
         ({"FLEXLB_LOG_LEVEL": "chatty"}, "log_level"),
         ({"FLEXLB_OWN_PORT": "9001"}, "own_port"),  # without reuse_port
         ({"FLEXLB_REUSE_PORT": "true", "FLEXLB_PORT": "9001", "FLEXLB_OWN_PORT": "9001"}, "own_port"),
+        ({"FLEXLB_NATS_URL": "nats://a:4222,http://b:4222"}, "nats_url.*http://b:4222"),
+        ({"FLEXLB_NATS_URL": "nats://a:4222,,nats://b:4222"}, "nats_url"),
+        ({"FLEXLB_NATS_REPLICAS": "0"}, "nats_replicas"),
+        ({"FLEXLB_NATS_REPLICAS": "6"}, "nats_replicas"),
     ],
 )
 def test_bad_values_fail_naming_the_setting(env, fragment):
@@ -52,3 +56,17 @@ def test_worker_config_from_flags_and_env():
         worker_config(build_parser().parse_args(["worker", "--id", "w7", "--time-scale", "-1"]), {})
     with pytest.raises(ValueError, match="worker_id"):
         worker_config(build_parser().parse_args(["worker", "--id", "w.7"]), {})
+
+
+def test_a_cluster_url_is_every_server_and_the_replicas_reach_both_router_and_worker():
+    env = {"FLEXLB_NATS_URL": "nats://127.0.0.1:4222, nats://127.0.0.1:4223,tls://n3:4224", "FLEXLB_NATS_REPLICAS": "3"}
+    s = load(RouterSettings, env)
+    assert s.nats_replicas == 3
+    from schemas.subjects import nats_servers
+
+    assert nats_servers(s.nats_url) == ["nats://127.0.0.1:4222", "nats://127.0.0.1:4223", "tls://n3:4224"]
+    args = build_parser().parse_args(["worker", "--id", "w0"])
+    cfg = worker_config(args, env)
+    assert cfg.nats_replicas == 3 and cfg.nats_url == env["FLEXLB_NATS_URL"]
+    with pytest.raises(ValueError, match="nats_replicas"):
+        worker_config(args, {**env, "FLEXLB_NATS_REPLICAS": "9"})

@@ -43,6 +43,7 @@ from nats.errors import OutboundBufferLimitError
 from nats.js.errors import BadRequestError
 
 from schemas import messages as m
+from schemas.acked import AckedPublisher
 from schemas.subjects import (
     ALL_STREAMS,
     DISPATCH_STREAM,
@@ -56,6 +57,7 @@ from schemas.subjects import (
     decode_subject,
     dispatch_consumer,
     dispatch_subject,
+    nats_servers,
     dlq_subject,
     epoch_subject,
     kv_events_subject,
@@ -90,7 +92,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # one machine must share the cores (`flexlb up` gives each cores / workers): oversubscribed
     # OpenMP threads spin against each other and a 0.1 s step takes seconds, missing heartbeats.
     torch_threads: int = 0
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # a cluster: every server's URL, comma-separated
+    nats_replicas: int = 1  # copies of each stream it creates if it starts first (the router's setting)
     time_scale: float = 1.0  # engine time multiplier: 0 = instant, 0.01 = 100x faster than the profile
     heartbeat_interval_ms: int = 200
     num_kv_blocks: int = 16384  # KV capacity (blocks of block_size_tokens)
@@ -126,6 +129,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def validate(self) -> "WorkerConfig":
         validate_token("worker_id", self.worker_id)
+        nats_servers(self.nats_url)
+        if not 1 <= self.nats_replicas <= 5:
+            raise ValueError(f"nats_replicas must be 1..5 (JetStream's limit), got {self.nats_replicas}")
         self.role = m.parse_role(self.role)
         if self.engine not in ("sim", "torch", "openai"):
             raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch, openai")
@@ -196,6 +202,7 @@ class ReqMeta:
     max_tokens: int
     deadline_ns: int = 0  # wall clock; past it the worker stops the request (timed_out); 0: none
     sampling: m.Sampling | None = None  # passed on in a PD hand-off
+    batch_id: str = ""  # the command it came in (a re-route may bring the request back in another)
     # Its text so far: a UTF-8 character whose bytes span two steps is sent whole, once.
     text: TextDecoder = field(default_factory=TextDecoder)
 
@@ -211,13 +218,15 @@ class WorkerAgent:
         self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
         self.seen_batches: OrderedDict[str, None] = OrderedDict()
         self.max_epoch = 0
-        self.withdrawn: OrderedDict[str, None] = OrderedDict()  # requests the router ended: never run them
+        # Requests the router withdrew, with the batch withdrawn ("": every batch): never run that copy.
+        self.withdrawn: OrderedDict[str, str] = OrderedDict()
         self.work = asyncio.Event()
         self.state = "ready"
         self.num_batches_executed = 0
         self.num_requests_finished = 0
         self.num_undecodable = 0
         self.num_stale_refused = 0
+        self.acked: AckedPublisher | None = None  # terminal events: acked by the stream, re-sent until they are
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
         self.last_step_ms = 0.0
@@ -249,6 +258,19 @@ class WorkerAgent:
             engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling) for r in requests
         ]))
 
+    def _is_withdrawn(self, request_id: str, batch_id: str) -> bool:
+        withdrawn = self.withdrawn.get(request_id)
+        return withdrawn is not None and withdrawn in ("", batch_id)
+
+    def _superseded(self, request_id: str) -> None:
+        """A new command for a request we still hold: the router re-routed it (it judged us
+        dead, or the dispatch uncertain) and it came back here. The old copy goes silently;
+        the new one is the request now (its withdrawal, late, names the old batch)."""
+        if request_id in self.meta:
+            log.info("request %s came again in a new command: its earlier copy is dropped", request_id)
+            self._cancel(request_id)
+            self._forget(request_id)
+
     def _cancel(self, request_id: str) -> bool:
         """Drop the request from the engine: True if it held it."""
         return self.engine.cancel(request_id)
@@ -266,11 +288,18 @@ class WorkerAgent:
         return m.encode(self.envelopes.wrap(payload, time.time_ns()))
 
     async def _event(self, payload) -> None:
-        await self.nc.publish(worker_events_subject(self.cfg.worker_id), self._env(payload))
+        """A request event. A terminal one must reach the stream (it settles the request's
+        ledger entries): acked and re-sent until it is (schemas/acked.py says which are not)."""
+        subject = worker_events_subject(self.cfg.worker_id)
+        if self.acked is not None and isinstance(payload, m.TERMINAL_TYPES):
+            env = self.envelopes.wrap(payload, time.time_ns())
+            await self.acked.publish(subject, m.encode(env), env.event_id)
+        else:
+            await self.nc.publish(subject, self._env(payload))
 
     async def _ensure_streams(self) -> None:
         for spec in ALL_STREAMS:
-            config = StreamConfig.from_response(spec.api_config())
+            config = StreamConfig.from_response(spec.api_config(self.cfg.nats_replicas))
             try:
                 await self.js.add_stream(config)
             except BadRequestError:  # it exists: its limits are the router's settings, not ours to reset
@@ -340,10 +369,11 @@ class WorkerAgent:
                 log.warning("nats error (%d so far): %s", num_errors, exc)
 
         self.nc = await nats.connect(
-            cfg.nats_url, name=f"flexlb-worker-{cfg.worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+            nats_servers(cfg.nats_url), name=f"flexlb-worker-{cfg.worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
             connect_timeout=5, error_cb=error_cb, pending_size=cfg.outbound_buffer_bytes,
         )
         self.js = self.nc.jetstream()
+        self.acked = AckedPublisher(self.js, f"worker {cfg.worker_id} terminal event")
         await self._ensure_streams()
         await self._prepare()
         await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
@@ -369,6 +399,7 @@ class WorkerAgent:
         tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._command_loop(psub), name="commands"),
+            asyncio.create_task(self.acked.run(), name="acked"),
         ] + [asyncio.create_task(loop, name="engine") for loop in self._engine_loops()]
         await stop.wait()
         self.state = "stopping"
@@ -385,6 +416,9 @@ class WorkerAgent:
         await self._fail_everything("worker stopping")
         await self.nc.publish(status_subject(self.cfg.worker_id), self._env(self.status()))
         await self.nc.flush()
+        unacked = await self.acked.drain(SHUTDOWN_TIMEOUT_S * 0.8)
+        if unacked:
+            log.error("%d terminal events unacked at shutdown (the router settles them from status reports)", unacked)
 
     async def _fail_everything(self, reason: str) -> None:
         for request_id in list(self.meta):
@@ -454,18 +488,19 @@ class WorkerAgent:
                     ))
                 return
             self.max_epoch = cmd.epoch
-            requests = [r for r in cmd.requests if r.request_id not in self.withdrawn]
+            requests = [r for r in cmd.requests if not self._is_withdrawn(r.request_id, cmd.batch_id)]
             if not requests:
                 return  # every request was withdrawn by the router before the command arrived
             for r in requests:
+                self._superseded(r.request_id)
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns,
-                                                  r.sampling)
+                                                  r.sampling, batch_id=cmd.batch_id)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
             self._submit_batch(cmd.batch_id, requests)
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
             key = f"{cmd.batch_id}:{cmd.request_id}"
-            if key in self.seen_batches or cmd.request_id in self.withdrawn:
+            if key in self.seen_batches or self._is_withdrawn(cmd.request_id, cmd.batch_id):
                 return
             self.seen_batches[key] = None
             request = engine_request(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.sampling)
@@ -479,8 +514,9 @@ class WorkerAgent:
                         request_id=cmd.request_id, worker_id=self.cfg.worker_id, code="worker_failed", retryable=True,
                         message=f"the hand-off's KV ({cmd.kv_object}) could not be read: {exc}"))
                     return
+            self._superseded(cmd.request_id)
             self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns,
-                                                cmd.sampling)
+                                                cmd.sampling, batch_id=cmd.batch_id)
             self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
                                       kv=kv)
         else:
@@ -495,10 +531,11 @@ class WorkerAgent:
             await self._dead_letter(msg, str(exc))
             return
         if cmd.withdraw:
-            self.withdrawn[cmd.request_id] = None
+            self.withdrawn[cmd.request_id] = cmd.batch_id
             if len(self.withdrawn) > WITHDRAWN_MAX:
                 self.withdrawn.popitem(last=False)
-            if self._cancel(cmd.request_id):
+            meta = self.meta.get(cmd.request_id)
+            if meta is not None and cmd.batch_id in ("", meta.batch_id) and self._cancel(cmd.request_id):
                 self._forget(cmd.request_id)  # the router owns its terminal event
             return
         if self._cancel(cmd.request_id):

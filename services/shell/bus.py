@@ -14,7 +14,7 @@ from schemas.subjects import ALL_STREAMS, HDR_DLQ_REASON, HDR_DLQ_SUBJECT, dlq_s
 log = logging.getLogger("flexlb.bus")
 
 
-async def connect(url: str, name: str, on_state: Callable[[str], Awaitable[None]] | None = None) -> nats.NATS:
+async def connect(url: str | list[str], name: str, on_state: Callable[[str], Awaitable[None]] | None = None) -> nats.NATS:
     """Connect with unbounded reconnects: a bus outage is waited out, never fatal."""
 
     num_errors = 0
@@ -41,10 +41,11 @@ async def connect(url: str, name: str, on_state: Callable[[str], Awaitable[None]
     )
 
 
-async def ensure_streams(js, specs=ALL_STREAMS) -> None:
-    """Create every FlexLB stream, or bring an existing one to the current definition."""
+async def ensure_streams(js, specs=ALL_STREAMS, replicas: int = 1) -> None:
+    """Create every FlexLB stream, or bring an existing one to the current definition
+    (its replica count included: JetStream scales a stream's replicas on update)."""
     for spec in specs:
-        config = StreamConfig.from_response(spec.api_config())
+        config = StreamConfig.from_response(spec.api_config(replicas))
         try:
             await js.add_stream(config)
         except BadRequestError:

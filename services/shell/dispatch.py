@@ -116,7 +116,8 @@ class Dispatcher:
             # Uncertain: the command may have been stored without its ack reaching us. Withdraw
             # its requests, so that if it does arrive the worker drops them silently.
             for item in batch.items:
-                await self.recovery.withdraw(item.request_id, {batch.worker_id, item.decode_worker_id}, "dispatch uncertain")
+                await self.recovery.withdraw(item.request_id, {batch.worker_id, item.decode_worker_id}, "dispatch uncertain",
+                                             batch.batch_id)
             try:
                 await self.s.ledger.release([e.field for e in entries])
             except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later

@@ -42,4 +42,8 @@ class RouterMetrics:
                                           registry=r)
         self.leader = Gauge("flexlb_router_leader", "1 while this router holds the scheduling lease", registry=r)
         self.forwarded = Counter("flexlb_forwarded_requests_total", "Requests this standby forwarded to the leader", registry=r)
+        self.bus_silent_cycles = Counter(
+            "flexlb_bus_silent_cycles_total",
+            "Liveness cycles skipped because the router's own NATS server did not answer a ping (a frozen or cut-off bus, "
+            "not dead workers)", registry=r)
         self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)

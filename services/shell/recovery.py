@@ -42,19 +42,20 @@ class Recovery:
         except Exception as exc:  # it may come back and run them: it is fenced by batch dedupe + token fencing
             log.error("could not purge dispatch commands of dead worker %s: %s", worker_id, exc)
         started: set[str] = set()
-        not_started: list[str] = []
+        not_started: list[tuple[str, str]] = []  # (request id, its batch here)
         inflight = self.s.scheduler.ledger.workers.get(worker_id)
         for batch_id, batch in list(inflight.batches.items()) if inflight else []:
             if batch.started_ns is None:
                 self.s.scheduler.forget_batch(worker_id, batch_id)
-                not_started.extend(batch.request_ids)
+                not_started.extend((rid, batch_id) for rid in batch.request_ids)
             else:
                 started.update(batch.request_ids)
         rerouted = failed = 0
-        for rid in not_started:
+        for rid, batch_id in not_started:
             handle = self.s.handles.get(rid)
             if handle is not None and not handle.done:
-                await self.withdraw(rid, {worker_id}, f"worker declared {verdict}")  # in case it is a zombie
+                # In case it is a zombie. Of this batch only: the re-route may pick it again.
+                await self.withdraw(rid, {worker_id}, f"worker declared {verdict}", batch_id)
                 await self.upkeep.release_request(rid)
                 rerouted += await self.reroute(handle, f"worker {worker_id} {verdict} before starting its batch")
         for rid, handle in list(self.s.handles.items()):
@@ -64,7 +65,8 @@ class Recovery:
             # finished there and was handed to a live decode worker is unaffected.
             if handle.decode_worker_id == worker_id or rid in started:
                 failed += 1
-                await self.withdraw(rid, {handle.prefill_worker_id, handle.decode_worker_id}, f"worker declared {verdict}")
+                await self.withdraw(rid, {handle.prefill_worker_id, handle.decode_worker_id}, f"worker declared {verdict}",
+                                    handle.batch_id)
                 await self.fail_from_router(handle, "worker_failed", f"worker {worker_id} {verdict} while running it")
         self.records_liveness(worker_id, verdict)
         await self.s.emit(m.WorkerLivenessChanged(
@@ -117,13 +119,16 @@ class Recovery:
                                          retryable=error_code(code).retryable))
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
 
-    async def withdraw(self, request_id: str, worker_ids: set[str], reason: str) -> None:
-        """Tell workers to drop a request the router has ended (best effort, core NATS)."""
+    async def withdraw(self, request_id: str, worker_ids: set[str], reason: str, batch_id: str) -> None:
+        """Tell workers to drop the copy of a request that came in `batch_id` (the router has
+        ended it, or moved it: a later dispatch of it in another batch still runs). Best
+        effort, core NATS."""
         now = time.time_ns()
         for worker_id in worker_ids:
             if not worker_id:
                 continue
-            cmd = m.CancelRequest(request_id=request_id, worker_id=worker_id, reason=reason, withdraw=True)
+            cmd = m.CancelRequest(request_id=request_id, worker_id=worker_id, reason=reason, withdraw=True,
+                                  batch_id=batch_id)
             try:
                 await self.s.nc.publish(cancel_subject(worker_id), m.encode(self.s.envelopes.wrap(cmd, now)))
             except Exception as exc:  # the bus is away: the worker's own deadline still bounds it

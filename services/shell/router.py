@@ -60,6 +60,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import messages as m
 from schemas.errors import ErrorBody, error_code
+from schemas.acked import AckedPublisher
 from schemas.subjects import (
     ALL_KV_EVENTS,
     ALL_ROUTER_EVENTS,
@@ -69,6 +70,7 @@ from schemas.subjects import (
     EVENTS_STREAM,
     JOURNAL_STREAM,
     all_tokens_subject,
+    nats_servers,
     router_events_consumer,
 )
 from services.core.journal import Recorder
@@ -130,6 +132,14 @@ class RouterService:
     ledger = property(lambda self: self.s.ledger)
     view_ready_after_ms = property(lambda self: self.s.view_ready_after_ms)
 
+    @property
+    def nats_server(self) -> str | None:
+        """The NATS server this router is connected to now (one of a cluster's), or None."""
+        nc = self.s.nc
+        if nc is None or not nc.is_connected or nc.connected_url is None:
+            return None
+        return f"nats://{nc.connected_url.hostname}:{nc.connected_url.port}"
+
     def new_request_id(self) -> str:
         return self.intake.new_request_id()
 
@@ -161,10 +171,11 @@ class RouterService:
     async def start(self) -> None:
         s = self.s
         s.started_ns = time.time_ns()
-        s.nc = await connect(s.settings.nats_url, f"flexlb-router-{s.router_id}", self.leadership.on_bus_state)
+        s.nc = await connect(nats_servers(s.settings.nats_url), f"flexlb-router-{s.router_id}", self.leadership.on_bus_state)
         s.bus_state = "connected"
         s.js = s.nc.jetstream()
-        await ensure_streams(s.js, self._stream_specs())
+        s.acked = AckedPublisher(s.js, f"router {s.router_id} fact", on_lost=s.acked_lost)
+        await ensure_streams(s.js, self._stream_specs(), s.settings.nats_replicas)
         s.redis = aioredis.from_url(s.settings.redis_url, socket_timeout=2, socket_connect_timeout=1)
         s.ledger = Ledger(s.redis, s.settings.cluster, s.settings.ledger_ttl_s)
         await self.admin.refresh_drain_flags()
@@ -194,6 +205,7 @@ class RouterService:
             asyncio.create_task(self.upkeep.sweep_loop(), name="ledger-sweep"),
             asyncio.create_task(self.leadership.lease_loop(), name="lease"),
             asyncio.create_task(self.journal.loop(), name="journal"),
+            asyncio.create_task(s.acked.run(), name="acked"),
         ]
         log.info("router %s (boot %s) started", s.router_id, s.boot_id)
 
@@ -208,6 +220,8 @@ class RouterService:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if s.nc is not None:
             await self.journal.flush()
+            if unacked := await s.acked.drain(2.0):
+                log.error("%d journal records / terminal events unacked at stop", unacked)
             try:
                 await asyncio.wait_for(s.nc.drain(), 3.0)
             except Exception as exc:  # bus gone at shutdown: close without draining, say so
@@ -221,6 +235,8 @@ class RouterService:
         s = self.s
         if s.nc is None or not s.nc.is_connected:
             return False, "nats not connected"
+        if s.bus_silent_since_ns:
+            return False, f"nats server not answering pings for {(time.time_ns() - s.bus_silent_since_ns) / 1e9:.1f} s"
         try:
             await asyncio.wait_for(s.redis.ping(), 1.0)
             if not s.is_leader and not await s.redis.exists(self.leadership.lease_key()):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import messages as m
-from schemas.subjects import router_events_subject
+from schemas.acked import AckedPublisher
+from schemas.subjects import JOURNAL_PREFIX, router_events_subject
 from services.core.journal import Recorder
 from services.core.scheduler import AdmitRequest, RouteDecision, Scheduler
 from services.settings import RouterSettings
@@ -183,6 +184,7 @@ class RouterState:
         self.wakeup = asyncio.Event()
         self.nc = None
         self.js = None
+        self.acked: AckedPublisher | None = None  # terminal events and the journal: re-sent until the stream acks
         self.redis = None
         self.ledger: Ledger | None = None
         self.events_sub = None  # the durable pull consumer of worker events (fold)
@@ -195,15 +197,26 @@ class RouterState:
         self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
         self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
         self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
+        self.bus_silent_since_ns = 0  # our NATS server stopped answering pings then (0: it answers)
         self.is_leader = False  # holds the Redis lease: schedules and dispatches
         self.lease_value = f"{self.router_id}:{self.boot_id}"
         self.submit_sub = None
         self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
         self.redis_run_id: str | None = None
 
+    def acked_lost(self, subject: str, msg_id: str) -> None:
+        """An acked publish given up on (no ack for give_up_s): counted where an operator looks."""
+        if subject.startswith(JOURNAL_PREFIX):
+            self.metrics.journal_lost.inc()
+        else:
+            self.metrics.consumer_errors.labels("emit").inc()
+
     async def emit(self, payload: Any) -> None:
         env = self.envelopes.wrap(payload, time.time_ns())
         try:
+            if self.acked is not None and isinstance(payload, m.TERMINAL_TYPES):  # a fact: the stream must have it
+                await self.acked.publish(router_events_subject(self.router_id), m.encode(env), env.event_id)
+                return
             await self.nc.publish(router_events_subject(self.router_id), m.encode(env))
         except Exception as exc:  # the record is lost only if the bus is gone; say so loudly
             self.metrics.consumer_errors.labels("emit").inc()

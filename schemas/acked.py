@@ -1,0 +1,141 @@
+"""At-least-once publishing of facts into a JetStream stream, off the caller's path.
+
+Which publishes go through it, and which stay fire-and-forget (core NATS):
+
+- acked (this module): terminal request events (a worker's or the router's finished, failed,
+  cancelled, timed-out: the one fact that releases a request's ledger entries and ends its
+  record) and the router's core journal (`flexlb replay` needs every record). Dispatch and
+  the PD hand-off are acked too, inline (`js.publish`), because the caller must know.
+- fire-and-forget: tokens (the client's stream; a lost one is seen by the router as a gap
+  and the request fails with a code), status heartbeats (the next one supersedes it in
+  200 ms), KV events (sequence-numbered; a gap makes the router ask for a snapshot),
+  BatchStarted / PrefillCompleted / decisions (informative; calibration from status reports
+  corrects the view without them), fencing-epoch announcements and cancels (repeated or
+  bounded by the request's deadline).
+
+A message is published with its envelope's event id as `Nats-Msg-Id` (the stream drops a
+duplicate within its 120 s window) and a reply inbox; the caller does not wait. A message
+whose ack does not come within `ack_timeout_s` (a node lost, a stream electing its leader, a
+frozen server) or that is refused is sent again, with the same id, until `give_up_s` after
+its first send (< the duplicate window); only then is it lost, counted and reported to
+`on_lost`. On a NATS cluster this is what keeps a terminal event published while the
+stream's leader was being replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from schemas.subjects import HDR_MSG_ID
+
+log = logging.getLogger("flexlb.acked")
+
+
+@dataclass(eq=False)
+class _Pending:
+    subject: str
+    data: bytes
+    msg_id: str
+    first_at: float
+    sent_at: float = 0.0
+    future: Any = None
+    failed: bool = False
+
+
+class AckedPublisher:
+    def __init__(self, js: Any, what: str, ack_timeout_s: float = 2.0, give_up_s: float = 60.0,
+                 check_interval_s: float = 0.25, on_lost: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < ack_timeout_s < give_up_s < 120:
+            raise ValueError(f"need 0 < ack_timeout_s < give_up_s < 120 (the duplicate window), got "
+                             f"{ack_timeout_s}, {give_up_s}")
+        self.js = js
+        self.what = what
+        self.ack_timeout_s = ack_timeout_s
+        self.give_up_s = give_up_s
+        self.check_interval_s = check_interval_s
+        self.on_lost = on_lost
+        self.clock = clock
+        self.pending: dict[str, _Pending] = {}
+        self.num_published = 0
+        self.num_retried = 0
+        self.num_lost = 0
+
+    async def publish(self, subject: str, data: bytes, msg_id: str) -> None:
+        """Send now; returns without waiting for the ack (the retry loop sees to it)."""
+        p = _Pending(subject, data, msg_id, self.clock())
+        self.pending[msg_id] = p
+        self.num_published += 1
+        await self._send(p)
+
+    async def _send(self, p: _Pending) -> bool:
+        p.sent_at = self.clock()
+        try:
+            # wait_stall: too many unacked (a long outage) must not block the caller; the
+            # message stays pending and the retry loop sends it when acks flow again.
+            fut = await self.js.publish_async(p.subject, p.data, wait_stall=0.01, headers={HDR_MSG_ID: p.msg_id})
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # stalled, or the connection refuses writes: retried by the loop
+            p.failed = True
+            return False
+        p.future = fut
+        fut.add_done_callback(lambda f, p=p: self._on_ack(p, f))
+        return True
+
+    def _on_ack(self, p: _Pending, fut: asyncio.Future) -> None:
+        if fut.cancelled() or p.future is not fut:
+            return  # a superseded send (we re-sent it)
+        if fut.exception() is not None:
+            p.failed = True  # e.g. no stream responders while its leader is elected: retry
+            return
+        if self.pending.get(p.msg_id) is p:
+            del self.pending[p.msg_id]
+
+    async def retry_due(self) -> int:
+        """One pass: re-send what is refused or unacked for ack_timeout_s, drop (lost) what
+        is older than give_up_s. Returns how many were re-sent."""
+        now = self.clock()
+        resent = 0
+        for p in list(self.pending.values()):
+            if not (p.failed or now - p.sent_at >= self.ack_timeout_s):
+                continue
+            if p.future is not None and not p.future.done():
+                p.future.cancel()
+            p.future = None
+            if now - p.first_at >= self.give_up_s:
+                del self.pending[p.msg_id]
+                self.num_lost += 1
+                log.error("%s %s lost: no ack from the stream in %.0f s", self.what, p.msg_id, self.give_up_s)
+                if self.on_lost is not None:
+                    self.on_lost(p.subject, p.msg_id)
+                continue
+            p.failed = False
+            self.num_retried += 1
+            resent += 1
+            if not await self._send(p):
+                break  # the bus takes nothing now: the next pass tries again
+        return resent
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval_s)
+            try:
+                await self.retry_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed pass must not end retries; the next one tries again
+                log.exception("%s retry pass failed", self.what)
+
+    async def drain(self, timeout_s: float) -> int:
+        """At shutdown: retry until every message is acked or `timeout_s`; returns how many
+        are still unacked."""
+        deadline = self.clock() + timeout_s
+        while self.pending and self.clock() < deadline:
+            await asyncio.sleep(min(self.check_interval_s, 0.05))
+            await self.retry_due()
+        return len(self.pending)
