@@ -84,6 +84,7 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     num_requests_finished: int = 0
     num_undecodable_messages: int = 0
     num_stale_commands_refused: int = 0
+    fencing_epoch: int = 0  # the highest router epoch this worker has accepted (a new leader's floor)
     num_stream_overflows: int = 0  # requests stopped: their tokens did not fit the outbound buffer
     time_scale: float = 1.0  # simulated engines: wall time = profile time × this (1.0 for real engines)
     last_step_ms: float = 0.0

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="start N clustered nats-server processes (routes, JetStream on each, a store each under "
                          "--data-dir) with streams replicated min(N, 3) times, so one node can be lost (default 1)")
+    up.add_argument("--redis-sentinel", action="store_true",
+                    help="start a Redis primary, a replica and three sentinels instead of one redis-server; the "
+                         "routers find the primary through the sentinels (FLEXLB_REDIS_SENTINELS) and follow a failover")
     up.add_argument("--redis-port", type=int, help="port for the started redis-server (default: a free one)")
 
     router = sub.add_parser("router", help="run one router process")

@@ -182,10 +182,83 @@ def wait_jetstream(urls: list[str], timeout_s: float) -> None:
 
 def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
     port = port or free_port()
-    argv = [
-        find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-        "--save", "", "--appendonly", "no", "--protected-mode", "no",
-    ]
+    argv = redis_argv(port)
     proc = _popen(argv)
     wait_port(port, timeout_s, proc)
     return ManagedServer("redis-server", port, proc, f"redis://127.0.0.1:{port}/0", argv)
+
+
+SENTINEL_MASTER = "flexlb"  # the master name `flexlb up --redis-sentinel` monitors
+
+
+def redis_argv(port: int, replica_of: int | None = None) -> list[str]:
+    """One loopback redis-server keeping nothing on disk; with `replica_of`, a replica of
+    the server on that port."""
+    argv = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--protected-mode", "no"]
+    if replica_of is not None:
+        argv += ["--replicaof", "127.0.0.1", str(replica_of)]
+    return argv
+
+
+def start_redis_sentinel(data_root: str, num_sentinels: int = 3, timeout_s: float = 30.0,
+                         down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> list[ManagedServer]:
+    """A Redis primary, one replica and `num_sentinels` sentinels (`redis-server --sentinel`,
+    the binary the embedded extra ships) on loopback, monitoring master SENTINEL_MASTER with
+    a quorum of a majority. A primary silent for `down_after_ms` is failed over to the
+    replica. Returns [primary, replica, sentinel-0, ...] once every sentinel knows the
+    primary, the replica and the other sentinels (so a failover can be agreed at once)."""
+    if num_sentinels < 1:
+        raise InfraError(f"Redis Sentinel needs >= 1 sentinel, got {num_sentinels}")
+    servers: list[ManagedServer] = []
+    try:
+        primary_port, replica_port = free_port(), free_port()
+        for name, argv, port in (("redis-primary", redis_argv(primary_port), primary_port),
+                                 ("redis-replica", redis_argv(replica_port, primary_port), replica_port)):
+            servers.append(ManagedServer(name, port, _popen(argv), f"redis://127.0.0.1:{port}/0", argv))
+            wait_port(port, timeout_s, servers[-1].proc)
+        quorum = num_sentinels // 2 + 1
+        for i in range(num_sentinels):
+            port = free_port()
+            conf = os.path.join(data_root, f"sentinel-{i}.conf")  # sentinel rewrites it: its own file
+            os.makedirs(data_root, exist_ok=True)
+            with open(conf, "w") as fh:
+                fh.write(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {data_root}\n"
+                         f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} {quorum}\n"
+                         f"sentinel down-after-milliseconds {SENTINEL_MASTER} {down_after_ms}\n"
+                         f"sentinel failover-timeout {SENTINEL_MASTER} {failover_timeout_ms}\n"
+                         f"sentinel parallel-syncs {SENTINEL_MASTER} 1\n")
+            argv = [find_binary("redis-server"), conf, "--sentinel"]
+            servers.append(ManagedServer(f"redis-sentinel-{i}", port, _popen(argv), f"127.0.0.1:{port}", argv))
+            wait_port(port, timeout_s, servers[-1].proc)
+        wait_sentinels([s.port for s in servers[2:]], timeout_s)
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return servers
+
+
+def wait_sentinels(ports: list[int], timeout_s: float) -> None:
+    """Until every sentinel on `ports` knows a replica of SENTINEL_MASTER and all the others."""
+    import redis as redis_sync
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while True:
+        try:
+            ready = True
+            for port in ports:
+                r = redis_sync.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True)
+                replicas = r.execute_command("SENTINEL", "REPLICAS", SENTINEL_MASTER)
+                others = r.execute_command("SENTINEL", "SENTINELS", SENTINEL_MASTER)
+                r.close()
+                last = f"sentinel {port}: {len(replicas)} replicas, {len(others)} other sentinels"
+                ready = ready and len(replicas) >= 1 and len(others) >= len(ports) - 1
+            if ready:
+                return
+        except redis_sync.RedisError as exc:  # starting up
+            last = str(exc)
+        if time.monotonic() > deadline:
+            raise InfraError(f"Redis Sentinel not ready after {timeout_s}s: {last}")
+        time.sleep(0.2)

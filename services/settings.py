@@ -36,6 +36,17 @@ ENV_PREFIX = "FLEXLB_"
 SHIPPED_FIXED_WINDOW_WAIT_MS = 10.0
 
 
+def sentinel_addresses(value: str) -> list[tuple[str, int]]:
+    """`host:port,host:port` -> [(host, port), ...]; "" -> []. ValueError names a bad entry."""
+    out = []
+    for entry in filter(None, (e.strip() for e in value.split(","))):
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"not host:port: {entry!r} (comma-separated, e.g. 127.0.0.1:26379,127.0.0.1:26380)")
+        out.append((host, int(port)))
+    return out
+
+
 class SettingsError(ValueError):
     """A setting has a bad value; the message names it."""
 
@@ -47,7 +58,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Copies of each JetStream stream across the NATS cluster: 3 on a three-node cluster (any
     # one node may be lost), 1 on one server (`flexlb up --nats-cluster 3` sets 3).
     nats_replicas: int = 1
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # its db (and password) are used with Sentinel too
+    # Redis through Sentinel: the sentinels' host:port, comma-separated. The primary of
+    # `redis_master_name` is discovered through them, and found again after a failover.
+    redis_sentinels: str = ""
+    redis_master_name: str = "flexlb"
     host: str = "127.0.0.1"  # HTTP listen address
     port: int = 8000
     # Bind the port with SO_REUSEPORT, so that several router processes share it and the
@@ -108,6 +123,15 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             nats_servers(self.nats_url)
         except ValueError as exc:
             raise SettingsError(f"setting nats_url: {exc}") from None
+        try:
+            sentinel_addresses(self.redis_sentinels)
+        except ValueError as exc:
+            raise SettingsError(f"setting redis_sentinels: {exc}") from None
+        if self.redis_sentinels:
+            try:
+                validate_token("redis_master_name", self.redis_master_name)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         if not 1 <= self.nats_replicas <= 5:
             raise SettingsError(f"setting nats_replicas must be 1..5 (JetStream's limit), got {self.nats_replicas!r}")
         positive = [

@@ -17,7 +17,9 @@ state file's `http_worker_urls`), and runs until SIGINT/SIGTERM, when it stops
 every child (router first, servers last) and exits 0. `--nats-cluster 3` starts three
 clustered nats-server processes instead of one (nats-0..2, a store each under `--data-dir`);
 every client is given all three URLs and the streams are created with 3 replicas
-(FLEXLB_NATS_REPLICAS), so any one node may be lost. A child that dies is reported on
+(FLEXLB_NATS_REPLICAS), so any one node may be lost. `--redis-sentinel` starts a Redis
+primary, a replica and three sentinels (quorum 2, a silent primary failed over after 1 s);
+the routers find the primary through the sentinels (FLEXLB_REDIS_SENTINELS). A child that dies is reported on
 stderr; the rest keep running (an operator restarts what is missing, or Ctrl-C).
 """
 
@@ -33,7 +35,15 @@ import time
 import urllib.error
 import urllib.request
 
-from services.infra import InfraError, ManagedServer, start_nats, start_nats_cluster, start_redis
+from services.infra import (
+    SENTINEL_MASTER,
+    InfraError,
+    ManagedServer,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+    start_redis_sentinel,
+)
 from services.settings import RouterSettings
 
 READY_TIMEOUT_S = 90.0
@@ -109,6 +119,9 @@ def run_up(args, settings: RouterSettings) -> int:
         raise ValueError("--nats-cluster must be 1..7 (nodes of one NATS cluster on this machine)")
     if args.nats_cluster > 1 and os.environ.get("FLEXLB_NATS_URL"):
         raise ValueError("--nats-cluster starts a cluster; FLEXLB_NATS_URL names servers to use instead: give one of the two")
+    if args.redis_sentinel and os.environ.get("FLEXLB_REDIS_URL"):
+        raise ValueError("--redis-sentinel starts Redis with Sentinel; FLEXLB_REDIS_URL names a server to use instead: "
+                         "give one of the two")
     if args.prefill == 0 and args.workers < 1:
         raise ValueError("--workers must be >= 1")
     servers: list[ManagedServer] = []
@@ -136,10 +149,19 @@ def run_up(args, settings: RouterSettings) -> int:
                 servers.append(start_nats(data_dir, args.nats_port))
                 nats_url = servers[-1].url
         redis_url = os.environ.get("FLEXLB_REDIS_URL")
+        sentinel_env: dict[str, str] = {}
         if not redis_url:
-            servers.append(start_redis(args.redis_port))
-            redis_url = servers[-1].url
-        env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env)
+            if args.redis_sentinel:
+                root = os.path.join(args.data_dir, "sentinel") if args.data_dir else tempfile.mkdtemp(prefix="flexlb-sentinel-")
+                started = start_redis_sentinel(root)
+                servers.extend(started)
+                redis_url = started[0].url  # the first primary; routers follow the sentinels, not this
+                sentinel_env = {"FLEXLB_REDIS_SENTINELS": ",".join(s.url for s in started[2:]),
+                                "FLEXLB_REDIS_MASTER_NAME": SENTINEL_MASTER}
+            else:
+                servers.append(start_redis(args.redis_port))
+                redis_url = servers[-1].url
+        env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
         worker_flags: list[str] = []
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
                      "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs",
@@ -213,6 +235,7 @@ def run_up(args, settings: RouterSettings) -> int:
             "http_worker_urls": http_worker_urls,  # --http-workers: each process's own port (its /metrics, its view)
             "nats_url": nats_url,
             "redis_url": redis_url,
+            "redis_sentinels": sentinel_env.get("FLEXLB_REDIS_SENTINELS", ""),
             "workers": [{"id": w, "role": r} for w, r in fleet],
             "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
             "up_pid": os.getpid(),

@@ -184,7 +184,9 @@ async def settled_cleanly(url: str, nats_url: str, results: list[dict], timeout_
     ids = {r["request_id"] for r in results if r["request_id"]}
     envs = await wait_all_terminal(nats_url, ids, timeout_s)
     counts = terminal_counts(envs)
-    assert {i: counts[i] for i in ids} == {i: 1 for i in ids}
+    twice = {i: [(type(e.payload).__name__, e.producer, getattr(e.payload, "code", "")) for e in envs
+                 if isinstance(e.payload, m.TERMINAL_TYPES) and e.payload.request_id == i] for i in ids if counts[i] != 1}
+    assert not twice, f"{len(twice)} requests without exactly one terminal event: {dict(list(twice.items())[:3])}"
     async with httpx.AsyncClient(timeout=30) as c:
         async def ledger_empty():
             return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0

@@ -51,7 +51,10 @@ async def _streams_replicated(nats_url: str, replicas: int) -> bool:
     node has caught up)."""
     nc = await nats.connect(nats_url.split(","), connect_timeout=2)
     try:
-        infos = await nc.jetstream().streams_info()
+        try:
+            infos = await nc.jetstream().streams_info()
+        except nats.errors.TimeoutError:  # the meta leader being re-elected: ask again
+            return False
         return bool(infos) and all(
             si.config.num_replicas == replicas and si.cluster is not None and si.cluster.leader
             and len(si.cluster.replicas or []) == replicas - 1 and all(r.current for r in si.cluster.replicas)
@@ -170,4 +173,203 @@ async def test_one_nats_server_frozen_for_3_s_kills_no_healthy_worker(flexlb_up)
                   and e.payload.liveness == "dead"]
         assert deaths == [], deaths
     finally:
+        proc.stop()
+
+
+class Partition:
+    """A TCP relay in front of a real Redis. `cut()` is a partition, not a restart: every
+    connection stays open and nothing more passes either way (new ones are accepted and
+    hang), so the client's calls time out as across a dead link."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.is_cut = False
+        self.server = None
+        self.port = 0
+
+    async def start(self) -> "Partition":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _pipe(self, reader, writer) -> None:
+        try:
+            while data := await reader.read(65536):
+                if self.is_cut:
+                    continue  # dropped: the link is down
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # one side closed: the relay for it ends
+        finally:
+            writer.close()
+
+    async def _serve(self, client_r, client_w) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pipe(client_r, up_w), self._pipe(up_r, client_w))
+
+    def cut(self) -> None:
+        self.is_cut = True
+
+    async def close(self) -> None:
+        self.server.close()
+
+
+async def test_a_leader_cut_off_from_redis_past_its_lease_stops_dispatching_and_a_standby_takes_over(spawn, tmp_path):
+    from schemas import messages as m
+    from services.infra import free_port, start_nats, start_redis
+    from tests.stack import read_event_log
+
+    nats_srv, redis_srv = start_nats(str(tmp_path / "nats")), start_redis()
+    relay = await Partition(redis_srv.port).start()
+    try:
+        direct = {"FLEXLB_NATS_URL": nats_srv.url, "FLEXLB_REDIS_URL": redis_srv.url}
+        via_relay = {**direct, "FLEXLB_REDIS_URL": f"redis://127.0.0.1:{relay.port}/0"}
+        for w in ("w0", "w1"):
+            spawn("worker", "--id", w, "--time-scale", "0.5", env=direct, name=w)
+        urls = {}
+        for name, env in (("leader", via_relay), ("standby", direct)):
+            port = free_port()
+            proc = spawn("router", "--router-id", name, "--port", str(port), "--cluster", "d", env=env, name=name)
+            urls[name] = f"http://127.0.0.1:{port}"
+            await wait_async(lambda: _ready(proc, urls[name]), 60, f"{name} ready")  # async: the relay runs in this loop
+        assert (await _get(urls["leader"] + "/healthz"))["role"] == "leader"
+        old_epoch = (await _get(urls["leader"] + "/healthz"))["epoch"]
+        bodies = _bodies(seed=17)
+        half = len(bodies) // 2
+
+        later = [{**b, "max_tokens": 20} for b in make_bodies(60, seed=18, max_prompt_chars=300)]
+
+        async def cut():
+            """Cut the leader off, and keep clients coming to both routers for 6 s after."""
+            relay.cut()
+            cut_ns = time.time_ns()
+            async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+                tasks = []
+                for i, body in enumerate(later):
+                    tasks.append(asyncio.create_task(stream_completion(client, urls[("leader", "standby")[i % 2]], body)))
+                    await asyncio.sleep(0.1)
+                done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            return cut_ns, done
+
+        # Half the first wave on each router; the leader is cut off from Redis with all in flight.
+        load_a = asyncio.create_task(_load_through(urls["leader"], bodies[:half], cut))
+        results_b = await _load_through(urls["standby"], bodies[half:], lambda: asyncio.sleep(0))
+        results_a, fault_at, (cut_ns, results_later) = await load_a
+        results = results_a + results_b[0]
+        summary = fault_outcome(bodies, results, fault_at)
+        after = fault_outcome(later, results_later, 0.0)
+        print(f"leader cut off from redis: in flight {summary}; arriving after the cut {after}")
+        print(sorted({e["message"][:120] for r in results_later for e in r["errors"] if isinstance(e, dict)}))
+        assert summary["in_flight"] >= MIN_IN_FLIGHT, summary
+        assert summary["ok"] + after["ok"] >= 0.95 * (summary["total"] + after["total"]), (summary, after)
+        assert set(summary["failed"]) | set(after["failed"]) <= {"not_ready"}, (summary, after)  # retryable only
+        results = results + results_later
+
+        async def standby_leads():
+            return (await _get(urls["standby"] + "/healthz"))["role"] == "leader"
+
+        await wait_async(standby_leads, 20, "the standby to take the lease")
+        new_epoch = (await _get(urls["standby"] + "/healthz"))["epoch"]
+        assert new_epoch > old_epoch
+        try:
+            await settled_cleanly(urls["standby"], nats_srv.url, results)
+        except AssertionError as exc:
+            import re
+            rid = re.search(r"cmpl-[0-9a-f]+", str(exc)).group(0)
+            recs = {n: await _get(u + f"/admin/requests/{rid}") for n, u in urls.items()}
+            raise AssertionError(f"{exc}\n{json.dumps(recs, indent=1)[:6000]}") from None
+        envs = await read_event_log(nats_srv.url)
+        dispatched = [e for e in envs if isinstance(e.payload, m.BatchDispatched)]
+        per_request: dict[str, int] = {}
+        for e in dispatched:
+            for rid in e.payload.request_ids:
+                per_request[rid] = per_request.get(rid, 0) + 1
+        assert max(per_request.values()) == 1, {r: n for r, n in per_request.items() if n > 1}  # none twice
+        late = [e for e in dispatched if e.payload.router_id == "leader" and e.time_ns > cut_ns + 2.5e9]
+        assert late == [], late  # fenced: nothing from the old leader after its lease ran out
+        by_new = [e for e in dispatched if e.payload.router_id == "standby"]
+        first_new = min((e.time_ns for e in by_new), default=None)
+        print(f"old leader's last dispatch {(max(e.time_ns for e in dispatched if e.payload.router_id == 'leader') - cut_ns) / 1e9:.2f} s "
+              f"after the cut; new leader (epoch {new_epoch}) dispatched {len(by_new)} batches, the first "
+              f"{(first_new - cut_ns) / 1e9 if first_new else float('nan'):.2f} s after it")
+    finally:
+        await relay.close()
+        nats_srv.stop()
+        redis_srv.stop()
+
+
+async def _get(url: str) -> dict:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return (await c.get(url)).json()
+
+
+async def _ready(proc, url: str) -> bool:
+    if proc.popen.poll() is not None:
+        raise AssertionError(f"{url} exited:\n{proc.tail()}")
+    try:
+        async with httpx.AsyncClient(timeout=2) as c:
+            return (await c.get(url + "/readyz")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def test_the_redis_primary_killed_sentinel_promotes_the_replica_and_scheduling_goes_on(flexlb_up):
+    import redis.asyncio as aioredis
+
+    from schemas import messages as m
+    from services.infra import SENTINEL_MASTER
+    from tests.stack import read_event_log
+
+    proc, state = flexlb_up("--redis-sentinel", "--time-scale", "0.5", "--workers", "2")
+    url, nats_url = state["router_url"], state["nats_url"]
+    sentinels = state["redis_sentinels"].split(",")
+    assert len(sentinels) == 3
+    host, port = sentinels[0].split(":")
+    sentinel = aioredis.Redis(host=host, port=int(port), socket_timeout=2, decode_responses=True)
+    primary = _server(state, "redis-primary")
+    assert (await sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER))[1] == str(
+        primary["url"].rsplit(":", 1)[1].split("/")[0])
+    bodies = _bodies(seed=19)
+    later = [{**b, "max_tokens": 20} for b in make_bodies(80, seed=20, max_prompt_chars=300)]
+
+    async def kill():
+        """kill -9 the primary, and keep clients coming for 8 s after."""
+        os.kill(primary["pid"], signal.SIGKILL)
+        killed, killed_ns = time.monotonic(), time.time_ns()
+        promoted_after = None
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+            tasks = []
+            for body in later:
+                tasks.append(asyncio.create_task(stream_completion(client, url, body)))
+                await asyncio.sleep(0.1)
+                if promoted_after is None:
+                    addr = await sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER)
+                    if addr[1] != str(primary["url"].rsplit(":", 1)[1].split("/")[0]):
+                        promoted_after = time.monotonic() - killed
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return killed_ns, promoted_after, done
+
+    try:
+        results, fault_at, (killed_ns, promoted_after, results_later) = await _load_through(url, bodies, kill)
+        summary = fault_outcome(bodies, results, fault_at)
+        after = fault_outcome(later, results_later, 0.0)
+        # The pause: the longest stretch after the kill with no batch dispatched.
+        envs = await read_event_log(nats_url)
+        times = sorted(e.time_ns for e in envs if isinstance(e.payload, m.BatchDispatched) and e.time_ns >= killed_ns)
+        gaps = [(b - a) / 1e9 for a, b in zip([killed_ns] + times, times)]
+        print(f"redis primary killed: in flight {summary}; arriving after {after}; sentinel promoted the replica "
+              f"{promoted_after} s after the kill; longest dispatch pause {max(gaps, default=0):.2f} s")
+        assert promoted_after is not None, "sentinel did not promote the replica within 8 s"
+        assert summary["in_flight"] >= MIN_IN_FLIGHT, summary
+        assert summary["ok"] + after["ok"] >= 0.95 * (summary["total"] + after["total"]), (summary, after)
+        assert times and times[-1] > killed_ns + promoted_after * 1e9, "nothing dispatched after the failover"
+        await settled_cleanly(url, nats_url, results + results_later)
+        metrics = httpx.get(url + "/metrics").text
+        [resyncs] = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("flexlb_ledger_resyncs_total")]
+        assert resyncs >= 1  # the new primary's ledger was rebuilt from the router's memory
+        health = httpx.get(url + "/healthz").json()
+        assert health["role"] == "leader", health
+    finally:
+        await sentinel.aclose()
         proc.stop()

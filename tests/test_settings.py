@@ -28,6 +28,9 @@ def test_environment_then_flags_override_defaults():
         ({"FLEXLB_NATS_URL": "nats://a:4222,,nats://b:4222"}, "nats_url"),
         ({"FLEXLB_NATS_REPLICAS": "0"}, "nats_replicas"),
         ({"FLEXLB_NATS_REPLICAS": "6"}, "nats_replicas"),
+        ({"FLEXLB_REDIS_SENTINELS": "127.0.0.1:26379,127.0.0.1"}, "redis_sentinels.*127.0.0.1'"),
+        ({"FLEXLB_REDIS_SENTINELS": "h:99999"}, "redis_sentinels"),
+        ({"FLEXLB_REDIS_SENTINELS": "h:26379", "FLEXLB_REDIS_MASTER_NAME": "a b"}, "redis_master_name"),
     ],
 )
 def test_bad_values_fail_naming_the_setting(env, fragment):
@@ -70,3 +73,12 @@ def test_a_cluster_url_is_every_server_and_the_replicas_reach_both_router_and_wo
     assert cfg.nats_replicas == 3 and cfg.nats_url == env["FLEXLB_NATS_URL"]
     with pytest.raises(ValueError, match="nats_replicas"):
         worker_config(args, {**env, "FLEXLB_NATS_REPLICAS": "9"})
+
+
+def test_sentinel_addresses_parse():
+    from services.settings import sentinel_addresses
+
+    assert sentinel_addresses("") == []
+    assert sentinel_addresses("127.0.0.1:26379, sentinel-1:26380") == [("127.0.0.1", 26379), ("sentinel-1", 26380)]
+    s = load(RouterSettings, {"FLEXLB_REDIS_SENTINELS": "a:1,b:2", "FLEXLB_REDIS_MASTER_NAME": "mymaster"})
+    assert (s.redis_sentinels, s.redis_master_name) == ("a:1,b:2", "mymaster")

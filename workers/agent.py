@@ -353,6 +353,7 @@ class WorkerAgent:
             running_request_ids=e.running_request_ids() + self.unpublished_request_ids,
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
+            fencing_epoch=self.max_epoch,
             num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
             last_step_ms=self.last_step_ms, recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
         )

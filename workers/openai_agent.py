@@ -309,6 +309,7 @@ class OpenAIAgent(WorkerAgent):
             num_queued_batches=len(self.queued) + st.num_waiting, running_request_ids=held,
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
+            fencing_epoch=self.max_epoch,
             num_stream_overflows=self.num_stream_overflows, time_scale=1.0, last_step_ms=self.recent_step_ms(),
             recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         )

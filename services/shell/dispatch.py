@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexlb.router")
 
+PAUSED_POLL_S = 0.05  # a leader whose lease lapsed looks this often whether it may dispatch again
 EXPECTED_DECODE_CAP_TOKENS = 1000  # expected KV = prompt + min(max_tokens, 1000), as FlexLB
 
 
@@ -48,6 +49,11 @@ class Dispatcher:
                         await asyncio.wait_for(self.s.wakeup.wait(), delay_s)
                     except asyncio.TimeoutError:
                         pass  # the earliest batch window elapsed: poll below
+            if self.s.is_leader and not self.s.may_dispatch():
+                # Our lease outran its renewal (Redis unreachable): a standby may hold it now.
+                # Form no batch; the queue waits for the lease cycle to say whose it is.
+                await asyncio.sleep(PAUSED_POLL_S)
+                continue
             result = self.s.scheduler.tick(time.time_ns())
             while self.s.scheduler.poll_errors:
                 self.s.metrics.consumer_errors.labels("batcher").inc()
@@ -101,10 +107,18 @@ class Dispatcher:
         cmd = m.DispatchBatch(
             batch_id=batch.batch_id, router_id=self.s.router_id, worker_id=batch.worker_id, epoch=self.s.epoch, requests=requests
         )
-        try:
-            await self.s.ledger.reserve(entries, now // 1_000_000)
-        except Exception as exc:  # Redis away: the in-memory mirror keeps scheduling; resync later
-            self.upkeep.ledger_failed("reserve", exc)
+        if not self.s.ledger_dirty:  # (known away: the rebuild from the mirror will carry it)
+            try:
+                await self.s.ledger.reserve(entries, now // 1_000_000)
+            except Exception as exc:  # Redis away: the in-memory mirror keeps scheduling; resync later
+                self.upkeep.ledger_failed("reserve", exc)
+        if not self.s.is_leader:  # we stepped down meanwhile: the new leader has its own queue
+            await self.fail_batch(batch, entries, "not_ready", f"router {self.s.router_id} lost the leadership "
+                                  "before sending its batch; retry", sent=False)
+            return
+        if not self.s.may_dispatch():  # the lease lapsed while Redis took the reservation
+            await self.requeue_batch(batch, entries)
+            return
         try:
             await self.s.js.publish(
                 dispatch_subject(batch.worker_id), m.encode(self.s.envelopes.wrap(cmd, now)),
@@ -113,25 +127,7 @@ class Dispatcher:
         except Exception as exc:  # roll back the reservation and fail the batch visibly
             self.s.metrics.dispatch_failures.inc()
             log.error("dispatch of batch %s to %s failed: %s", batch.batch_id, batch.worker_id, exc)
-            # Uncertain: the command may have been stored without its ack reaching us. Withdraw
-            # its requests, so that if it does arrive the worker drops them silently.
-            for item in batch.items:
-                await self.recovery.withdraw(item.request_id, {batch.worker_id, item.decode_worker_id}, "dispatch uncertain",
-                                             batch.batch_id)
-            try:
-                await self.s.ledger.release([e.field for e in entries])
-            except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
-                log.error("rollback of batch %s reservations failed: %s", batch.batch_id, rel_exc)
-            self.s.batch_pending.pop(batch.batch_id, None)
-            self.s.scheduler.rollback(batch)
-            for item in batch.items:
-                self.s.request_batch.pop(item.request_id, None)
-                self.s.metrics.requests.labels("failed", "dispatch_failed").inc()
-                self.s.finish_router(item.payload, "failed", "dispatch_failed", f"dispatch to {batch.worker_id} failed: {exc}")
-                await self.s.emit(m.RequestFailed(
-                    request_id=item.request_id, worker_id=self.s.router_id, code="dispatch_failed",
-                    message=str(exc), retryable=True,
-                ))
+            await self.fail_batch(batch, entries, "dispatch_failed", f"dispatch to {batch.worker_id} failed: {exc}", sent=True)
             return
         dispatch_ms = round((time.time_ns() - now) / 1e6, 3)  # ledger reservation + the publish's ack
         self.s.metrics.batches.labels(batch.reason).inc()
@@ -146,3 +142,41 @@ class Dispatcher:
             request_ids=[i.request_id for i in batch.items], num_prompt_tokens=batch.num_prompt_tokens, reason=batch.reason,
         ))
 
+
+    async def requeue_batch(self, batch: FormedBatch, entries: list) -> None:
+        """Our lease lapsed between forming the batch and sending it: it never went. Its
+        requests go back into our queue (re-admitted: a re-route), where they wait for the
+        lease cycle's verdict: dispatched once it is renewed, handed to the new leader if we
+        are fenced. (Not counted as a re-route: the batch never reached a worker.)"""
+        if not self.s.ledger_dirty:
+            try:
+                await self.s.ledger.release([e.field for e in entries])
+            except Exception as exc:  # Redis away: the rebuild from the mirror leaves them out
+                self.upkeep.ledger_failed("release", exc)
+        self.s.batch_pending.pop(batch.batch_id, None)
+        self.s.scheduler.rollback(batch)
+        for item in batch.items:
+            self.s.request_batch.pop(item.request_id, None)
+            await self.recovery.reroute(item.payload, "the scheduling lease lapsed before its batch was sent",
+                                        fail_code="not_ready", counts=False)
+
+    async def fail_batch(self, batch: FormedBatch, entries: list, code: str, message: str, sent: bool) -> None:
+        """A batch that did not go: roll back its reservations and fail its requests (retryable).
+        `sent`: the publish was tried, so the command may have been stored without its ack
+        reaching us; its requests are withdrawn, and if it does arrive the worker drops them."""
+        if sent:
+            for item in batch.items:
+                await self.recovery.withdraw(item.request_id, {batch.worker_id, item.decode_worker_id}, "dispatch uncertain",
+                                             batch.batch_id)
+        try:
+            await self.s.ledger.release([e.field for e in entries])
+        except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
+            log.error("rollback of batch %s reservations failed: %s", batch.batch_id, rel_exc)
+        self.s.batch_pending.pop(batch.batch_id, None)
+        self.s.scheduler.rollback(batch)
+        for item in batch.items:
+            self.s.request_batch.pop(item.request_id, None)
+            self.s.metrics.requests.labels("failed", code).inc()
+            self.s.finish_router(item.payload, "failed", code, message)
+            await self.s.emit(m.RequestFailed(request_id=item.request_id, worker_id=self.s.router_id, code=code,
+                                             message=message, retryable=True))

@@ -59,6 +59,10 @@ class Fold:
             await self.s.undecodable("status", msg, exc)
             return
         now = time.time_ns()
+        if isinstance(env.payload, m.WorkerStatusReported) and env.payload.fencing_epoch > self.s.max_worker_epoch:
+            self.s.max_worker_epoch = env.payload.fencing_epoch
+            if self.s.is_leader and self.s.max_worker_epoch > self.s.epoch:
+                self.s.fenced.set()
         stale_ns = self.s.settings.dead_after_missed_syncs * self.s.settings.liveness_sync_ms * 1_000_000
         info = self.s.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=now - env.time_ns > stale_ns)
         for worker_id, rid in self.s.scheduler.take_settled():
@@ -136,7 +140,11 @@ class Fold:
                     self.s.metrics.consumer_errors.labels("events").inc()
                     log.exception("handling event on %s failed", msg.subject)
             fields, self.s.release_buffer = self.s.release_buffer, []
-            if fields:
+            # Redis known away (a call failed since the last rebuild): do not wait on it here;
+            # the mirror has applied them and the leader rebuilds Redis from it when it answers.
+            # Waiting (a partition costs a socket timeout per call) held every event behind it,
+            # and calibration then settled requests whose terminal event was only late.
+            if fields and not self.s.ledger_dirty:
                 try:
                     n = await self.s.ledger.release(fields)
                     self.s.metrics.ledger_releases.labels("events").inc(n)

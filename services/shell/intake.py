@@ -129,6 +129,33 @@ class Intake:
         self.s.metrics.forwarded.inc()
         return handle
 
+    async def hand_over(self, handle: RequestHandle) -> str | None:
+        """We stopped leading with this request of our own client admitted and not dispatched:
+        forward it to the new leader, as a standby forwards a new one (its tokens come to us,
+        our client's stream goes on). None if the leader took it, else why not."""
+        rid, adm = handle.request_id, handle.admit
+        remaining_s = handle.timeout_s - (time.time_ns() - handle.arrival_ns) / 1e9
+        if handle.remote or adm is None or remaining_s <= 0:
+            return "not ours to hand over (forwarded to us, or past its deadline)"
+        cmd = m.SubmitRequest(
+            request_id=rid, router_id=self.s.router_id, prompt_token_ids=handle.prompt_token_ids,
+            max_tokens=handle.max_tokens, token_subject=token_subject(self.s.router_id, rid), priority=adm.priority,
+            slo_ttft_ms=adm.slo_ttft_ms, slo_tpot_ms=adm.slo_tpot_ms, timeout_s=remaining_s, sampling=handle.sampling,
+        )
+        try:
+            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster),
+                                          m.encode(self.s.envelopes.wrap(cmd, time.time_ns())), timeout=FORWARD_TIMEOUT_S)
+            reply = m.decode_as(msg.data, m.SubmitReply).payload
+        except Exception as exc:  # no leader (yet): the caller fails it retryable
+            return f"no leader router answered ({exc.__class__.__name__})"
+        if not reply.admitted:
+            return f"the leader refused it: {reply.code}: {reply.message}"
+        handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
+        handle.leader_id = reply.router_id
+        self.s.records.note(rid, time.time_ns(), "handed_over", leader=reply.router_id)
+        self.s.metrics.forwarded.inc()
+        return None
+
     async def on_submit(self, msg) -> None:
         """Leader: a standby forwarded a request."""
         try:

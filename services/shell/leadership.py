@@ -35,11 +35,39 @@ return 0
 """
 LEASE_RENEW_S = 0.5  # renew (leader) / try to take (standby) this often
 LEASE_TTL_S = 2.0  # the leader's lease; a standby takes over at most this long after it dies
+PAUSE_STEP_DOWN_S = 10.0  # a leader paused this long past its lease (Redis away) steps down
+# Renew: 1 if it was ours. 2 if nobody holds it (Redis restarted empty, or Sentinel promoted
+# a replica that missed it) and no router took an epoch above ours meanwhile: we take it again
+# and keep our epoch (restoring the counter if it was lost), so dispatches already queued for
+# the workers stay valid. 0 if another router holds it, or led since (a higher epoch): we lost it.
 RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
 end
-return 0
+if cur then
+  return 0
+end
+local e = tonumber(redis.call('GET', KEYS[2]) or '0')
+if e > tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3])
+return 2
+"""
+# A new epoch, above every epoch known to have been used: the counter's (which a replica
+# promoted by Sentinel may have missed the last increments of: replication is asynchronous),
+# ours, and the highest any worker reports accepting.
+EPOCH_LUA = """
+local e = redis.call('INCR', KEYS[1])
+local floor = tonumber(ARGV[1])
+if e <= floor then
+  e = floor + 1
+  redis.call('SET', KEYS[1], e)
+end
+return e
 """
 
 
@@ -51,6 +79,19 @@ class Leadership:
     def lease_key(self) -> str:
         return f"flexlb:{self.s.settings.cluster}:leader"
 
+    def epoch_key(self) -> str:
+        return f"flexlb:{self.s.settings.cluster}:epoch"
+
+    async def fence_loop(self) -> None:
+        """A worker accepted a newer leader's epoch (its status says so): we are fenced,
+        whatever Redis, maybe unreachable from here, would say. Step down at once, not when a
+        lease cycle (blocked on that Redis) learns it."""
+        while self.s.running:
+            await self.s.fenced.wait()
+            self.s.fenced.clear()
+            if self.s.is_leader and self.s.max_worker_epoch > self.s.epoch:
+                await self.step_down(f"fenced: a worker accepted epoch {self.s.max_worker_epoch} > ours {self.s.epoch}")
+
     async def lease_loop(self) -> None:
         while self.s.running:
             await asyncio.sleep(LEASE_RENEW_S)
@@ -59,21 +100,30 @@ class Leadership:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: a leader keeps its lease until it expires
-                self.s.metrics.consumer_errors.labels("lease").inc()
-                log.warning("lease cycle failed: %s", exc)
+                await self.lease_unrenewed(exc)
 
     async def lease_cycle(self) -> None:
         """Hold or take the scheduling lease (Redis, PX TTL). Taking it bumps the fencing epoch,
         announced to every worker, so the previous leader's commands are refused."""
         key = self.lease_key()
         ttl_ms = int(LEASE_TTL_S * 1000)
+        sent = time.monotonic()
         if self.s.is_leader:
-            renewed = await self.s.redis.eval(RENEW_LUA, 1, key, self.s.lease_value, ttl_ms)
+            renewed = int(await self.s.redis.eval(RENEW_LUA, 2, key, self.epoch_key(), self.s.lease_value, ttl_ms,
+                                                  self.s.epoch))
             if not renewed:
                 await self.step_down("lease lost")
+                return
+            self.s.lease_valid_until = sent + LEASE_TTL_S
+            self.note_dispatch_paused(False)
+            if renewed == 2:
+                log.warning("router %s took the lease again (it was gone: Redis restarted or failed over); epoch %d kept",
+                            self.s.router_id, self.s.epoch)
             return
         if await self.s.redis.eval(ACQUIRE_LUA, 1, key, self.s.lease_value, ttl_ms, f"{self.s.router_id}:"):
-            self.s.epoch = int(await self.s.redis.incr(f"flexlb:{self.s.settings.cluster}:epoch"))
+            self.s.lease_valid_until = sent + LEASE_TTL_S
+            floor = max(self.s.epoch, self.s.max_worker_epoch)
+            self.s.epoch = int(await self.s.redis.eval(EPOCH_LUA, 1, self.epoch_key(), floor))
             self.s.is_leader = True
             self.s.submit_sub = await self.s.nc.subscribe(submit_subject(self.s.settings.cluster), cb=self.intake.on_submit)
             self.s.metrics.leader.set(1)
@@ -84,6 +134,28 @@ class Leadership:
         holder = await self.s.redis.get(key)
         if holder:
             await self.fail_stranded_forwards((holder.decode() if isinstance(holder, bytes) else holder).split(":")[0])
+
+    async def lease_unrenewed(self, exc: Exception) -> None:
+        """A lease cycle failed (Redis unreachable). Past the lease's TTL the leader stops
+        dispatching (a standby may hold it by now); it stays leader, holding its queue, until
+        Redis answers and says whose the lease is, or PAUSE_STEP_DOWN_S more have passed:
+        then it steps down, and what it queued fails retryable instead of waiting on."""
+        self.s.metrics.consumer_errors.labels("lease").inc()
+        log.warning("lease cycle failed: %s", exc)
+        if self.s.is_leader and time.monotonic() >= self.s.lease_valid_until:
+            self.note_dispatch_paused(True)
+            if time.monotonic() >= self.s.lease_valid_until + PAUSE_STEP_DOWN_S:
+                await self.step_down(f"Redis unreachable for over {LEASE_TTL_S + PAUSE_STEP_DOWN_S:.0f} s")
+
+    def note_dispatch_paused(self, paused: bool) -> None:
+        if paused and not self.s.dispatch_paused:
+            log.error("router %s: lease not renewed for %.1f s (Redis unreachable): dispatch paused until it is",
+                      self.s.router_id, LEASE_TTL_S)
+        elif not paused and self.s.dispatch_paused:
+            log.warning("router %s: lease renewed: dispatching again", self.s.router_id)
+            self.s.wakeup.set()
+        self.s.dispatch_paused = paused
+        self.s.metrics.dispatch_paused.set(1 if paused else 0)
 
     async def fail_stranded_forwards(self, leader_id: str) -> None:
         """Standby: requests we forwarded to a leader that is gone, and that it never
@@ -103,14 +175,24 @@ class Leadership:
     async def step_down(self, why: str) -> None:
         log.error("router %s steps down: %s", self.s.router_id, why)
         self.s.is_leader = False
+        self.note_dispatch_paused(False)
         self.s.metrics.leader.set(0)
         if self.s.submit_sub is not None:
             await self.s.submit_sub.unsubscribe()
             self.s.submit_sub = None
-        for item in self.s.scheduler.drain_queues():  # not dispatched: the client may retry elsewhere
-            self.s.finish_router(item.payload, "failed", "not_ready", f"router {self.s.router_id} lost the leadership")
+        # Not dispatched: our own clients' requests go to the new leader (if one answers); the
+        # rest fail retryable (a forwarder fails its own when it sees the lease change hands).
+        items = self.s.scheduler.drain_queues()
+        why_not = await asyncio.gather(*(self.intake.hand_over(item.payload) for item in items))
+        for item, why in zip(items, why_not):
+            if why is None:
+                continue
+            self.s.finish_router(item.payload, "failed", "not_ready", f"router {self.s.router_id} lost the leadership; {why}")
             await self.s.emit(m.RequestFailed(request_id=item.request_id, worker_id=self.s.router_id, code="not_ready",
-                                             message="router lost the leadership before dispatch", retryable=True))
+                                             message=f"router lost the leadership before dispatch; {why}", retryable=True))
+        if items:
+            log.warning("router %s handed %d queued requests to the new leader, failed %d", self.s.router_id,
+                        sum(w is None for w in why_not), sum(w is not None for w in why_not))
 
     async def announce_epoch(self) -> None:
         """Tell every worker we schedule for our epoch (each cycle: new workers learn it too)."""

@@ -42,6 +42,9 @@ class RouterMetrics:
                                           registry=r)
         self.leader = Gauge("flexlb_router_leader", "1 while this router holds the scheduling lease", registry=r)
         self.forwarded = Counter("flexlb_forwarded_requests_total", "Requests this standby forwarded to the leader", registry=r)
+        self.dispatch_paused = Gauge(
+            "flexlb_dispatch_paused", "1 while the leader dispatches nothing: its lease outran its renewal (Redis unreachable)",
+            registry=r)
         self.bus_silent_cycles = Counter(
             "flexlb_bus_silent_cycles_total",
             "Liveness cycles skipped because the router's own NATS server did not answer a ping (a frozen or cut-off bus, "

@@ -82,15 +82,18 @@ class Recovery:
             if worker_id in (handle.prefill_worker_id, handle.decode_worker_id):
                 self.s.records.note(rid, now, f"worker_{verdict}", worker_id=worker_id)
 
-    async def reroute(self, handle: RequestHandle | None, why: str) -> int:
-        """Re-admit a request whose worker died (once); else fail it retryable. 1 if re-routed."""
+    async def reroute(self, handle: RequestHandle | None, why: str, fail_code: str = "worker_failed",
+                      counts: bool = True) -> int:
+        """Re-admit a request whose worker died (once); else fail it retryable. 1 if re-routed.
+        `counts`: whether this re-admission uses up the request's re-route (a batch that was
+        never sent, because our lease lapsed, does not)."""
         if handle is None or handle.done:
             return 0
         rid = handle.request_id
         self.s.scheduler.on_terminal(rid)
         old = (handle.prefill_worker_id, handle.decode_worker_id)
-        if handle.num_reroutes < MAX_REROUTES and handle.admit is not None:
-            handle.num_reroutes += 1
+        if (handle.num_reroutes < MAX_REROUTES or not counts) and handle.admit is not None:
+            handle.num_reroutes += 1 if counts else 0
             decision = self.s.scheduler.admit(handle.admit, time.time_ns())
             if isinstance(decision, Admitted):
                 handle.prefill_worker_id = decision.request.prefill_worker_id
@@ -104,7 +107,7 @@ class Recovery:
                 self.s.wakeup.set()
                 return 1
             why = f"{why}; re-route rejected: {decision.code}: {decision.message}"
-        await self.fail_from_router(handle, "worker_failed", why, already_forgotten=True)
+        await self.fail_from_router(handle, fail_code, why, already_forgotten=True)
         return 0
 
     async def fail_from_router(self, handle: RequestHandle, code: str, message: str, already_forgotten: bool = False) -> None:

@@ -75,7 +75,7 @@ from schemas.subjects import (
 )
 from services.core.journal import Recorder
 from services.core.scheduler import Rejected, Scheduler
-from services.settings import RouterSettings
+from services.settings import RouterSettings, sentinel_addresses
 from services.shell.admin import Admin
 from services.shell.bus import connect, ensure_streams
 from services.shell.dispatch import Dispatcher
@@ -176,7 +176,7 @@ class RouterService:
         s.js = s.nc.jetstream()
         s.acked = AckedPublisher(s.js, f"router {s.router_id} fact", on_lost=s.acked_lost)
         await ensure_streams(s.js, self._stream_specs(), s.settings.nats_replicas)
-        s.redis = aioredis.from_url(s.settings.redis_url, socket_timeout=2, socket_connect_timeout=1)
+        s.redis = redis_client(s.settings)
         s.ledger = Ledger(s.redis, s.settings.cluster, s.settings.ledger_ttl_s)
         await self.admin.refresh_drain_flags()
         s.running = True
@@ -204,6 +204,7 @@ class RouterService:
             asyncio.create_task(self.liveness.liveness_loop(), name="liveness"),
             asyncio.create_task(self.upkeep.sweep_loop(), name="ledger-sweep"),
             asyncio.create_task(self.leadership.lease_loop(), name="lease"),
+            asyncio.create_task(self.leadership.fence_loop(), name="fence"),
             asyncio.create_task(self.journal.loop(), name="journal"),
             asyncio.create_task(s.acked.run(), name="acked"),
         ]
@@ -254,6 +255,24 @@ class RouterService:
             if spec.name == JOURNAL_STREAM.name else spec
             for spec in ALL_STREAMS
         )
+
+
+def redis_client(settings: RouterSettings):
+    """The router's Redis: `redis_url` directly, or the primary Sentinel names for
+    `redis_master_name` (each new connection asks the sentinels, so after a failover the
+    next call reaches the promoted replica; a call on a demoted primary fails and reconnects)."""
+    kwargs = {"socket_timeout": 2, "socket_connect_timeout": 1}
+    if not settings.redis_sentinels:
+        return aioredis.from_url(settings.redis_url, **kwargs)
+    from urllib.parse import urlparse
+
+    from redis.asyncio.sentinel import Sentinel
+
+    url = urlparse(settings.redis_url)
+    db = int(url.path.lstrip("/") or 0)
+    sentinel = Sentinel(sentinel_addresses(settings.redis_sentinels), sentinel_kwargs={"socket_timeout": 1,
+                                                                                       "socket_connect_timeout": 1})
+    return sentinel.master_for(settings.redis_master_name, db=db, password=url.password, **kwargs)
 
 
 def error_for(code: str, message: str) -> tuple[int, bytes]:

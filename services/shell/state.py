@@ -199,10 +199,21 @@ class RouterState:
         self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
         self.bus_silent_since_ns = 0  # our NATS server stopped answering pings then (0: it answers)
         self.is_leader = False  # holds the Redis lease: schedules and dispatches
+        # time.monotonic() until which our lease surely holds (its TTL, counted from before the
+        # renewal was sent). Past it, unrenewed (Redis unreachable), we dispatch nothing: a
+        # standby that reaches Redis may hold the lease by then.
+        self.lease_valid_until = 0.0
+        self.dispatch_paused = False  # leader whose lease outran its renewal: dispatching nothing
+        self.max_worker_epoch = 0  # the highest epoch any worker reports accepting (status)
+        self.fenced = asyncio.Event()  # set when that exceeds ours: leadership steps down
         self.lease_value = f"{self.router_id}:{self.boot_id}"
         self.submit_sub = None
         self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
         self.redis_run_id: str | None = None
+
+    def may_dispatch(self) -> bool:
+        """Leader, the lease surely still ours, and no worker has accepted a newer epoch."""
+        return self.is_leader and time.monotonic() < self.lease_valid_until and self.max_worker_epoch <= self.epoch
 
     def acked_lost(self, subject: str, msg_id: str) -> None:
         """An acked publish given up on (no ack for give_up_s): counted where an operator looks."""

@@ -39,6 +39,8 @@ class Upkeep:
 
     async def release_request(self, request_id: str) -> None:
         fields = self.fields_to_release(request_id)
+        if self.s.ledger_dirty:
+            return  # Redis known away: the rebuild from the mirror leaves these out
         try:
             await self.s.ledger.release(fields)
         except Exception as exc:  # Redis away: the TTL sweep evicts them
