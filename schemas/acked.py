@@ -139,3 +139,22 @@ class AckedPublisher:
             await asyncio.sleep(min(self.check_interval_s, 0.05))
             await self.retry_due()
         return len(self.pending)
+
+
+async def publish_until_acked(js: Any, subject: str, data: bytes, msg_id: str, within_s: float = 8.0,
+                              attempt_timeout_s: float = 2.0, pause_s: float = 0.2) -> Any:
+    """Publish and wait for the stream's ack, inline (the caller must know: a dispatch, a PD
+    hand-off), sending again with the same id while the stream cannot take it: no
+    responders (its leader is being elected after a node was lost) or no ack in
+    `attempt_timeout_s`. The stream's duplicate window makes a repeat harmless. Raises the
+    last error once `within_s` has passed without an ack."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await js.publish(subject, data, timeout=attempt_timeout_s, headers={HDR_MSG_ID: msg_id})
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # no responders, timeout, a reconnect: again until the deadline
+            if time.monotonic() + pause_s >= deadline:
+                raise
+            await asyncio.sleep(pause_s)

@@ -382,6 +382,19 @@ class SubmitReply(_Event, tag="cmd.submit_reply"):
     message: str = ""
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    slo_ttft_ms: float = 0.0  # the targets it was admitted with (the standby counts SLO attainment)
+    slo_tpot_ms: float = 0.0
+
+
+class ResendTokens(_Event, tag="cmd.resend_tokens"):
+    """Router -> worker: the token chunks of `request_id` from `from_index` on did not all
+    arrive (a NATS node it was connected to was lost with them in flight); publish them again
+    on `token_subject`. A worker keeps what it sent of its recent requests for this."""
+
+    request_id: str
+    worker_id: str
+    from_index: int
+    token_subject: str
 
 
 class FenceEpoch(_Event, tag="cmd.fence_epoch"):
@@ -444,6 +457,7 @@ Payload = Union[
     SubmitReply,
     FenceEpoch,
     RequestKvSnapshot,
+    ResendTokens,
 ]
 
 PAYLOAD_TYPES: tuple[type, ...] = Payload.__args__  # type: ignore[attr-defined]

@@ -82,6 +82,11 @@ def cancel_subject(worker_id: str) -> str:
     return f"{PREFIX}.cmd.cancel.{worker_id}"
 
 
+def resend_subject(worker_id: str) -> str:
+    """Core NATS: a router asks the worker to publish a request's token chunks again."""
+    return f"{PREFIX}.cmd.resend.{worker_id}"
+
+
 def submit_subject(cluster: str) -> str:
     """Where the leader router of a cluster takes requests forwarded by standby routers."""
     return f"{PREFIX}.cmd.submit.{cluster}"

@@ -229,6 +229,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
 
     @app.get("/metrics")
     async def metrics():
+        service.refresh_gauges()
         return Response(generate_latest(service.metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

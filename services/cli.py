@@ -82,6 +82,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
                    help="torch on CPU: intra-op threads (default: all cores; flexlb up: cores / workers)")
     p.add_argument("--time-scale", type=float, help="sim: engine time multiplier: 1 = profile speed, 0 = instant")
     p.add_argument("--heartbeat-interval-ms", type=int, help="status heartbeat period (default 200)")
+    if not many_servers:  # flexlb up gives each worker a port of its own (--worker-metrics)
+        p.add_argument("--metrics-port", type=int, help="serve the worker's own Prometheus /metrics on this port "
+                                                        "(env FLEXLB_METRICS_PORT; default 0: off)")
     p.add_argument("--num-kv-blocks", type=int, help="KV capacity in blocks (default 16384)")
     p.add_argument("--block-size-tokens", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--max-batch-tokens", type=int, help="most prompt tokens per prefill batch (default 65536)")
@@ -114,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-workers", type=int, default=1,
                     help="router processes sharing --port (SO_REUSEPORT): the leader and N-1 standbys that take HTTP "
                          "and forward scheduling to it, so the HTTP side uses N cores (default 1)")
+    up.add_argument("--worker-metrics", action="store_true",
+                    help="each worker serves its own /metrics on a free port (listed as worker_metrics_urls)")
     up.add_argument("--state-file", help="write URLs and the pid of every started process here (JSON)")
     up.add_argument("--data-dir", help="NATS JetStream data directory (default: a temporary one)")
     up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one); "

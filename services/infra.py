@@ -122,18 +122,44 @@ def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0) 
     return ManagedServer("nats-server", port, proc, f"nats://127.0.0.1:{port}", argv)
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (each held open until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def start_nats_cluster(data_root: str, size: int = 3, ports: list[int] | None = None,
                        timeout_s: float = 30.0) -> list[ManagedServer]:
     """`size` clustered nats-server processes on loopback: JetStream on each, a store
     directory each (`data_root/nats-I`), routes to one another, cluster name `flexlb`.
     Returns once JetStream answers on every node (its meta leader is elected), so streams
-    with `size` replicas can be created. Names are nats-0 .. nats-(size-1)."""
+    with `size` replicas can be created. Names are nats-0 .. nats-(size-1). With ports
+    chosen here, a node that exits before listening (a port taken meanwhile by another
+    process) makes it start the cluster again on fresh ports, up to 3 times."""
     if size < 1:
         raise InfraError(f"a NATS cluster needs >= 1 node, got {size}")
-    ports = ports or [free_port() for _ in range(size)]
-    if len(ports) != size:
+    if ports is not None and len(ports) != size:
         raise InfraError(f"a NATS cluster of {size} needs {size} ports, got {len(ports)}")
-    cluster_ports = [free_port() for _ in range(size)]
+    for attempt in range(3):
+        chosen = free_ports(2 * size)
+        try:
+            return _start_nats_cluster(data_root, ports or chosen[:size], chosen[size:], timeout_s)
+        except InfraError as exc:
+            if ports is not None or attempt == 2 or "exited" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_nats_cluster(data_root: str, ports: list[int], cluster_ports: list[int],
+                        timeout_s: float) -> list[ManagedServer]:
     nodes: list[ManagedServer] = []
     try:
         for i, (port, cport) in enumerate(zip(ports, cluster_ports)):

@@ -183,6 +183,14 @@ def run_up(args, settings: RouterSettings) -> int:
             fleet = [(f"p{i}", "prefill") for i in range(args.prefill)] + [(f"d{i}", "decode") for i in range(args.decode)]
         else:
             fleet = [(f"w{i}", "pd_fusion") for i in range(args.workers)]
+        worker_metrics_urls: dict[str, str] = {}
+        if args.worker_metrics:
+            from services.infra import free_port
+
+            for worker_id, _ in fleet:
+                port = free_port()
+                per_worker.setdefault(worker_id, []).extend(["--metrics-port", str(port)])
+                worker_metrics_urls[worker_id] = f"http://127.0.0.1:{port}/metrics"
         worker_nice = 0
         if args.engine == "torch" and (args.device or "cpu") == "cpu":
             # CPU torch workers share this machine's cores (WorkerConfig.torch_threads says why),
@@ -236,6 +244,7 @@ def run_up(args, settings: RouterSettings) -> int:
             "nats_url": nats_url,
             "redis_url": redis_url,
             "redis_sentinels": sentinel_env.get("FLEXLB_REDIS_SENTINELS", ""),
+            "worker_metrics_urls": worker_metrics_urls,  # --worker-metrics: each worker's own /metrics
             "workers": [{"id": w, "role": r} for w, r in fleet],
             "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
             "up_pid": os.getpid(),

@@ -77,6 +77,8 @@ async def _stream_into(out: dict, client: httpx.AsyncClient, url: str, body: dic
                 out["errors"].append(obj["error"])
                 continue
             choice = obj["choices"][0]
+            if "first_at" not in out:
+                out["first_at"] = time.monotonic()
             out["texts"].append(choice["text"])
             if choice["finish_reason"]:
                 out["finish_reason"] = choice["finish_reason"]

@@ -361,3 +361,43 @@ async def test_requests_a_dead_leader_held_undispatched_fail_retryable_at_once_o
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "not_ready" and "had not dispatched" in r.json()["error"]["message"]
     assert elapsed < 6.0, elapsed  # takeover (~2 s) plus a lease cycle, not the 600 s deadline
+
+
+async def test_a_worker_publishes_a_requests_token_chunks_again_from_an_index_when_asked(spawn, nats_url, redis_url):
+    """The router's NATS node was lost with chunks in flight: it asks for them again
+    (ResendTokens), and the worker publishes the same chunks, from that index on."""
+    from schemas.subjects import resend_subject
+    from workers.engines.sim import sim_token_id
+
+    stack = start_stack(spawn, nats_url, redis_url)
+    body = complete(stack["url"], "resend me", max_tokens=12)
+    rid, worker = body["id"], stack["workers"][0]
+    nc = await nats.connect(nats_url)
+    got: list[m.TokensGenerated] = []
+    subject = f"flexlb.tok.test-resend.{rid}"
+
+    async def on_chunk(msg):
+        got.append(m.decode_as(msg.data, m.TokensGenerated).payload)
+
+    await nc.subscribe(subject, cb=on_chunk)
+    cmd = m.ResendTokens(request_id=rid, worker_id=worker, from_index=5, token_subject=subject)
+    await nc.publish(resend_subject(worker), m.encode(m.EnvelopeFactory("test", "b").wrap(cmd, 1)))
+
+    async def the_tail():
+        return got if got and got[-1].finish_reason else None
+
+    await wait_async(the_tail, 10, "the resent chunks up to the finished one")
+    assert got[0].start_index >= 5 and all(c.request_id == rid and c.worker_id == worker for c in got)
+    # Chunk starts chain, and the tokens are the request's own from the first resent index.
+    for a, b in zip(got, got[1:]):
+        assert b.start_index == a.start_index + len(a.token_ids)
+    ids = [t for c in got for t in c.token_ids]
+    assert ids == [sim_token_id(rid, i) for i in range(got[0].start_index, 12)]
+    # A request the worker never ran: nothing is sent (and nothing breaks).
+    await nc.publish(resend_subject(worker), m.encode(m.EnvelopeFactory("test", "b").wrap(
+        m.ResendTokens(request_id="never-ran", worker_id=worker, from_index=0, token_subject=subject), 2)))
+    await nc.flush()
+    n = len(got)
+    await asyncio.sleep(0.5)
+    assert len(got) == n
+    await nc.close()

@@ -16,6 +16,7 @@ import contextlib
 import fnmatch
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -63,8 +64,13 @@ def is_built_here(svc: dict[str, Any]) -> bool:
     return (REPO / context).resolve() == REPO and dockerfile == "Dockerfile"
 
 
-def flexlb_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in services_of(compose).items() if is_built_here(svc)}
+def in_ha(svc: dict[str, Any]) -> bool:
+    return "ha" in (svc.get("profiles") or [])
+
+
+def flexlb_services(compose: dict[str, Any], ha: bool = False) -> dict[str, dict[str, Any]]:
+    """FlexLB services of the default stack, or (ha=True) of the `ha` profile's cluster."""
+    return {name: svc for name, svc in services_of(compose).items() if is_built_here(svc) and in_ha(svc) == ha}
 
 
 def env_of(svc: dict[str, Any]) -> dict[str, str | None]:
@@ -245,9 +251,10 @@ def test_nats_and_redis_use_official_images_configured_like_flexlb_up():
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 
-@pytest.mark.parametrize("name", sorted(flexlb_services(load_compose())))
+@pytest.mark.parametrize("name", sorted({**flexlb_services(load_compose()), **flexlb_services(load_compose(), ha=True)}))
 def test_flexlb_service_is_accepted_by_the_real_cli(name):
-    svc = flexlb_services(load_compose())[name]
+    compose = load_compose()
+    svc = {**flexlb_services(compose), **flexlb_services(compose, ha=True)}[name]
     settings, problems = check_flexlb_service(name, svc.get("command"), env_of(svc))
     assert not problems, "\n".join(problems)
     assert settings is not None
@@ -404,10 +411,126 @@ def _docker_compose_available() -> str | None:
     return None
 
 
-def test_docker_compose_config_validates():
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (the plugin) or `docker-compose` (the standalone one, which .ci/run
+    installs: `config` needs no engine), whichever answers."""
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(argv[0]) is None:
+            continue
+        try:
+            if subprocess.run([*argv, "version"], capture_output=True, timeout=20).returncode == 0:
+                return argv
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+@pytest.mark.parametrize("profiles", [[], ["--profile", "ha"]], ids=["default", "ha"])
+def test_docker_compose_config_validates(profiles):
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed (.ci/run installs docker-compose)")
+    proc = subprocess.run([*cli, "-f", str(COMPOSE_FILE), *profiles, "config", "-q"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "FLEXLB_ADMIN_TOKEN": "ci-check"})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_ha_profile_comes_up_where_docker_runs():
     reason = _docker_compose_available()
     if reason:
         pytest.skip(reason)
-    proc = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), "config", "-q"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    import httpx
+
+    env = {**os.environ, "FLEXLB_ADMIN_TOKEN": "ci-check"}
+    base = ["docker", "compose", "-f", str(COMPOSE_FILE), "--profile", "ha"]
+    up = subprocess.run([*base, "up", "-d", "--build", "--wait"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=900)
+    try:
+        assert up.returncode == 0, up.stderr[-4000:]
+        r = httpx.post("http://127.0.0.1:8010/v1/completions", json={"prompt": "ha", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.get("http://127.0.0.1:9090/-/ready", timeout=10).status_code == 200
+    finally:
+        subprocess.run([*base, "down", "-v"], cwd=REPO, env=env, capture_output=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------- profile ha
+def _ha_settings(compose):
+    out = {}
+    for name, svc in flexlb_services(compose, ha=True).items():
+        settings, problems = check_flexlb_service(name, svc["command"], env_of(svc))
+        assert not problems, "\n".join(problems)
+        out[name] = settings
+    return out
+
+
+def test_the_ha_profile_is_three_nats_nodes_redis_with_sentinel_two_routers_and_workers():
+    compose = load_compose()
+    services = services_of(compose)
+    nodes = sorted(n for n, s in services.items() if in_ha(s) and str(s.get("image", "")).startswith("nats:"))
+    assert len(nodes) == 3, nodes
+    for n in nodes:
+        cmd = services[n]["command"]
+        assert "-js" in cmd and cmd[cmd.index("--cluster_name") + 1] == "flexlb" and cmd[cmd.index("-n") + 1] == n
+        routes = {r.split("//")[1].split(":")[0] for r in cmd[cmd.index("--routes") + 1].split(",")}
+        assert routes == set(nodes) - {n}, (n, routes)  # routed to the other two
+        store = cmd[cmd.index("-sd") + 1]
+        assert any(str(v).endswith(f":{store}") for v in services[n]["volumes"]), services[n]["volumes"]
+    replica = services["ha-redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1:replica.index("--replicaof") + 3] == ["ha-redis-primary", "6379"]
+    sentinels = sorted(n for n, s in services.items() if in_ha(s) and "--sentinel" in " ".join(s.get("command") or []))
+    assert len(sentinels) == 3, sentinels
+    for n in sentinels:
+        assert "sentinel monitor flexlb ha-redis-primary 6379 2" in " ".join(services[n]["command"])
+    settings = _ha_settings(compose)
+    routers = {n: s for n, s in settings.items() if isinstance(s, RouterSettings)}
+    workers = {n: s for n, s in settings.items() if isinstance(s, WorkerConfig)}
+    assert len(routers) == 2 and len(workers) >= 2, (sorted(routers), sorted(workers))
+    assert len({s.router_id for s in routers.values()}) == 2 and len({s.cluster for s in routers.values()}) == 1
+    cluster_url = ",".join(f"nats://{n}:{NATS_PORT}" for n in nodes)
+    for name, s in settings.items():
+        assert s.nats_url == cluster_url and s.nats_replicas == 3, (name, s.nats_url, s.nats_replicas)
+        deps = set(services[name].get("depends_on") or {})
+        assert set(nodes) <= deps, f"{name} does not wait for every NATS node"
+    for name, s in routers.items():
+        assert s.redis_sentinels == ",".join(f"{n}:26379" for n in sentinels) and s.redis_master_name == "flexlb", name
+    ids = [s.worker_id for s in workers.values()]
+    assert len(ids) == len(set(ids))
+    default_ids = {s.worker_id for n, s in ((n, check_flexlb_service(n, v["command"], env_of(v))[0])
+                                            for n, v in flexlb_services(compose).items()) if isinstance(s, WorkerConfig)}
+    assert not set(ids) & default_ids, "an ha worker shares an id with a default-stack worker"
+
+
+def test_prometheus_scrapes_every_router_and_worker_that_serves_metrics():
+    compose = load_compose()
+    config = yaml.safe_load((REPO / "services/monitoring/prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    expected = set()
+    for ha in (False, True):
+        for name, svc in flexlb_services(compose, ha=ha).items():
+            settings, problems = check_flexlb_service(name, svc["command"], env_of(svc))
+            assert not problems
+            if isinstance(settings, RouterSettings):
+                expected.add(f"{name}:{settings.port}")
+            elif settings.metrics_port:
+                assert settings.metrics_host == "0.0.0.0", f"{name} serves /metrics on loopback only"
+                expected.add(f"{name}:{settings.metrics_port}")
+    assert targets == expected, (sorted(targets - expected), sorted(expected - targets))
+    prom = services_of(compose)["prometheus"]
+    assert in_ha(prom) and any("services/monitoring/prometheus.yml" in str(v) for v in prom["volumes"])
+
+
+def test_grafana_provisions_the_dashboard_from_its_datasource():
+    compose = load_compose()
+    grafana = services_of(compose)["grafana"]
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in grafana["volumes"]}
+    provider = yaml.safe_load((REPO / "services/monitoring/grafana/provisioning/dashboards/flexlb.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert (REPO / mounts[path]).resolve() == (REPO / "services/monitoring/grafana/dashboards").resolve()
+    source = yaml.safe_load((REPO / "services/monitoring/grafana/provisioning/datasources/prometheus.yml").read_text())
+    [ds] = source["datasources"]
+    assert ds["url"] == "http://prometheus:9090"
+    dashboard = json.loads((REPO / "services/monitoring/grafana/dashboards/flexlb.json").read_text())
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == ds["uid"], panel["title"]
+        assert panel["targets"], panel["title"]

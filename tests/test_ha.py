@@ -97,16 +97,36 @@ async def _kill_node_under_load(flexlb_up, tmp_path, pick) -> None:
     node = _server(state, victim)
     bodies = _bodies(seed=15)
 
+    later = [{**b, "max_tokens": 20} for b in make_bodies(40, seed=22, max_prompt_chars=300)]
+
     async def kill():
+        """kill -9 the node, and keep clients coming for 4 s after."""
         os.kill(node["pid"], signal.SIGKILL)
-        return time.monotonic()
+        killed_ns = time.time_ns()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+            tasks = []
+            for body in later:
+                tasks.append(asyncio.create_task(stream_completion(client, url, body)))
+                await asyncio.sleep(0.1)
+            return killed_ns, await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
     restarted = None
     try:
-        results, fault_at, _ = await _load_through(url, bodies, kill)
+        results, fault_at, (killed_ns, results_later) = await _load_through(url, bodies, kill)
         summary = fault_outcome(bodies, results, fault_at)
+        after = fault_outcome(later, results_later, 0.0)
         _check(summary, f"kill -9 {victim} (router on {before})")
-        await settled_cleanly(url, nats_url, results)
+        print(f"  arriving after the kill: {after}")
+        # While the streams led by the lost node elect new leaders (NATS raft: seconds) nothing
+        # can be dispatched: a request arriving then may wait past its queue deadline. What
+        # fails does so with a retryable code, and >= 95 % of all still finish.
+        assert summary["ok"] + after["ok"] >= 0.95 * (summary["total"] + after["total"]), (summary, after)
+        assert set(after["failed"]) <= {"queue_timeout", "dispatch_failed"}, after
+        await settled_cleanly(url, nats_url, results + results_later)
+        ttfts = sorted(r["first_at"] - r["sent"] for r in results_later if "first_at" in r)
+        resends = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith("flexlb_token_resends_total")]
+        print(f"  TTFT of requests arriving after the kill: p50 {ttfts[len(ttfts) // 2]:.2f} s, max {ttfts[-1]:.2f} s; "
+              f"{resends}")
         after = httpx.get(url + "/healthz").json()["nats_server"]
         assert after and after != node["url"], after  # the router is on a live node
         restarted = subprocess.Popen(node["argv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -43,13 +43,12 @@ from nats.errors import OutboundBufferLimitError
 from nats.js.errors import BadRequestError
 
 from schemas import messages as m
-from schemas.acked import AckedPublisher
+from schemas.acked import AckedPublisher, publish_until_acked
 from schemas.subjects import (
     ALL_STREAMS,
     DISPATCH_STREAM,
     HDR_DLQ_REASON,
     HDR_DLQ_SUBJECT,
-    HDR_MSG_ID,
     cancel_subject,
     decode_consumer,
     KV_BUCKET,
@@ -58,6 +57,7 @@ from schemas.subjects import (
     dispatch_consumer,
     dispatch_subject,
     nats_servers,
+    resend_subject,
     dlq_subject,
     epoch_subject,
     kv_events_subject,
@@ -73,6 +73,7 @@ from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, StepResul
 log = logging.getLogger("flexlb.worker")
 
 SEEN_BATCHES_MAX = 100_000  # batch ids remembered for dedupe
+SENT_TOKENS_MAX = 2048  # requests whose token chunks are kept for a resend (the most recent)
 WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
 RECENT_STEPS_WINDOW_S = 3.0  # the window of WorkerStatusReported.recent_step_ms (3 s: a 1 s window sheds on single long steps)
 SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
@@ -96,6 +97,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_replicas: int = 1  # copies of each stream it creates if it starts first (the router's setting)
     time_scale: float = 1.0  # engine time multiplier: 0 = instant, 0.01 = 100x faster than the profile
     heartbeat_interval_ms: int = 200
+    metrics_port: int = 0  # > 0: the worker's own Prometheus /metrics here (workers/metrics.py)
+    metrics_host: str = "127.0.0.1"
     num_kv_blocks: int = 16384  # KV capacity (blocks of block_size_tokens)
     block_size_tokens: int = 16
     max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch
@@ -132,6 +135,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         nats_servers(self.nats_url)
         if not 1 <= self.nats_replicas <= 5:
             raise ValueError(f"nats_replicas must be 1..5 (JetStream's limit), got {self.nats_replicas}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
         self.role = m.parse_role(self.role)
         if self.engine not in ("sim", "torch", "openai"):
             raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch, openai")
@@ -227,6 +232,10 @@ class WorkerAgent:
         self.num_undecodable = 0
         self.num_stale_refused = 0
         self.acked: AckedPublisher | None = None  # terminal events: acked by the stream, re-sent until they are
+        self.last_status: m.WorkerStatusReported | None = None  # what /metrics reads (workers/metrics.py)
+        # request id -> (token subject, [(start index, published bytes)]): recent requests' chunks
+        self.sent_tokens: OrderedDict[str, tuple[str, list[tuple[int, bytes]]]] = OrderedDict()
+        self.num_chunks_resent = 0
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
         self.last_step_ms = 0.0
@@ -286,6 +295,33 @@ class WorkerAgent:
 
     def _env(self, payload) -> bytes:
         return m.encode(self.envelopes.wrap(payload, time.time_ns()))
+
+    async def _publish_tokens(self, token_subject: str, chunk: m.TokensGenerated) -> None:
+        """Publish a token chunk (core NATS) and keep it, so a router that missed some (its
+        NATS node was lost with them in flight) can have them again (ResendTokens)."""
+        data = self._env(chunk)
+        sent = self.sent_tokens.get(chunk.request_id)
+        if sent is None:
+            sent = self.sent_tokens[chunk.request_id] = (token_subject, [])
+            if len(self.sent_tokens) > SENT_TOKENS_MAX:
+                self.sent_tokens.popitem(last=False)
+        sent[1].append((chunk.start_index, data))
+        await self.nc.publish(token_subject, data)
+
+    async def _on_resend(self, msg) -> None:
+        try:
+            cmd = m.decode_as(msg.data, m.ResendTokens).payload
+        except m.DecodeError as exc:
+            await self._dead_letter(msg, str(exc))
+            return
+        sent = self.sent_tokens.get(cmd.request_id)
+        if sent is None:
+            log.warning("resend of %s from %d: its tokens are no longer kept", cmd.request_id, cmd.from_index)
+            return
+        chunks = [data for start, data in sent[1] if start >= cmd.from_index]
+        for data in chunks:
+            await self.nc.publish(cmd.token_subject or sent[0], data)
+        self.num_chunks_resent += len(chunks)
 
     async def _event(self, payload) -> None:
         """A request event. A terminal one must reach the stream (it settles the request's
@@ -375,11 +411,18 @@ class WorkerAgent:
         )
         self.js = self.nc.jetstream()
         self.acked = AckedPublisher(self.js, f"worker {cfg.worker_id} terminal event")
+        metrics_server = None
+        if cfg.metrics_port:
+            from workers.metrics import StatusCollector, serve
+
+            metrics_server, _ = serve(cfg.metrics_host, cfg.metrics_port, StatusCollector(
+                lambda: self.last_status, lambda: (len(self.acked.pending), self.acked.num_lost)))
         await self._ensure_streams()
         await self._prepare()
         await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
         await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
         await self.nc.subscribe(epoch_subject(cfg.worker_id), cb=self._on_fence_epoch)
+        await self.nc.subscribe(resend_subject(cfg.worker_id), cb=self._on_resend)
         if cfg.role == "decode":
             subject, durable = decode_subject(cfg.worker_id), decode_consumer(cfg.worker_id)
         else:
@@ -412,6 +455,8 @@ class WorkerAgent:
         except asyncio.TimeoutError:
             log.error("bus unreachable at shutdown: %d requests not reported failed", len(self.meta))
         await self.nc.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
 
     async def _say_goodbye(self) -> None:
         await self._fail_everything("worker stopping")
@@ -433,7 +478,8 @@ class WorkerAgent:
         interval = self.cfg.heartbeat_interval_ms / 1000
         while True:
             try:
-                await self.nc.publish(status_subject(self.cfg.worker_id), self._env(self.status()))
+                self.last_status = self.status()
+                await self.nc.publish(status_subject(self.cfg.worker_id), self._env(self.last_status))
             except Exception as exc:  # bus outage: keep beating, the next one may get through
                 log.warning("heartbeat publish failed: %s", exc)
             await asyncio.sleep(interval)
@@ -659,10 +705,10 @@ class WorkerAgent:
             ids = [t.token_id for t in toks]
             fin = finished.get(request_id)
             try:
-                await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
+                await self._publish_tokens(meta.token_subject, m.TokensGenerated(
                     request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
                     text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
-                )))
+                ))
             except OutboundBufferLimitError:
                 await self._stream_overflow(request_id)
         for done in step.batches_prefilled:
@@ -691,10 +737,8 @@ class WorkerAgent:
                     token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
                     deadline_ns=meta.deadline_ns, sampling=meta.sampling, kv_object=kv_object,
                 )
-                await self.js.publish(
-                    decode_subject(meta.decode_worker_id), self._env(cmd),
-                    headers={HDR_MSG_ID: f"{h.batch_id}:{h.request_id}"}, timeout=5,
-                )
+                await publish_until_acked(self.js, decode_subject(meta.decode_worker_id), self._env(cmd),
+                                          f"{h.batch_id}:{h.request_id}")
             except Exception as exc:  # the hand-off is lost: fail the request visibly
                 log.error("hand-off of %s to %s failed: %s", h.request_id, meta.decode_worker_id, exc)
                 await self._event(m.RequestFailed(

@@ -485,9 +485,9 @@ class OpenAIAgent(WorkerAgent):
                         elif ids:
                             self.token_gaps.append((now_s, (now_s - last_s) * 1000 / len(ids)))
                         last_s = now_s
-                        await self.nc.publish(meta.token_subject, self._env(m.TokensGenerated(
+                        await self._publish_tokens(meta.token_subject, m.TokensGenerated(
                             request_id=rid, worker_id=wid, start_index=index, token_ids=list(ids),
-                            text=choice.get("text") or "", finish_reason=reason)))
+                            text=choice.get("text") or "", finish_reason=reason))
                         index += len(ids)
                         finish = reason or finish
             if finish is None:

@@ -15,7 +15,8 @@ import time
 from typing import TYPE_CHECKING
 
 from schemas import messages as m
-from schemas.subjects import dispatch_subject, HDR_MSG_ID, token_subject
+from schemas.acked import publish_until_acked
+from schemas.subjects import dispatch_subject, token_subject
 from services.core.scheduler import FormedBatch, QueueFailure
 from services.shell.ledger import kv_field, LedgerEntry, prefill_field
 from services.shell.state import RequestHandle, RouterState
@@ -120,10 +121,11 @@ class Dispatcher:
             await self.requeue_batch(batch, entries)
             return
         try:
-            await self.s.js.publish(
-                dispatch_subject(batch.worker_id), m.encode(self.s.envelopes.wrap(cmd, now)),
-                headers={HDR_MSG_ID: batch.batch_id}, timeout=5,
-            )
+            # Until acked, for up to 8 s: on a NATS cluster that lost the stream leader's node
+            # every publish is refused until a new leader is elected (seconds), and each of
+            # those batches failed dispatch_failed before.
+            await publish_until_acked(self.s.js, dispatch_subject(batch.worker_id),
+                                      m.encode(self.s.envelopes.wrap(cmd, now)), batch.batch_id)
         except Exception as exc:  # roll back the reservation and fail the batch visibly
             self.s.metrics.dispatch_failures.inc()
             log.error("dispatch of batch %s to %s failed: %s", batch.batch_id, batch.worker_id, exc)

@@ -59,12 +59,16 @@ class Fold:
             await self.s.undecodable("status", msg, exc)
             return
         now = time.time_ns()
-        if isinstance(env.payload, m.WorkerStatusReported) and env.payload.fencing_epoch > self.s.max_worker_epoch:
+        stale_ns = self.s.settings.dead_after_missed_syncs * self.s.settings.liveness_sync_ms * 1_000_000
+        stale = now - env.time_ns > stale_ns
+        info = self.s.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=stale)
+        # The epoch a live worker accepts (a fresh report: not the history read at start, nor a
+        # worker long gone) is a floor for our next epoch, and above ours it means we are fenced.
+        if (isinstance(env.payload, m.WorkerStatusReported) and not stale
+                and env.payload.fencing_epoch > self.s.max_worker_epoch):
             self.s.max_worker_epoch = env.payload.fencing_epoch
             if self.s.is_leader and self.s.max_worker_epoch > self.s.epoch:
                 self.s.fenced.set()
-        stale_ns = self.s.settings.dead_after_missed_syncs * self.s.settings.liveness_sync_ms * 1_000_000
-        info = self.s.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=now - env.time_ns > stale_ns)
         for worker_id, rid in self.s.scheduler.take_settled():
             await self.settle(worker_id, rid)
         if self.s.settings.prefix_index == "exact" and info.worker_id not in self.s.scheduler.index.workers():

@@ -83,6 +83,7 @@ class Intake:
         }
         handle.prefill_worker_id = decision.request.prefill_worker_id
         handle.decode_worker_id = decision.request.decode_worker_id
+        handle.slo_ttft_ms, handle.slo_tpot_ms = decision.slo_ttft_ms or 0.0, decision.slo_tpot_ms or 0.0
         self.s.handles[request_id] = handle
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
         if decision.best_effort:
@@ -125,6 +126,7 @@ class Intake:
             return Rejected(reply.code, reply.message)
         # (Relay may have set the decode worker already, from tokens that beat the reply here.)
         handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
+        handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
         handle.leader_id = reply.router_id
         self.s.metrics.forwarded.inc()
         return handle
@@ -151,6 +153,7 @@ class Intake:
         if not reply.admitted:
             return f"the leader refused it: {reply.code}: {reply.message}"
         handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
+        handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
         handle.leader_id = reply.router_id
         self.s.records.note(rid, time.time_ns(), "handed_over", leader=reply.router_id)
         self.s.metrics.forwarded.inc()
@@ -175,7 +178,8 @@ class Intake:
                                       code=out.code, message=out.message)
             else:
                 reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True,
-                                      prefill_worker_id=out.prefill_worker_id, decode_worker_id=out.decode_worker_id)
+                                      prefill_worker_id=out.prefill_worker_id, decode_worker_id=out.decode_worker_id,
+                                      slo_ttft_ms=out.slo_ttft_ms, slo_tpot_ms=out.slo_tpot_ms)
         await msg.respond(m.encode(self.s.envelopes.wrap(reply, time.time_ns())))
 
     async def on_router_event_msg(self, msg) -> None:

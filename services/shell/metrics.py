@@ -42,6 +42,28 @@ class RouterMetrics:
                                           registry=r)
         self.leader = Gauge("flexlb_router_leader", "1 while this router holds the scheduling lease", registry=r)
         self.forwarded = Counter("flexlb_forwarded_requests_total", "Requests this standby forwarded to the leader", registry=r)
+        self.token_resends = Counter(
+            "flexlb_token_resends_total", "Token gaps (chunks lost in flight, e.g. with a NATS node) the router asked "
+            "the worker to fill by publishing them again", registry=r)
+        self.tpot = Histogram(
+            "flexlb_tpot_seconds", "Time per output token after the first, per finished request, as its client saw it",
+            buckets=(0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1), registry=r)
+        self.slo_requests = Counter(
+            "flexlb_slo_requests_total", "Finished requests by SLO outcome: met (TTFT and TPOT within their targets), "
+            "ttft_missed, tpot_missed, ttft_tpot_missed", ["result"], registry=r)
+        self.queue_depth = Gauge("flexlb_queued_requests", "Requests admitted and waiting in the router's batch queues",
+                                 registry=r)
+        self.ledger_entries = Gauge("flexlb_ledger_entries", "Inflight ledger entries in the router's mirror "
+                                    "(prefill batches + decode reservations)", registry=r)
+        self.epoch = Gauge("flexlb_fencing_epoch", "This router's fencing epoch (a new leader takes a higher one)", registry=r)
+        self.worker_live = Gauge("flexlb_worker_live", "1 while the worker gets work (ready or suspect), per worker",
+                                 ["worker"], registry=r)
+        self.worker_kv_used = Gauge("flexlb_worker_kv_used_ratio", "Share of the worker's KV blocks in use (its last report)",
+                                    ["worker"], registry=r)
+        self.worker_queued = Gauge("flexlb_worker_queued_at_router", "Requests queued at the router for the worker",
+                                   ["worker"], registry=r)
+        self.worker_held = Gauge("flexlb_worker_held_requests", "Requests the router holds inflight on the worker",
+                                 ["worker"], registry=r)
         self.dispatch_paused = Gauge(
             "flexlb_dispatch_paused", "1 while the leader dispatches nothing: its lease outran its renewal (Redis unreachable)",
             registry=r)

@@ -167,6 +167,22 @@ class RouterService:
     def workers_view(self) -> list[dict[str, Any]]:
         return self.admin.workers_view()
 
+    def refresh_gauges(self) -> None:
+        """Gauges read from the view at scrape time (a worker gone from the view leaves them)."""
+        mx, view = self.s.metrics, self.admin.workers_view()
+        for g in (mx.worker_live, mx.worker_kv_used, mx.worker_queued, mx.worker_held):
+            g.clear()
+        for w in view:
+            mx.worker_live.labels(w["id"]).set(1 if w["live"] else 0)
+            used = 1 - w["num_free_kv_blocks"] / w["num_kv_blocks"] if w["num_kv_blocks"] else 0.0
+            mx.worker_kv_used.labels(w["id"]).set(round(used, 4))
+            mx.worker_queued.labels(w["id"]).set(w["num_queued_at_router"])
+            mx.worker_held.labels(w["id"]).set(w["num_held"])
+        mx.queue_depth.set(sum(w["num_queued_at_router"] for w in view))
+        ledger = self.s.scheduler.ledger
+        mx.ledger_entries.set(sum(len(w.batches) + len(w.reservations) for w in ledger.workers.values()))
+        mx.epoch.set(self.s.epoch)
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         s = self.s

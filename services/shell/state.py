@@ -162,6 +162,10 @@ class RequestHandle:
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
     dispatched: bool = False  # standby: the leader's batch.dispatched listed it
     sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
+    ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index (relay)
+    resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
+    slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
+    slo_tpot_ms: float = 0.0
 
 
 class RouterState:
