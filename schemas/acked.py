@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from schemas.subjects import HDR_MSG_ID
@@ -42,25 +42,33 @@ class _Pending:
     msg_id: str
     first_at: float
     sent_at: float = 0.0
-    future: Any = None
+    tokens: list[str] = field(default_factory=list)  # reply tokens of its sends (any ack will do)
     failed: bool = False
 
 
 class AckedPublisher:
-    def __init__(self, js: Any, what: str, ack_timeout_s: float = 2.0, give_up_s: float = 60.0,
+    """Acks come to one inbox subscription of ours (a token per send), not through nats-py's
+    publish_async (a future, a semaphore wait and a JSON parse per message): a terminal event
+    per request and the journal's records made that the worker's largest cost on the hot path."""
+
+    def __init__(self, nc: Any, what: str, ack_timeout_s: float = 2.0, give_up_s: float = 60.0,
                  check_interval_s: float = 0.25, on_lost: Callable[[str, str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < ack_timeout_s < give_up_s < 120:
             raise ValueError(f"need 0 < ack_timeout_s < give_up_s < 120 (the duplicate window), got "
                              f"{ack_timeout_s}, {give_up_s}")
-        self.js = js
+        self.nc = nc
         self.what = what
         self.ack_timeout_s = ack_timeout_s
         self.give_up_s = give_up_s
         self.check_interval_s = check_interval_s
         self.on_lost = on_lost
         self.clock = clock
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, _Pending] = {}  # msg id -> not yet acked
+        self.by_token: dict[str, _Pending] = {}
+        self.prefix = ""
+        self.sub = None
+        self.next_token = 0
         self.num_published = 0
         self.num_retried = 0
         self.num_lost = 0
@@ -73,26 +81,36 @@ class AckedPublisher:
         await self._send(p)
 
     async def _send(self, p: _Pending) -> bool:
+        if self.sub is None:
+            self.prefix = self.nc.new_inbox() + "."
+            self.sub = await self.nc.subscribe(self.prefix + "*", cb=self._on_reply)
         p.sent_at = self.clock()
+        self.next_token += 1
+        token = str(self.next_token)
+        p.tokens.append(token)
+        self.by_token[token] = p
         try:
-            # wait_stall: too many unacked (a long outage) must not block the caller; the
-            # message stays pending and the retry loop sends it when acks flow again.
-            fut = await self.js.publish_async(p.subject, p.data, wait_stall=0.01, headers={HDR_MSG_ID: p.msg_id})
+            await self.nc.publish(p.subject, p.data, reply=self.prefix + token, headers={HDR_MSG_ID: p.msg_id})
         except asyncio.CancelledError:
             raise
-        except Exception:  # stalled, or the connection refuses writes: retried by the loop
+        except Exception:  # the connection refuses writes (closed, buffer full): retried by the loop
             p.failed = True
             return False
-        p.future = fut
-        fut.add_done_callback(lambda f, p=p: self._on_ack(p, f))
         return True
 
-    def _on_ack(self, p: _Pending, fut: asyncio.Future) -> None:
-        if fut.cancelled() or p.future is not fut:
-            return  # a superseded send (we re-sent it)
-        if fut.exception() is not None:
-            p.failed = True  # e.g. no stream responders while its leader is elected: retry
+    async def _on_reply(self, msg) -> None:
+        p = self.by_token.get(msg.subject[len(self.prefix):])
+        if p is None:
+            return  # a late ack of a message already acked (or given up)
+        status = msg.headers.get("Status") if msg.headers else None
+        if status or b'"error"' in msg.data:
+            p.failed = True  # no responders (its stream is electing a leader), or refused: retry
             return
+        self._done(p)
+
+    def _done(self, p: _Pending) -> None:
+        for token in p.tokens:
+            self.by_token.pop(token, None)
         if self.pending.get(p.msg_id) is p:
             del self.pending[p.msg_id]
 
@@ -104,11 +122,8 @@ class AckedPublisher:
         for p in list(self.pending.values()):
             if not (p.failed or now - p.sent_at >= self.ack_timeout_s):
                 continue
-            if p.future is not None and not p.future.done():
-                p.future.cancel()
-            p.future = None
             if now - p.first_at >= self.give_up_s:
-                del self.pending[p.msg_id]
+                self._done(p)
                 self.num_lost += 1
                 log.error("%s %s lost: no ack from the stream in %.0f s", self.what, p.msg_id, self.give_up_s)
                 if self.on_lost is not None:

@@ -29,7 +29,7 @@ async def test_a_fact_the_stream_cannot_take_yet_is_resent_until_acked_and_store
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     stream, subject = _names()
-    pub = AckedPublisher(js, "test fact", ack_timeout_s=0.3, give_up_s=10, check_interval_s=0.05)
+    pub = AckedPublisher(nc, "test fact", ack_timeout_s=0.3, give_up_s=10, check_interval_s=0.05)
     runner = asyncio.create_task(pub.run())
     try:
         await pub.publish(subject + ".a", b"first", "id-1")
@@ -55,7 +55,7 @@ async def test_a_fact_the_stream_cannot_take_yet_is_resent_until_acked_and_store
 async def test_a_fact_never_acked_is_given_up_counted_and_reported(nats_url):
     nc = await nats.connect(nats_url)
     lost = []
-    pub = AckedPublisher(nc.jetstream(), "test fact", ack_timeout_s=0.1, give_up_s=0.5, check_interval_s=0.05,
+    pub = AckedPublisher(nc, "test fact", ack_timeout_s=0.1, give_up_s=0.5, check_interval_s=0.05,
                          on_lost=lambda subject, msg_id: lost.append((subject, msg_id)))
     try:
         _, subject = _names()

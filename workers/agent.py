@@ -410,7 +410,7 @@ class WorkerAgent:
             connect_timeout=5, error_cb=error_cb, pending_size=cfg.outbound_buffer_bytes,
         )
         self.js = self.nc.jetstream()
-        self.acked = AckedPublisher(self.js, f"worker {cfg.worker_id} terminal event")
+        self.acked = AckedPublisher(self.nc, f"worker {cfg.worker_id} terminal event")
         metrics_server = None
         if cfg.metrics_port:
             from workers.metrics import StatusCollector, serve

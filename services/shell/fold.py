@@ -63,12 +63,15 @@ class Fold:
         stale = now - env.time_ns > stale_ns
         info = self.s.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=stale)
         # The epoch a live worker accepts (a fresh report: not the history read at start, nor a
-        # worker long gone) is a floor for our next epoch, and above ours it means we are fenced.
-        if (isinstance(env.payload, m.WorkerStatusReported) and not stale
-                and env.payload.fencing_epoch > self.s.max_worker_epoch):
-            self.s.max_worker_epoch = env.payload.fencing_epoch
-            if self.s.is_leader and self.s.max_worker_epoch > self.s.epoch:
-                self.s.fenced.set()
+        # worker long gone) is a floor for our next epoch. Above ours, from a worker we have
+        # dispatched to (ours, not another cluster's on the same bus), it means we are fenced.
+        if isinstance(env.payload, m.WorkerStatusReported) and not stale:
+            epoch = env.payload.fencing_epoch
+            self.s.max_worker_epoch = max(self.s.max_worker_epoch, epoch)
+            if epoch > self.s.fenced_by_epoch and self.s.num_dispatched.get(env.payload.worker_id, 0) > 0:
+                self.s.fenced_by_epoch = epoch
+                if self.s.is_leader and epoch > self.s.epoch:
+                    self.s.fenced.set()
         for worker_id, rid in self.s.scheduler.take_settled():
             await self.settle(worker_id, rid)
         if self.s.settings.prefix_index == "exact" and info.worker_id not in self.s.scheduler.index.workers():

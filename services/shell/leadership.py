@@ -89,8 +89,8 @@ class Leadership:
         while self.s.running:
             await self.s.fenced.wait()
             self.s.fenced.clear()
-            if self.s.is_leader and self.s.max_worker_epoch > self.s.epoch:
-                await self.step_down(f"fenced: a worker accepted epoch {self.s.max_worker_epoch} > ours {self.s.epoch}")
+            if self.s.is_leader and self.s.fenced_by_epoch > self.s.epoch:
+                await self.step_down(f"fenced: a worker of ours accepted epoch {self.s.fenced_by_epoch} > ours {self.s.epoch}")
 
     async def lease_loop(self) -> None:
         while self.s.running:

@@ -190,7 +190,7 @@ class RouterService:
         s.nc = await connect(nats_servers(s.settings.nats_url), f"flexlb-router-{s.router_id}", self.leadership.on_bus_state)
         s.bus_state = "connected"
         s.js = s.nc.jetstream()
-        s.acked = AckedPublisher(s.js, f"router {s.router_id} fact", on_lost=s.acked_lost)
+        s.acked = AckedPublisher(s.nc, f"router {s.router_id} fact", on_lost=s.acked_lost)
         await ensure_streams(s.js, self._stream_specs(), s.settings.nats_replicas)
         s.redis = redis_client(s.settings)
         s.ledger = Ledger(s.redis, s.settings.cluster, s.settings.ledger_ttl_s)

@@ -209,6 +209,7 @@ class RouterState:
         self.lease_valid_until = 0.0
         self.dispatch_paused = False  # leader whose lease outran its renewal: dispatching nothing
         self.max_worker_epoch = 0  # the highest epoch any worker reports accepting (status)
+        self.fenced_by_epoch = 0  # the highest of those from workers we dispatched to
         self.fenced = asyncio.Event()  # set when that exceeds ours: leadership steps down
         self.lease_value = f"{self.router_id}:{self.boot_id}"
         self.submit_sub = None
@@ -217,7 +218,7 @@ class RouterState:
 
     def may_dispatch(self) -> bool:
         """Leader, the lease surely still ours, and no worker has accepted a newer epoch."""
-        return self.is_leader and time.monotonic() < self.lease_valid_until and self.max_worker_epoch <= self.epoch
+        return self.is_leader and time.monotonic() < self.lease_valid_until and self.fenced_by_epoch <= self.epoch
 
     def acked_lost(self, subject: str, msg_id: str) -> None:
         """An acked publish given up on (no ack for give_up_s): counted where an operator looks."""
