@@ -93,6 +93,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="engine: tokens one step computes, prefill chunks + decodes (default 8192)")
     p.add_argument("--max-num-seqs", type=int, help="engine: most sequences running at once (default 256)")
+    p.add_argument("--scheduler", help="engine: vllm (default; decodes and prompt chunks share each step) | sglang "
+                                       "(prefill-first: a prompt runs as a step of its own before the decodes go on)")
+    p.add_argument("--max-prefill-tokens", type=int,
+                   help="engine, scheduler sglang: most new prompt tokens per prefill step (default 16384)")
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false", default=None,
                    help="engine: run each prompt whole in one step instead of splitting it over steps")
     p.add_argument("--outbound-buffer-bytes", type=int,

@@ -60,6 +60,7 @@ class WorkerSpec:
     max_batch_tokens: int
     max_seq_len_tokens: int
     time_scale: float
+    scheduler: str = "vllm"  # the engine's step scheduler (workers/engines/sim.py): vllm | sglang
 
 
 @dataclass
@@ -182,11 +183,11 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
     if num_workers is not None:  # more or fewer workers like the first one
         base = specs[0]
         specs = [WorkerSpec(f"w{i}", base.role, base.num_kv_blocks, base.block_size_tokens, base.max_batch_tokens,
-                            base.max_seq_len_tokens, base.time_scale) for i in range(num_workers)]
+                            base.max_seq_len_tokens, base.time_scale, base.scheduler) for i in range(num_workers)]
     scale = specs[0].time_scale or 1.0
     s = Scheduler(config, id_prefix="whatif")
-    engines = {w.worker_id: SimEngine(profile, w.role, w.num_kv_blocks, w.block_size_tokens, w.max_seq_len_tokens)
-               for w in specs}
+    engines = {w.worker_id: SimEngine(profile, w.role, w.num_kv_blocks, w.block_size_tokens, w.max_seq_len_tokens,
+                                      scheduler=w.scheduler) for w in specs}
     spec_of = {w.worker_id: w for w in specs}
     busy: dict[str, bool] = {w: False for w in engines}
     batch_prefill_ms: dict[str, float] = defaultdict(float)  # batch id -> its share of the steps so far

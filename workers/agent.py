@@ -68,7 +68,7 @@ from schemas.subjects import (
     worker_events_subject,
 )
 from schemas.tokens import TextDecoder
-from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, StepResult, load_profile
+from workers.engines.sim import SCHEDULERS, EngineBatch, EngineRequest, SimEngine, StepResult, load_profile
 
 log = logging.getLogger("flexlb.worker")
 
@@ -109,6 +109,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     chunked_prefill: bool = True
+    # vllm: decodes and prompt chunks share each step (vLLM V1); sglang: prefill-first, a
+    # waiting prompt runs as a step of its own before the decodes go on (SGLang's default),
+    # max_num_batched_tokens then being its chunked_prefill_size and max_prefill_tokens its
+    # per-step input budget (workers/engines/sim.py; the sim and torch engines).
+    scheduler: str = "vllm"
+    max_prefill_tokens: int = 16384
     profile: str | None = None  # timing profile JSON; default: llama2-70b H100 TP8 (Splitwise fit)
     # While NATS is away, outputs wait in the client's buffer, up to this many bytes (shared by
     # all requests). A request whose tokens do not fit is stopped and failed with
@@ -138,6 +144,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
         self.role = m.parse_role(self.role)
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler {self.scheduler!r} is not known; known: {', '.join(SCHEDULERS)}")
         if self.engine not in ("sim", "torch", "openai"):
             raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch, openai")
         if self.engine == "openai":
@@ -160,7 +168,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
         for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens",
-                     "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs"):
+                     "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         return self
@@ -182,13 +190,14 @@ def make_engine(cfg: WorkerConfig) -> SimEngine:
             load_model(cfg.model, device=cfg.device, seed=cfg.model_seed, dtype=cfg.dtype), role=cfg.role,
             num_kv_blocks=cfg.num_kv_blocks, block_size_tokens=cfg.block_size_tokens,
             max_seq_len_tokens=cfg.max_seq_len_tokens, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, chunked_prefill=cfg.chunked_prefill,
+            max_num_seqs=cfg.max_num_seqs, chunked_prefill=cfg.chunked_prefill, scheduler=cfg.scheduler,
+            max_prefill_tokens=cfg.max_prefill_tokens,
         )
     return SimEngine(
         profile=load_profile(cfg.profile), role=cfg.role, num_kv_blocks=cfg.num_kv_blocks,
         block_size_tokens=cfg.block_size_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        chunked_prefill=cfg.chunked_prefill,
+        chunked_prefill=cfg.chunked_prefill, scheduler=cfg.scheduler, max_prefill_tokens=cfg.max_prefill_tokens,
     )
 
 

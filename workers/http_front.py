@@ -548,6 +548,7 @@ class SimFront:
             "dp_size": 1, "tp_size": 1, "engine": "flexlb-sim", "worker_id": c.worker_id,
             "time_scale": c.time_scale, "num_kv_blocks": c.num_kv_blocks, "block_size_tokens": c.block_size_tokens,
             "chunked_prefill": c.chunked_prefill, "profile": c.profile or "default", "tokenizer": self.tokenizer.name,
+            "scheduler": c.scheduler, "max_prefill_tokens": c.max_prefill_tokens,
         }
 
 

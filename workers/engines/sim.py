@@ -1,5 +1,6 @@
 """A simulated LLM engine: a pure, deterministic model of timing, KV blocks and prefix cache,
-scheduled like vLLM V1.
+scheduled like vLLM V1 (`scheduler="vllm"`, the default) or like SGLang (`scheduler="sglang"`,
+prefill-first).
 
 The worker agent (and the HTTP front, workers/http_front.py) drives it: `submit_batch` /
 `submit_decode` / `cancel` change the queues at once; `step()` runs one engine iteration,
@@ -19,8 +20,14 @@ Parameters of `SimEngine` (the agent passes its worker config, `workers.agent.ma
   is split across steps. Off: each prompt is computed whole in one step, and the step budget
   becomes max(max_num_batched_tokens, max_seq_len_tokens) (vLLM refuses a config whose
   budget is below max_model_len without chunking; we raise the budget instead).
+- scheduler ("vllm"): "vllm" mixes decodes and prompt chunks in one step (below); "sglang"
+  runs prefill steps and decode steps apart, prefill first (section "Prefill-first").
+- max_prefill_tokens (16384, SGLang's default): sglang only, the most new prompt tokens one
+  prefill step takes (its `--max-prefill-tokens`); max_num_batched_tokens is then SGLang's
+  `--chunked-prefill-size` (8192 by default in both).
 
-Scheduling: continuous batching, first come first served (vLLM V1's scheduler, FCFS policy).
+Scheduling, scheduler "vllm": continuous batching, first come first served (vLLM V1's
+scheduler, FCFS policy).
 A submitted batch's requests join the waiting queue together, in order ("released to the
 engine together"; a batch is no longer computed as one unit). Each step:
 1. running sequences first, in admission order: a decoding sequence takes 1 token of the
@@ -40,6 +47,31 @@ engine together"; a batch is no longer computed as one unit). Each step:
    pd_fusion/decode: a sequence reaching max_tokens finishes. prefill: the request is handed
    off (`HandoffOut`, carrying the first token, which is NOT in `tokens`; the decode worker
    emits index 0) and releases its blocks, even when max_tokens == 1.
+Prefill-first, scheduler "sglang" (SGLang's default scheduler: `get_next_batch_to_run` with
+mixed chunking off; roles pd_fusion and prefill). Each step is EITHER a prefill step OR a
+decode step, never both:
+1. prefill step, whenever one can be formed: first the running prompt still being chunked
+   (at most one), continued with min(what it has left, the chunk budget); then waiting
+   sequences FIFO (prefix hit looked up as above) while fewer than max_num_seqs run. The
+   step's budgets are the chunk budget max_num_batched_tokens (SGLang's
+   chunked_prefill_size) and the input budget max_prefill_tokens. A waiting prompt whose
+   uncached tokens fit the chunk budget left is taken whole; one that does not is cut to the
+   chunk budget left and becomes the prompt being chunked, which ends the batch (it goes on
+   at the head of the next prefill step). A prompt beyond the input budget left ends the
+   batch unless the batch is empty (the first always goes). No KV for the next prompt ends
+   the batch (FIFO kept). Without chunked_prefill a prompt always goes whole and only the
+   input budget limits the batch. A prompt's continuation that cannot get its KV does not
+   preempt anyone: the step is a decode step instead.
+2. otherwise (nothing waiting, or the head cannot be admitted: KV, max_num_seqs), a decode
+   step of every decoding sequence, in admission order, with the same KV growth and
+   newest-first preemption as above (a preempted sequence waits at the front and is
+   recomputed by a later prefill step).
+So a waiting prompt interrupts every running decode for one whole prefill step (and a long
+one for several back to back): the decodes' TPOT carries the prefill steps. The step time is
+the same formula (a prefill step has no decode part, a decode step no prefill part). Role
+decode runs as under "vllm" (there is no prefill: hand-offs are admitted and decoded
+together), whichever the scheduler.
+
 Role decode: a hand-off waits like any request with its prompt already computed (its KV
 arrives with it): admitted FIFO when blocks for prompt + 1 fit; it emits index 0 = its
 `first_token_id` and, if max_tokens > 1, index 1 in that same step (max_tokens == 1: it
@@ -79,8 +111,9 @@ KV blocks and the prefix cache (the vLLM design):
 - `blocks_stored` / `blocks_removed` of a step are the net change of the cache's hash set
   over that step (disjoint lists: a hash stored and evicted in one step is in neither).
 
-Not modelled: speculative decoding, priority scheduling, long-prefill thresholds, swapping
-to CPU, KV transfer time (PD), per-step CPU overhead, and output-length-dependent stop rules
+Not modelled: speculative decoding, priority scheduling, long-prefill thresholds, SGLang's
+mixed chunking and its KV reservation for future decode tokens (new_token_ratio; admission
+here needs the blocks of the tokens computed now, under both schedulers), swapping to CPU, KV transfer time (PD), per-step CPU overhead, and output-length-dependent stop rules
 (a request always generates exactly max_tokens: finish_reason "length").
 
 Submissions are validated at once: prompt empty or max_tokens < 1 -> "invalid_request";
@@ -109,6 +142,7 @@ from schemas.messages import parse_role
 from schemas.tokens import block_hashes
 
 DEFAULT_PROFILE_FILE = "llama2-70b-h100-tp8.json"  # under workers/profiles/
+SCHEDULERS = ("vllm", "sglang")  # the engine's step scheduler (module docstring)
 
 _NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -300,10 +334,13 @@ class SimEngine:
 
     def __init__(self, profile: TimingProfile, role: str, num_kv_blocks: int, block_size_tokens: int,
                  max_seq_len_tokens: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 chunked_prefill: bool = True) -> None:
-        if min(num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens, max_num_seqs) <= 0:
-            raise ValueError("num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens and "
-                             "max_num_seqs must be positive")
+                 chunked_prefill: bool = True, scheduler: str = "vllm", max_prefill_tokens: int = 16384) -> None:
+        if min(num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens, max_num_seqs,
+               max_prefill_tokens) <= 0:
+            raise ValueError("num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens, "
+                             "max_num_seqs and max_prefill_tokens must be positive")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown engine scheduler {scheduler!r}; known: {', '.join(SCHEDULERS)}")
         self.profile = profile
         self.role = parse_role(role)
         self.num_kv_blocks = num_kv_blocks
@@ -312,6 +349,8 @@ class SimEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunked_prefill = chunked_prefill
+        self.scheduler = scheduler
+        self.max_prefill_tokens = max_prefill_tokens
         self._waiting: deque[_Sequence] = deque()  # FIFO; preempted sequences re-enter at the front
         self._running: list[_Sequence] = []  # admission order (the last is the newest)
         self._request_id_to_seq: dict[str, _Sequence] = {}  # waiting and running
@@ -461,6 +500,8 @@ class SimEngine:
     # ----------------------------------------------------------------------- scheduling
     def _schedule(self) -> tuple[list[tuple[_Sequence, int]], int, list[_Sequence]]:
         """Pick this step's work: [(sequence, tokens to compute)], preemptions, admitted hand-offs."""
+        if self.scheduler == "sglang" and self.role != "decode":
+            return self._schedule_prefill_first()
         budget = (self.max_num_batched_tokens if self.chunked_prefill
                   else max(self.max_num_batched_tokens, self.max_seq_len_tokens))
         scheduled: list[tuple[_Sequence, int]] = []
@@ -513,6 +554,70 @@ class SimEngine:
                     scheduled.append((seq, num_new))
                     budget -= num_new
         return scheduled, num_preempted, admitted_handoffs
+
+    def _schedule_prefill_first(self) -> tuple[list[tuple[_Sequence, int]], int, list[_Sequence]]:
+        """Scheduler "sglang": a prefill step if one can be formed, else a decode step (module
+        docstring, "Prefill-first")."""
+        scheduled: list[tuple[_Sequence, int]] = []
+        chunk_left = self.max_num_batched_tokens if self.chunked_prefill else None
+        input_left = self.max_prefill_tokens
+        for seq in self._running:  # the prompt being chunked (or recomputed) goes on first
+            if self._is_decoding(seq):
+                continue
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if chunk_left is not None:
+                num_new = min(num_new, chunk_left)
+            if num_new <= 0 or not self._grow(seq, seq.num_computed_tokens + num_new):
+                continue
+            scheduled.append((seq, num_new))
+            input_left -= num_new
+            if chunk_left is not None:
+                chunk_left -= num_new
+        cut = any(seq.num_computed_tokens + k < seq.num_tokens for seq, k in scheduled)
+        while (not cut and self._waiting and len(self._running) < self.max_num_seqs and input_left > 0
+               and (chunk_left is None or chunk_left > 0)):
+            seq = self._waiting[0]
+            num_hit_blocks = self._num_hit_blocks(seq)
+            num_new = seq.num_tokens - num_hit_blocks * self.block_size_tokens
+            if chunk_left is not None and num_new > chunk_left:
+                num_new, cut = chunk_left, True
+            if scheduled and num_new > input_left:
+                break
+            if not self._admit(seq, num_hit_blocks, num_new):
+                break
+            self._waiting.popleft()
+            self._running.append(seq)
+            scheduled.append((seq, num_new))
+            input_left -= num_new
+            if chunk_left is not None:
+                chunk_left -= num_new
+        if scheduled:
+            return scheduled, 0, []
+        num_preempted = 0
+        i = 0
+        while i < len(self._running):  # a decode step of every decoding sequence
+            seq = self._running[i]
+            if not self._is_decoding(seq):
+                i += 1
+                continue
+            preempted_itself = False
+            while not self._grow(seq, seq.num_computed_tokens + 1):
+                victim = self._running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    preempted_itself = True
+                    break
+            if preempted_itself:
+                break
+            scheduled.append((seq, 1))
+            i += 1
+        return scheduled, num_preempted, []
+
+    @staticmethod
+    def _is_decoding(seq: _Sequence) -> bool:
+        """Every known token but the last has KV: its next step samples one token."""
+        return seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
 
     def _execute(self, scheduled: list[tuple[_Sequence, int]], num_preempted: int, admitted_handoffs: list[_Sequence],
                  failed: list[FailedOut], batches_done: list[BatchPrefilled]) -> StepResult:

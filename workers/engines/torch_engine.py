@@ -106,13 +106,13 @@ class TorchEngine(SimEngine):
 
     def __init__(self, model: LlamaModel, role: str, num_kv_blocks: int, block_size_tokens: int,
                  max_seq_len_tokens: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, scheduler: str = "vllm", max_prefill_tokens: int = 16384) -> None:
         cfg = model.cfg
         super().__init__(profile=None, role=role, num_kv_blocks=num_kv_blocks,  # type: ignore[arg-type]
                          block_size_tokens=block_size_tokens,
                          max_seq_len_tokens=min(max_seq_len_tokens, cfg.max_positions),
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                         chunked_prefill=chunked_prefill)
+                         chunked_prefill=chunked_prefill, scheduler=scheduler, max_prefill_tokens=max_prefill_tokens)
         self.model = model
         self.device = next(model.parameters()).device
         self.stop_token_id = cfg.eos_token_id
