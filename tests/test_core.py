@@ -444,3 +444,44 @@ def test_kv_held_only_by_the_prefix_cache_counts_as_available_for_decode_placeme
     full.on_worker_event(status("d0", "decode", num_free_kv_blocks=100), 0)
     refused = full.admit(req("r", n=160, slo_ttft_ms=60_000), 0)
     assert isinstance(refused, Rejected) and refused.code == "no_worker", refused
+
+
+def test_the_gates_and_expected_output_are_the_policies_parameters_as_the_settings_give_them():
+    """cost-based's pending_gate_* and kv-aware's max_kv_usage / kv_usage_hysteresis /
+    expected_output_cap act where the README says (they were once validated but ignored)."""
+    from services.settings import RouterSettings
+
+    def pick_after(gate_high: int) -> str:
+        cfg = RouterSettings(prefill_policy="cost-based", prefill_policy_params={"pending_gate_high": gate_high},
+                             batcher_params={"wait_ms": 1000, "batch_size_max": 64}).scheduler_config()
+        s = Scheduler(cfg, id_prefix="r-boot")
+        s.on_worker_event(status("w0", num_running_requests=5), 0)
+        s.on_worker_event(status("w1", num_running_requests=3), 0)
+        hashes = tuple(range(1, 201))  # 3,200 tokens, every block cached on w0: much cheaper there
+        s.on_kv_event(KvBlocksStored(worker_id="w0", boot_id="b0", kv_seq=1, block_hashes=list(hashes)))
+        a = s.admit(req("x", n=3200, hashes=hashes), 0)
+        assert isinstance(a, Admitted)
+        return a.request.prefill_worker_id
+
+    assert pick_after(64) == "w0"  # the prefix hit
+    assert pick_after(5) == "w1"  # w0's 5 pending close its gate at 5
+
+    def decode_pick(params: dict) -> Admitted | Rejected:
+        cfg = RouterSettings(prefill_policy="round-robin", decode_policy="kv-aware",
+                             decode_policy_params=params).scheduler_config()
+        s = Scheduler(cfg, id_prefix="r-boot")
+        s.on_worker_event(status("p0", "prefill"), 0)
+        s.on_worker_event(status("d0", "decode", num_free_kv_blocks=2_000), 0)  # 80 % used
+        return s.admit(req("y", n=160, slo_ttft_ms=60_000), 0)
+
+    assert isinstance(decode_pick({}), Admitted)
+    assert isinstance(refused := decode_pick({"max_kv_usage": 0.75}), Rejected) and refused.code == "no_worker"
+
+    def expected_kv(cap: int) -> int:
+        cfg = RouterSettings(decode_policy_params={"expected_output_cap": cap}).scheduler_config()
+        s = Scheduler(cfg, id_prefix="r-boot")
+        s.on_worker_event(status("w0"), 0)
+        assert isinstance(s.admit(req("z", n=100, max_tokens=500), 0), Admitted)
+        return s.ledger.worker("w0").reservations["z"].expected_kv_tokens
+
+    assert (expected_kv(1000), expected_kv(50)) == (600, 150)

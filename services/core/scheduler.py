@@ -58,6 +58,9 @@ from services.core.view import WorkerInfo, WorkerView
 
 MASK64 = (1 << 64) - 1
 INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000  # sweep expired approximate-index entries once a second
+# Expected decode KV of a request = prompt + min(max_tokens, this), under a decode policy that
+# has no `expected_output_cap` of its own (kv-aware has, with the same default).
+DEFAULT_EXPECTED_OUTPUT_CAP = 1000
 
 
 def decision_seed(seed: int, decision_seq: int) -> int:
@@ -216,18 +219,13 @@ class SchedulerConfig:
     dead_after_missed_syncs: int = 3  # liveness: dead after this many sync cycles without a report
     settle_after_missed_reports: int = 2  # calibration: a running request missing from this many reports is settled
     expire_after_ms: int = 10_000  # liveness: removed everywhere after this long without a report
-    expected_output_cap_tokens: int = 1000  # expected decode KV = prompt + min(max_tokens, this)
-    pending_gate_high: int = 64  # prefill gate: closes at this many pending requests ...
-    pending_gate_hysteresis: float = 0.15  # ... reopens at high × (1 − this)
-    max_kv_usage: float = 0.9  # decode gate: closes at this KV usage, reopens 15% below
-    kv_usage_hysteresis: float = 0.15
     seed: int = 0
 
     def validate(self) -> "SchedulerConfig":
         if self.prefix_index not in ("exact", "approximate"):
             raise ValueError(f"prefix_index must be exact or approximate, got {self.prefix_index!r}")
         for name in ("max_prompt_tokens", "max_queue_per_worker", "max_inflight_requests", "dead_after_missed_syncs", "expire_after_ms",
-                     "pending_gate_high", "settle_after_missed_reports"):
+                     "settle_after_missed_reports"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         build_policy("prefill", self.prefill_policy, self.prefill_policy_params)
@@ -361,6 +359,17 @@ class Scheduler:
         self.id_prefix = id_prefix
         self.prefill_policy: RoutingPolicy = build_policy("prefill", config.prefill_policy, config.prefill_policy_params)
         self.decode_policy: RoutingPolicy = build_policy("decode", config.decode_policy, config.decode_policy_params)
+        # The gates and the expected decode KV are the policies' parameters, read here where they
+        # act (the scheduler keeps the gate state): the prefill gate is cost-based's
+        # (pending_gate_high, pending_gate_hysteresis), the decode gate and the expected output
+        # are kv-aware's (max_kv_usage, kv_usage_hysteresis, expected_output_cap). A policy that
+        # has no gate reads no `gated` flag, so none is computed for it (inf: never closes).
+        pp, dp = self.prefill_policy.params, self.decode_policy.params
+        self.pending_gate_high: float = getattr(pp, "pending_gate_high", math.inf)
+        self.pending_gate_hysteresis: float = getattr(pp, "pending_gate_hysteresis", 0.0)
+        self.max_kv_usage: float = getattr(dp, "max_kv_usage", math.inf)
+        self.kv_usage_hysteresis: float = getattr(dp, "kv_usage_hysteresis", 0.0)
+        self.expected_output_cap_tokens: int = getattr(dp, "expected_output_cap", DEFAULT_EXPECTED_OUTPUT_CAP)
         self.view = WorkerView()
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -555,8 +564,8 @@ class Scheduler:
         matches = self._matches(req.block_hashes, now_ns)
         cfg = self.config
         max_queue = cfg.max_queue_per_worker
-        high = cfg.pending_gate_high
-        reopen = high * (1 - cfg.pending_gate_hysteresis)
+        high = self.pending_gate_high
+        reopen = high * (1 - self.pending_gate_hysteresis)
         gated_set = self.prefill_gated
         block_counts = self.index.block_counts
         n = req.num_prompt_tokens
@@ -632,14 +641,13 @@ class Scheduler:
         return {"kv_total_tokens": total, "kv_used_tokens": total - free + expected, "kv_available_tokens": free - hard}
 
     def _decode_candidates(self, workers: list[WorkerInfo]) -> list[Candidate]:
-        cfg = self.config
         out = []
         for w in workers:
             kv = self._kv(w)
             usage = kv["kv_used_tokens"] / kv["kv_total_tokens"] if kv["kv_total_tokens"] else 1.0
             out.append(Candidate(
                 worker=w, num_pending=self.ledger.worker(w.worker_id).num_requests(0, w.num_running_requests, True),
-                gated=self._gate(self.decode_gated, w.worker_id, usage, cfg.max_kv_usage, cfg.kv_usage_hysteresis),
+                gated=self._gate(self.decode_gated, w.worker_id, usage, self.max_kv_usage, self.kv_usage_hysteresis),
                 **kv,
             ))
         return out
@@ -733,7 +741,7 @@ class Scheduler:
             (self.decode_policy if d.stage == "decode" else self.prefill_policy).record(d.pick)
         self.ledger.reserve(DecodeReservation(
             request_id=req.request_id, worker_id=decode_worker_id, hard_kv_tokens=n,
-            expected_kv_tokens=n + min(req.max_tokens, cfg.expected_output_cap_tokens), created_ns=now_ns,
+            expected_kv_tokens=n + min(req.max_tokens, self.expected_output_cap_tokens), created_ns=now_ns,
         ))
         if req.block_hashes:
             if cfg.prefix_index == "approximate":
