@@ -7,6 +7,23 @@ highest load it sustains with at least 90 % of requests within their SLO.
     python bench/peers.py --trace mooncake --rows 300 --search --search-start 0.5 --plot bench/results/peers_mooncake
     python bench/peers.py --trace azure-code --configs flexlb,sglang-cache_aware,vllm-cache_aware --rates 0.5,1,2
     python bench/peers.py --configs flexlb --flexlb-args "--slo-mode reject" --name flexlb-reject --rates 1,2
+    python bench/peers.py --trace chat --quick --engine-modes vllm,sglang          # the matrix, a first look
+
+The matrix (issue 24): every configuration on every engine mode, on each workload, with
+run-to-run spread. One invocation per workload, then one report over all of them:
+
+    C=flexlb,flexlb-openai,sglang-cache_aware,sglang-power_of_two,vllm-cache_aware,vllm-power_of_two,direct-round-robin
+    for T in chat azure-conv azure-code mooncake; do
+      python bench/peers.py --trace $T --configs $C --engine-modes vllm,sglang --repeat 3 --search \
+          --per-request --out bench/results/peers_${T}_matrix.json
+    done
+    python bench/peers_report.py bench/results/peers_*_matrix.json --workload-target mooncake=0.55 \
+        --markdown --plot bench/results/matrix
+
+`--rows` defaults to `auto` (a sustained slice, below); `--quick` (60 rows, two loads at a
+quarter and a half of the capacity bound, the key configurations) is for iterating, its
+slices are bursts and its table says so. Mooncake's headline is taken at 55 % (only about
+60 % of its requests can meet a 2 s TTFT at all).
 
 Configurations (`--configs a,b,...`, default all; the names are stable):
 
@@ -29,11 +46,12 @@ configuration's own flags, so it wins), which is then reported as `--name` (or
 NATS, Redis, the router and K NATS workers (`flexlb up`), except `flexlb-openai`, whose
 agents stream from the sim-servers; every other configuration runs K
 `flexlb sim-server` processes: the same simulated engine behind an HTTP front
-(`--sim-server-cmd` replaces that command, e.g. to try another build). Engine flags
-(`--num-kv-blocks`, `--block-size-tokens`, `--max-seq-len-tokens`, `--max-num-batched-tokens`,
-`--max-num-seqs`, `--no-chunked-prefill`, `--profile`) go to every engine of every
-configuration, and only when given: by default every engine runs its shipped defaults
-(`workers/agent.py` WorkerConfig). The time scale (default 1, because a router's overhead is
+(`--sim-server-cmd` replaces that command, e.g. to try another build; it must take
+`--scheduler`). Engine flags (`--num-kv-blocks`, `--block-size-tokens`, `--max-seq-len-tokens`,
+`--max-num-batched-tokens`, `--max-num-seqs`, `--max-prefill-tokens`, `--no-chunked-prefill`,
+`--profile`) go to every engine of every configuration, and only when given: by default every
+engine runs its shipped defaults (`workers/agent.py` WorkerConfig), except `--scheduler MODE`,
+the cell's engine mode, which every engine always gets (below). The time scale (default 1, because a router's overhead is
 wall time) is the same for all.
 
 The peer routers run with their defaults except: loopback only (`--host 127.0.0.1`,
@@ -54,15 +72,16 @@ shorter than a KV block: they cache nothing) through the router, snapshots the e
 counters, replays the trace, reads the counters again and stops every process (SIGTERM to
 the process group leader, then SIGKILL to the group; each wait bounded).
 
-Workloads (`--trace`; rows `--start-row S --rows N`):
-- `mooncake` (../shared/data/mooncake_synthetic_trace.jsonl): each hash id expands to a fixed
-  block of 512 printable-ASCII characters (random.Random(hash_id)), concatenated and cut to
-  the row's input_length, so prefix sharing is exact. Text prompts: with the byte-level
-  tokenizer (schemas/tokens.py) one ASCII character is one token, for every router alike.
-- `azure-conv`, `azure-code` (the Azure 2023 CSVs): no prefix information; each row's prompt is
-  random printable text seeded by its row index.
-Prompts longer than `--max-prompt-tokens` (32000; FlexLB refuses more than 32768) are cut to
-it, and the report says how many. max_tokens = max(1, output length). Every body carries the
+Workloads (`--trace`; rows `--start-row S --rows N`), from bench/workloads.py (its docstring
+says exactly how each prompt is built): `mooncake`, `azure-conv`, `azure-code` (the public
+traces, or a path to one) and `chat` (multi-turn sessions re-sending their history, tenants
+with long system prompts, ShareGPT lengths; `--chat-tenants`, `--chat-session-rate`,
+`--chat-turns`, `--chat-think-s`, `--chat-seed`). Text prompts: with the byte-level tokenizer
+(schemas/tokens.py) one ASCII character is one token, for every router alike. A trace's
+prompts longer than `--max-prompt-tokens` (32000; FlexLB refuses more than 32768) are cut to
+it, and the report says how many; a chat session ends before its history would exceed it.
+The run's facts give the workload's prefix reuse with an unbounded cache shared by the
+fleet (`prefix_reuse_unbounded`). max_tokens = max(1, output length). Every body carries the
 SLO: `"slo_ttft_ms": 2000, "slo_tpot_ms": 100` (`--slo-ttft-ms`, `--slo-tpot-ms`); the peers and
 the sim-servers ignore them. Row i is sent at (ts_i − ts_start) / multiplier (× time scale);
 the load of a run is N / span of the scaled arrivals, in req/s, and the multiplier.
@@ -83,39 +102,58 @@ Prefix hit rate = Σ cached / Σ prompt tokens: from the sim-servers' /metrics c
 (`flexlb_sim_cached_tokens_total` / `flexlb_sim_prompt_tokens_total`, deltas over the replay)
 for peers and direct, from FlexLB's event log (`request.finished`) for FlexLB.
 
-Two offline figures frame the results (bench/capacity.py): the capacity bound, and the share
-of requests that could meet the SLO even alone on an idle engine (a ceiling on attainment at
-any load: on Mooncake slices with a 2 s TTFT target it is about 60 %, because prefilling a
-20k-token prompt alone takes longer; the report warns when it is below the target). A
-headline above the capacity bound means the slice is too short for queues to build.
+Engine modes (`--engine-modes vllm,sglang`, default vllm): every configuration runs once per
+mode, and every engine of the cell (sim-servers, `flexlb up`'s NATS workers) gets `--scheduler
+MODE` (workers/engines/sim.py: `vllm` mixes decodes and prompt chunks in each step, `sglang`
+runs prefill-first steps). Cells are labelled `CONFIG[MODE]`; ratios (to the best peer, to
+direct round-robin) are taken within a mode, and each mode has its own capacity bound.
 
-Loads: `--rates 0.5,1,1.5,2` (multipliers), or `--search`: per configuration start at
+Two offline figures frame the results (bench/capacity.py): the capacity bound per engine
+mode, and the share of requests that could meet the SLO even alone on an idle engine (a
+ceiling on attainment at any load: on Mooncake slices with a 2 s TTFT target it is about
+60 %, because prefilling a 20k-token prompt alone takes longer; the report warns when it is
+below the target). The bound holds only for a sustained load: a slice that arrives within a
+few request lifetimes is a burst the fleet absorbs and drains after the last arrival, and
+used to pass loads no fleet sustains (bench/capacity.py says how that was found). So
+`--rows auto` (the default) replays about the shortest slice that lasts
+MIN_SLICE_LIFETIMES (10) request lifetimes at the bound of every mode; a shorter `--rows N`
+is allowed, warned about and its headlines are marked "burst slice"; and any headline above
+the bound is flagged in the table, in a banner and by the exit status (3).
+
+Loads: `--rates 0.5,1,1.5,2` (multipliers), or `--search`: per cell start at
 `--search-start`, multiply by `--search-factor` while attainment ≥ `--target` (down while
 it misses), then bisect `--bisect` times between the last pass and the first fail, at most
-`--max-runs` runs. The headline per configuration is the highest load with attainment ≥ 90 %,
-interpolated linearly between the highest passing load and the lowest failing load above it
-(`≥ x` when nothing failed, `< x` when nothing passed), also as a fraction of the capacity
-bound (bench/capacity.py: every distinct prefix block computed once fleet-wide, work perfectly
-balanced; an upper bound, not a prediction), against the best peer router and against
-direct round-robin. Times are ENGINE ms (wall / time scale; = wall at time scale 1).
+`--max-runs` loads. `--repeat N` runs every (cell, load) point N times, each on a fresh fleet;
+a point's attainment is the mean of its runs (the search steps on it too). The headline per
+cell is the highest load with attainment ≥ 90 %, interpolated linearly between the highest
+passing load and the lowest failing load above it (`≥ x` when nothing failed, `< x` when
+nothing passed); with repeats the table adds, in brackets, the headlines of the per-load
+minimum and maximum attainment (the spread's effect on the figure). It is also given as a
+fraction of the capacity bound, against the best peer router and against direct round-robin.
+Times are ENGINE ms (wall / time scale; = wall at time scale 1).
 
-Output: a table, and `--out` (default bench/results/peers_<trace>.json): every run, machine
-facts, package versions, every command line, per-request records with `--per-request`.
-`--plot PREFIX`: PREFIX_attainment.png (attainment vs load, every configuration) and
-PREFIX_cdf.png (TTFT and TPOT CDFs of every configuration at `--cdf-rate`; runs it if needed).
-Exit status 0 when every run started and stopped cleanly (request failures are results).
+Output: the runs table (every run: attainment, TTFT and TPOT p50/p90/p99, misses by kind,
+hit rate, requests per engine, CPU), the matrix (a row per (mode, workload, configuration):
+the headline and its spread, of the bound, the ratios, and at the highest passing load the
+prefix hit rate, TTFT and TPOT p50/p90/p99, misses: TTFT only / TPOT only / both, not
+completed by error code, requests per engine), and `--out` (default
+bench/results/peers_<trace>.json): every run, machine facts, package versions, every command
+line, per-request records with `--per-request`. `--plot PREFIX`: PREFIX_attainment.png
+(attainment vs load, every configuration; several modes: PREFIX_<mode>_attainment.png) and
+PREFIX_cdf.png (TTFT and TPOT CDFs of every configuration at `--cdf-rate`; runs it if
+needed). Exit status 0 when every run started and stopped cleanly (request failures are
+results), 1 when one did not, 3 when a headline is above the capacity bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
+import dataclasses
 import json
 import math
 import multiprocessing
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -125,7 +163,6 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,21 +174,26 @@ if str(REPO) not in sys.path:
 
 from bench import trace as bt  # noqa: E402  (helpers: ports, /proc CPU, percentiles, JSON)
 from bench.capacity import (  # noqa: E402
+    MIN_SLICE_LIFETIMES,
+    SCHEDULERS,
+    CapacityBound,
     EngineLimits,
     StepCosts,
-    WorkloadRequest,
     capacity_bound,
-    zero_load_latency_ms,
+    mean_zero_load_e2e_ms,
+    slice_lifetimes,
     zero_load_slo_fraction,
 )
+from bench.workloads import (  # noqa: E402
+    WORKLOADS,
+    ChatParams,
+    Row,
+    load_workload,
+    prefix_reuse,
+    resolve_trace,
+    workload_requests,
+)
 
-HASH_BLOCK_TOKENS = 512  # tokens (= characters) per Mooncake hash id
-PRINTABLE = "".join(chr(c) for c in range(32, 127))  # one byte, one token each
-TRACES = {
-    "mooncake": "../shared/data/mooncake_synthetic_trace.jsonl",
-    "azure-conv": "../shared/data/AzureLLMInferenceTrace_conv_2023.csv",
-    "azure-code": "../shared/data/AzureLLMInferenceTrace_code_2023.csv",
-}
 DEFAULT_PROFILE = REPO / "workers" / "profiles" / "llama2-70b-h100-tp8.json"
 PEER_POLICIES = ("round_robin", "cache_aware", "power_of_two")
 WARMUP_PROMPT = "warm"  # shorter than any KV block: nothing is cached by it
@@ -166,6 +208,7 @@ class Config:
     policy: str | None = None  # the peer router's --policy
     flexlb_flags: tuple[str, ...] = ()  # added to `flexlb up`
     pd: tuple[int, int] | None = None  # disaggregated: (prefill engines, decode engines); None: colocated
+    engine_mode: str = "vllm"  # every engine's --scheduler: "vllm" (mixed steps) | "sglang" (prefill-first)
 
 
 def with_pd(config: Config, suffix: str, workers: int) -> Config:
@@ -187,7 +230,8 @@ def with_pd(config: Config, suffix: str, workers: int) -> Config:
         raise ValueError(f"{config.name}@{suffix}: a PD fleet runs with FlexLB or sglang-router only")
     flags = config.flexlb_flags + (("--prefill", str(num_prefill), "--decode", str(num_decode))
                                    if config.kind == "flexlb" else ())
-    return Config(f"{config.name}@{suffix}", config.kind, config.policy, flags, (num_prefill, num_decode))
+    return dataclasses.replace(config, name=f"{config.name}@{suffix}", flexlb_flags=flags,
+                               pd=(num_prefill, num_decode))
 
 
 def builtin_configs() -> dict[str, Config]:
@@ -206,96 +250,16 @@ def builtin_configs() -> dict[str, Config]:
 
 
 # --------------------------------------------------------------------------- workloads
-@dataclass
-class Row:
-    row: int  # index in the trace file (data rows, from 0)
-    ts_ms: float  # timestamp relative to the first replayed row (trace ms)
-    recorded_input_length: int
-    input_length: int  # as sent: min(recorded, --max-prompt-tokens)
-    max_tokens: int  # max(1, output length)
-    hash_ids: list[int] | None  # Mooncake prefix blocks; None: no prefix information
-
-
-def resolve_trace(name_or_path: str) -> tuple[str, Path]:
-    """A workload name (mooncake, azure-conv, azure-code) or a path; relative to the repo root."""
-    if name_or_path in TRACES:
-        return name_or_path, (REPO / TRACES[name_or_path]).resolve()
-    p = Path(name_or_path)
-    p = p if p.is_absolute() or p.exists() else REPO / p
-    return p.stem, p.resolve()
-
-
-def _azure_ts_ms(text: str) -> float:
-    """'2023-11-16 18:15:46.6805900' (7 fractional digits) -> epoch ms."""
-    date, _, frac = text.strip().partition(".")
-    base = datetime.strptime(date, "%Y-%m-%d %H:%M:%S").timestamp()
-    return (base + (float("0." + frac) if frac else 0.0)) * 1000.0
-
-
-def load_rows(path: Path, start: int, count: int, max_prompt_tokens: int) -> list[Row]:
-    rows: list[Row] = []
-    if path.suffix == ".jsonl":
-        with open(path) as fh:
-            for i, line in enumerate(fh):
-                if i < start or not line.strip():
-                    continue
-                if len(rows) >= count:
-                    break
-                r = json.loads(line)
-                n = int(r["input_length"])
-                rows.append(Row(i, float(r["timestamp"]), n, min(n, max_prompt_tokens),
-                                max(1, int(r["output_length"])), list(r["hash_ids"])))
-    else:
-        with open(path, newline="") as fh:
-            for i, r in enumerate(csv.DictReader(fh)):
-                if i < start:
-                    continue
-                if len(rows) >= count:
-                    break
-                n = max(1, int(r["ContextTokens"]))
-                rows.append(Row(i, _azure_ts_ms(r["TIMESTAMP"]), n, min(n, max_prompt_tokens),
-                                max(1, int(r["GeneratedTokens"])), None))
-    if rows:
-        t0 = rows[0].ts_ms
-        for r in rows:
-            r.ts_ms -= t0
-    return rows
-
-
-class PromptText:
-    """Mooncake hash id -> its fixed 512-character block (cached: shared prefixes repeat)."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, str] = {}
-
-    def block(self, hash_id: int) -> str:
-        b = self.blocks.get(hash_id)
-        if b is None:
-            b = "".join(random.Random(hash_id).choices(PRINTABLE, k=HASH_BLOCK_TOKENS))
-            self.blocks[hash_id] = b
-        return b
-
-    def prompt(self, row: Row) -> str:
-        n = row.input_length
-        if row.hash_ids is None:
-            return "".join(random.Random(row.row).choices(PRINTABLE, k=n))
-        need = -(-n // HASH_BLOCK_TOKENS)
-        if need > len(row.hash_ids):
-            raise ValueError(f"row {row.row}: input_length {n} exceeds {len(row.hash_ids)} hash blocks")
-        return "".join(self.block(h) for h in row.hash_ids[:need])[:n]
-
-
 def build_bodies(rows: list[Row], args: argparse.Namespace) -> list[bytes]:
     enc = msgspec.json.Encoder()
-    text = PromptText()
-    return [enc.encode({"model": args.model_name, "prompt": text.prompt(r), "max_tokens": r.max_tokens,
+    return [enc.encode({"model": args.model_name, "prompt": r.prompt(), "max_tokens": r.max_tokens,
                         "stream": True, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-                        "request_id": f"row-{r.row:05d}"}) for r in rows]
+                        "request_id": r.request_id}) for r in rows]
 
 
-def workload_facts(rows: list[Row], span_s: float) -> dict[str, Any]:
+def workload_facts(rows: list[Row], span_s: float, block_size_tokens: int = 16) -> dict[str, Any]:
     cut = [r for r in rows if r.input_length < r.recorded_input_length]
-    return {
+    facts: dict[str, Any] = {
         "rows": len(rows),
         "first_row": rows[0].row,
         "recorded_span_s": round(span_s, 3),
@@ -304,8 +268,15 @@ def workload_facts(rows: list[Row], span_s: float) -> dict[str, Any]:
         "max_tokens": bt.summarize([float(r.max_tokens) for r in rows], 0),
         "prompts_cut": len(cut),
         "prompt_tokens_cut": sum(r.recorded_input_length - r.input_length for r in cut),
-        "has_prefix_info": rows[0].hash_ids is not None,
+        "has_prefix_info": any(r.prefix_block_ids is not None for r in rows),
+        # Share of prompt tokens an infinite cache shared by the whole fleet would serve.
+        "prefix_reuse_unbounded": round(prefix_reuse(rows, block_size_tokens), 4),
     }
+    sessions = {r.session for r in rows if r.session is not None}
+    if sessions:
+        facts["sessions"] = len(sessions)
+        facts["turns_per_session_mean"] = round(len(rows) / len(sessions), 2)
+    return facts
 
 
 # --------------------------------------------------------------------------- the client
@@ -620,11 +591,15 @@ def _closed_port() -> int:
 
 
 # --------------------------------------------------------------------------- fleets
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags given on our command line, for every engine of every configuration."""
-    out: list[str] = []
-    for name in ("num_kv_blocks", "block_size_tokens", "max_seq_len_tokens", "max_num_batched_tokens", "max_num_seqs",
-                 "profile"):
+ENGINE_INT_FLAGS = ("num_kv_blocks", "block_size_tokens", "max_seq_len_tokens", "max_num_batched_tokens",
+                    "max_num_seqs", "max_prefill_tokens")
+
+
+def engine_flags(args: argparse.Namespace, engine_mode: str | None = None) -> list[str]:
+    """The engine flags given on our command line, for every engine of every configuration,
+    and `--scheduler ENGINE_MODE` (the run's engine mode, passed to every engine always)."""
+    out: list[str] = ["--scheduler", engine_mode] if engine_mode else []
+    for name in (*ENGINE_INT_FLAGS, "profile"):
         v = getattr(args, name)
         if v is not None:
             out += [f"--{name.replace('_', '-')}", str(v)]
@@ -669,18 +644,26 @@ class Fleet:
 class FlexlbFleet(Fleet):
     """`flexlb up --workers K --time-scale T` (+ the configuration's flags, + --flexlb-args)."""
 
-    def start(self) -> None:
+    def fleet_flags(self) -> list[str]:
+        """`flexlb up`'s fleet: K NATS workers running our engine flags and the run's engine mode."""
         a = self.args
-        self.start_up(["--workers", str(a.workers), "--time-scale", f"{a.time_scale:g}", *engine_flags(a)])
+        return ["--workers", str(a.workers), "--time-scale", f"{a.time_scale:g}",
+                *engine_flags(a, self.config.engine_mode)]
+
+    def start(self) -> None:
+        self.start_up(self.fleet_flags())
+
+    def up_argv(self, fleet_flags: list[str], port: int, state_file: Path) -> list[str]:
+        """`flexlb up FLEET_FLAGS` + the configuration's flags + --flexlb-args (which win)."""
+        return [*flexlb_exe(), "up", *fleet_flags, "--port", str(port), "--state-file", str(state_file),
+                *self.config.flexlb_flags, *self.args.flexlb_args_list]
 
     def start_up(self, fleet_flags: list[str]) -> None:
-        """`flexlb up FLEET_FLAGS` (+ the configuration's flags, + --flexlb-args); returns once
-        its router answers /readyz."""
+        """`up_argv(FLEET_FLAGS)`; returns once its router answers /readyz."""
         a = self.args
         self.port = bt.free_port()
         self.state_file = self.workdir / f"state-{self.tag}.json"
-        argv = [*flexlb_exe(), "up", *fleet_flags, "--port", str(self.port), "--state-file", str(self.state_file),
-                *self.config.flexlb_flags, *a.flexlb_args_list]
+        argv = self.up_argv(fleet_flags, self.port, self.state_file)
         up = Proc("up", argv, self.workdir / f"{self.tag}-up.log", child_env(self.workdir))
         self.procs.append(up)
         up.start()
@@ -778,10 +761,7 @@ class SimFleet(Fleet):
                 pub, replay = f"tcp://127.0.0.1:{bt.free_port()}", f"tcp://127.0.0.1:{bt.free_port()}"
                 self.kv_endpoints.append((pub, replay))
                 events = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
-            argv = [*base, "--port", str(port), "--worker-id", f"w{i}", "--time-scale", f"{a.time_scale:g}",
-                    *(["--role", role] if pd else []),
-                    *(["--host", "127.0.0.1"] if a.sim_server_has_host else []), *engine_flags(a), *events,
-                    *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else [])]
+            argv = self.engine_argv(base, i, role if pd else None, port, events)
             engines.append(Proc(f"worker-w{i}", argv, self.workdir / f"{self.tag}-w{i}.log", env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
         self.procs = list(engines)
@@ -791,6 +771,14 @@ class SimFleet(Fleet):
         for url in self.engine_urls:
             wait_http(url + "/health", deadline, engines, lambda s, _: s == 200)
         return deadline
+
+    def engine_argv(self, base: list[str], i: int, role: str | None, port: int, events: list[str]) -> list[str]:
+        """One sim-server: engine w<i> (a PD role or colocated), our engine flags and the run's engine mode."""
+        a = self.args
+        return [*base, "--port", str(port), "--worker-id", f"w{i}", "--time-scale", f"{a.time_scale:g}",
+                *(["--role", role] if role else []), *(["--host", "127.0.0.1"] if a.sim_server_has_host else []),
+                *engine_flags(a, self.config.engine_mode), *events,
+                *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else [])]
 
     def start(self) -> None:
         a = self.args
@@ -1056,14 +1044,16 @@ def run_clients(plans: list[Plan], cap_s: float, args: argparse.Namespace, n: in
 
 
 def is_attained(rec: Rec, max_tokens: int, args: argparse.Namespace) -> bool:
-    if not is_ok(rec, max_tokens):
-        return False
-    inv = 1.0 / args.time_scale
-    if rec.ttft_s * inv * 1000.0 > args.slo_ttft_ms:
-        return False
-    if max_tokens > 1 and tpot_ms(rec, args) > args.slo_tpot_ms:
-        return False
-    return True
+    return is_ok(rec, max_tokens) and miss_kind(rec, max_tokens, args) is None
+
+
+def miss_kind(rec: Rec, max_tokens: int, args: argparse.Namespace) -> str | None:
+    """A completed request's miss: "ttft_only", "tpot_only", "both", or None when it attained."""
+    ttft_missed = rec.ttft_s * 1000.0 / args.time_scale > args.slo_ttft_ms
+    tpot_missed = max_tokens > 1 and tpot_ms(rec, args) > args.slo_tpot_ms
+    if ttft_missed and tpot_missed:
+        return "both"
+    return "ttft_only" if ttft_missed else "tpot_only" if tpot_missed else None
 
 
 def is_ok(rec: Rec, max_tokens: int) -> bool:
@@ -1083,12 +1073,17 @@ def summarize_run(recs: list[Rec], rows: list[Row], args: argparse.Namespace, sp
     attained = sum(1 for r in recs if is_attained(r, rows[r.index].max_tokens, args))
     errors = Counter()
     samples: dict[str, list[str]] = {}
+    misses = {"ttft_only": 0, "tpot_only": 0, "both": 0}  # of completed requests
     for r in recs:
         if not is_ok(r, rows[r.index].max_tokens):
             code = r.error or ("client_short_stream" if r.done else "client_unknown")
             errors[code] += 1
             if r.error_message and len(samples.setdefault(code, [])) < 3:
                 samples[code].append(r.error_message)
+            continue
+        kind = miss_kind(r, rows[r.index].max_tokens, args)
+        if kind is not None:
+            misses[kind] += 1
     late = [max(0.0, r.late_s) * 1000.0 for r in recs if r.late_s is not None]
     n = len(recs)
     return {
@@ -1104,25 +1099,29 @@ def summarize_run(recs: list[Rec], rows: list[Row], args: argparse.Namespace, sp
         "tpot_ms": bt.summarize(tpot, 2),
         "e2e_ms": bt.summarize(e2e),
         "errors": dict(errors.most_common()),
+        # Why requests missed: completed but late (TTFT only, TPOT only, both), or not completed
+        # (by error code: rejections, failures, client timeouts, capped at the run's end).
+        "misses": misses | {"not_completed": sum(errors.values())},
         "error_samples": samples,  # up to 3 messages per code
         "send_lateness_wall_ms": bt.summarize(late, 2),
     }
 
 
 def one_run(config: Config, label: str, multiplier: float, rows: list[Row], args: argparse.Namespace,
-            workdir: Path, seq: int) -> dict[str, Any]:
+            workdir: Path, seq: int, repeat: int = 0) -> dict[str, Any]:
     span_recorded_s = rows[-1].ts_ms / 1000.0
     span_s = span_recorded_s / multiplier  # engine seconds
     send_at = [r.ts_ms / 1000.0 / multiplier * args.time_scale for r in rows]
     cap_s = args.run_cap_s if args.run_cap_s else send_at[-1] + args.drain_s
-    tag = f"{seq:03d}-{label}"
+    tag = f"{seq:03d}-{label.replace('[', '-').replace(']', '')}"
     fleet = make_fleet(config, args, workdir, tag)
-    run: dict[str, Any] = {"config": label, "kind": config.kind, "multiplier": multiplier,
+    run: dict[str, Any] = {"config": label, "kind": config.kind, "engine_mode": config.engine_mode,
+                           "multiplier": multiplier, "repeat": repeat,
                            "load_req_per_s": round(len(rows) / span_s, 4) if span_s > 0 else None,
                            "span_s": round(span_s, 3), "cap_wall_s": round(cap_s, 1)}
     t_start = time.monotonic()
-    print(f"[{label} ×{multiplier:g}] starting a fresh fleet ({run['load_req_per_s']} req/s, span {span_s:.1f} s)",
-          file=sys.stderr, flush=True)
+    print(f"[{label} ×{multiplier:g}{f' #{repeat + 1}' if repeat else ''}] starting a fresh fleet "
+          f"({run['load_req_per_s']} req/s, span {span_s:.1f} s)", file=sys.stderr, flush=True)
     ok = True
     try:
         fleet.start()
@@ -1171,11 +1170,25 @@ def one_run(config: Config, label: str, multiplier: float, rows: list[Row], args
 
 
 # --------------------------------------------------------------------------- loads
-def headline(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """Highest load with attainment ≥ target: linear between the highest passing load and the
-    lowest failing load above it."""
-    pts = sorted((r["load_req_per_s"], r["attainment"], r["multiplier"]) for r in runs
-                 if r.get("attainment") is not None and r.get("load_req_per_s"))
+def load_points(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The successful runs of one cell grouped by load (multiplier): the mean attainment over
+    the repeats, and its min and max (the run-to-run spread); sorted by load."""
+    by_mult: dict[float, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("attainment") is not None and r.get("load_req_per_s"):
+            by_mult.setdefault(r["multiplier"], []).append(r)
+    pts = []
+    for mult, rs in by_mult.items():
+        atts = [r["attainment"] for r in rs]
+        pts.append({"multiplier": mult, "load": rs[0]["load_req_per_s"], "attainment": round(sum(atts) / len(atts), 4),
+                    "min": min(atts), "max": max(atts), "runs": len(rs)})
+    return sorted(pts, key=lambda p: (p["load"], p["multiplier"]))
+
+
+def crossing(pts: list[tuple[float, float, float]], target: float) -> dict[str, Any]:
+    """Highest load with attainment ≥ target from (load, attainment, multiplier) points:
+    linear between the highest passing load and the lowest failing load above it."""
+    pts = sorted(pts)
     if not pts:
         return {"value": None, "bound": "none", "note": "no successful run"}
     passing = [p for p in pts if p[1] >= target]
@@ -1199,18 +1212,38 @@ def headline(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
     return out
 
 
-def search_runs(run_at: Callable[[float], dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Up by --search-factor while passing (down while failing), then bisect the bracket."""
+def headline(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The cell's headline: `crossing` of the mean attainment per load. With repeats, `range`
+    holds the headlines of the per-load minimum and maximum attainment (the spread's effect)."""
+    pts = load_points(runs)
+    out = crossing([(p["load"], p["attainment"], p["multiplier"]) for p in pts], target)
+    out["points"] = pts
+    if any(p["runs"] > 1 for p in pts):
+        keep = ("value", "bound", "below_req_per_s")
+        out["range"] = {side: {k: v for k, v in crossing([(p["load"], p[key], p["multiplier"]) for p in pts],
+                                                         target).items() if k in keep}
+                        for side, key in (("low", "min"), ("high", "max"))}
+    return out
+
+
+def search_runs(run_point: Callable[[float], list[dict[str, Any]]], args: argparse.Namespace,
+                search_max: float) -> list[dict[str, Any]]:
+    """Up by --search-factor while passing (down while failing), then bisect the bracket; a
+    point passes on its mean attainment over its repeats."""
     runs: list[dict[str, Any]] = []
     m = args.search_start
     lo = hi = None  # multipliers of the highest pass / lowest fail seen
+    num_points = 0
 
     def attempt(mult: float) -> float | None:
-        r = run_at(mult)
-        runs.append(r)
-        return r.get("attainment")
+        nonlocal num_points
+        num_points += 1
+        point = run_point(mult)
+        runs.extend(point)
+        atts = [r["attainment"] for r in point if r.get("attainment") is not None]
+        return sum(atts) / len(atts) if atts else None
 
-    while len(runs) < args.max_runs:
+    while num_points < args.max_runs:
         att = attempt(m)
         if att is None:
             break  # the harness failed: searching on is pointless
@@ -1219,7 +1252,7 @@ def search_runs(run_at: Callable[[float], dict[str, Any]], args: argparse.Namesp
             if hi is not None:
                 break
             m *= args.search_factor
-            if m > args.search_max:
+            if m > search_max:
                 break
         else:
             hi = m if hi is None else min(hi, m)
@@ -1229,7 +1262,7 @@ def search_runs(run_at: Callable[[float], dict[str, Any]], args: argparse.Namesp
             if m < args.search_min:
                 break
     for _ in range(args.bisect):
-        if lo is None or hi is None or len(runs) >= args.max_runs:
+        if lo is None or hi is None or num_points >= args.max_runs:
             break
         mid = (lo + hi) / 2
         att = attempt(mid)
@@ -1256,39 +1289,154 @@ def headline_text(h: dict[str, Any]) -> str:
     return "-"
 
 
-def summary_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    bound = result["capacity"]["rate_req_per_s"]
-    heads = result["headline"]
-    peers = [h["value"] for name, h in heads.items() if h.get("kind") in ("sglang", "vllm") and h.get("value")]
-    best_peer = max(peers) if peers else None
-    direct = heads.get("direct-round-robin", {}).get("value")
-    cols = ["config", "highest load ≥90% (req/s)", "×trace rate", "of capacity", "vs best peer", "vs direct-rr", "runs"]
+def split_label(label: str, run_or_headline: dict[str, Any]) -> tuple[str, str]:
+    """(configuration, engine mode) of a cell label `CONFIG[MODE]`; reports from before engine
+    modes have neither the suffix nor the field, and ran every engine as "vllm" (its default)."""
+    mode = run_or_headline.get("engine_mode")
+    if label.endswith("]") and "[" in label:
+        base, _, suffix = label[:-1].rpartition("[")
+        return base, mode or suffix
+    return label, mode or "vllm"
+
+
+def capacity_of(result: dict[str, Any], mode: str) -> dict[str, Any] | None:
+    """The capacity bound of the report's workload under an engine mode."""
+    by_mode = result.get("capacity_by_mode")
+    if by_mode is not None:
+        return by_mode.get(mode)
+    return result.get("capacity") if mode == "vllm" else None
+
+
+def slice_lifetimes_of(result: dict[str, Any], mode: str) -> float | None:
+    return (result["workload"].get("slice_lifetimes_by_mode") or {}).get(mode)
+
+
+def workload_label(result: dict[str, Any]) -> str:
+    w = result["workload"]
+    return f"{result['trace']} {w['first_row']}+{w['rows']}"
+
+
+def cell_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over the repeats of one (cell, load): prefix hit rate, TTFT / TPOT percentiles,
+    misses by kind, requests per engine."""
+    ok = [r for r in runs if r.get("attainment") is not None]
+    if not ok:
+        return {}
+
+    def mean(values: list[float | None]) -> float | None:
+        v = [x for x in values if x is not None]
+        return sum(v) / len(v) if v else None
+
+    out: dict[str, Any] = {"runs": len(ok), "load": ok[0]["load_req_per_s"], "multiplier": ok[0]["multiplier"],
+                           "hit_rate": mean([(r.get("engines") or {}).get("prefix_hit_rate") for r in ok])}
+    for key in ("ttft_ms", "tpot_ms"):
+        out[key] = {q: mean([(r.get(key) or {}).get(q) for r in ok]) for q in ("p50", "p90", "p99")}
+    if all("misses" in r for r in ok):
+        out["misses"] = {k: mean([r["misses"][k] for r in ok]) for k in ("ttft_only", "tpot_only", "both",
+                                                                          "not_completed")}
+    errors: Counter = Counter()
+    per_worker: Counter = Counter()
+    for r in ok:
+        errors.update(r.get("errors") or {})
+        per_worker.update((r.get("engines") or {}).get("requests_per_worker") or {})
+    out["errors"] = {k: v / len(ok) for k, v in errors.most_common()}
+    out["requests_per_worker"] = {k: v / len(ok) for k, v in sorted(per_worker.items())}
+    return out
+
+
+def matrix_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (engine mode, workload, configuration) cell, with its ratios to the best
+    peer router and to direct round-robin of the same (mode, workload) group."""
+    records = []
+    for result in results:
+        target = result["flags"]["target"]
+        groups: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+        for label, h in result["headline"].items():
+            base, mode = split_label(label, h)
+            groups.setdefault(mode, []).append((label, base, h))
+        for mode, cells in groups.items():
+            peers = [h["value"] for _, _, h in cells if h.get("kind") in ("sglang", "vllm") and h.get("value")]
+            best_peer = max(peers) if peers else None
+            direct = next((h.get("value") for _, base, h in cells if base == "direct-round-robin"), None)
+            cap = capacity_of(result, mode)
+            bound = cap["rate_req_per_s"] if cap else None
+            lifetimes = slice_lifetimes_of(result, mode)
+            for label, base, h in cells:
+                v = h.get("value")
+                at = (h.get("pass") or {}).get("multiplier")
+                mine = [r for r in result["runs"] if r["config"] == label]
+                if at is None and mine:
+                    at = min(r["multiplier"] for r in mine)
+                stats = cell_stats([r for r in mine if at is not None and abs(r["multiplier"] - at) < 1e-9])
+                records.append({
+                    "mode": mode, "workload": workload_label(result), "trace": result["trace"], "config": base,
+                    "label": label, "kind": h.get("kind"), "target": target, "headline": h,
+                    "of_bound": v / bound if v and bound else None, "bound": bound,
+                    "above_bound": bool(v and bound and v > bound),
+                    "burst": lifetimes is not None and lifetimes < MIN_SLICE_LIFETIMES, "slice_lifetimes": lifetimes,
+                    "vs_best_peer": v / best_peer if v and best_peer else None,
+                    "vs_direct": v / direct if v and direct else None, "stats": stats,
+                })
+    return records
+
+
+def matrix_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The matrix: a row per (mode, workload, configuration). The load columns are the
+    headline (mean attainment per load; with repeats, the headlines of the per-load min and
+    max attainment in brackets); the detail columns are means over the repeats at the
+    headline's highest passing load (else the lowest load run)."""
+    cols = ["mode", "workload", "config", "target", "highest load at target (req/s)", "of bound", "vs best peer",
+            "vs direct-rr", "at req/s", "hit rate", "TTFT p50/p90/p99", "TPOT p50/p90/p99",
+            "missed TTFT/TPOT/both", "not completed", "per engine", "runs"]
     rows = []
-    for name, h in heads.items():
-        v = h.get("value")
-        rows.append([name, headline_text(h), fmt(h.get("multiplier"), 2),
-                     f"{v / bound:.1%}" if v and bound else "-",
-                     f"{v / best_peer:.2f}" if v and best_peer else "-",
-                     f"{v / direct:.2f}" if v and direct else "-", str(h.get("runs", 0))])
+    for rec in records:
+        h, st = rec["headline"], rec["stats"]
+        text = headline_text(h)
+        if h.get("range"):  # the spread over repeats, when it moves the figure
+            low, high = headline_text(h["range"]["low"]), headline_text(h["range"]["high"])
+            text += f" ({low}–{high})" if (low, high) != (text, text) else " (no spread)"
+        of_bound = f"{rec['of_bound']:.0%}" if rec["of_bound"] is not None else "-"
+        if rec["above_bound"]:
+            of_bound = f"⚠ {of_bound} ABOVE THE BOUND"
+        elif rec["burst"] and rec["of_bound"] is not None:
+            of_bound += " (burst slice)"
+        m = st.get("misses")
+        misses = "/".join(fmt(m[k], 0) for k in ("ttft_only", "tpot_only", "both")) if m else "-"
+        errors = ", ".join(f"{k} {v:g}" for k, v in list(st.get("errors", {}).items())[:2])
+        rows.append([
+            rec["mode"], rec["workload"], rec["config"], f"{rec['target']:.0%}", text, of_bound,
+            fmt(rec["vs_best_peer"], 2), fmt(rec["vs_direct"], 2), fmt(st.get("load"), 2),
+            fmt(st.get("hit_rate"), 3),
+            "/".join(fmt(st["ttft_ms"][q], 0) for q in ("p50", "p90", "p99")) if st else "-",
+            "/".join(fmt(st["tpot_ms"][q], 1) for q in ("p50", "p90", "p99")) if st else "-",
+            misses, (f"{fmt(m['not_completed'], 0)}" if m else "-") + (f" ({errors})" if errors else ""),
+            " ".join(f"{v:.0f}" for v in st.get("requests_per_worker", {}).values()) or "-",
+            str(h.get("runs", 0)),
+        ])
     return cols, rows
 
 
 def runs_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    cols = ["config", "×rate", "req/s", "attain", "goodput", "TTFT p50", "p90", "p99", "TPOT p50", "p90",
-            "hit rate", "per worker", "errors", "client cores", "machine cores (sat.)", "others' cores", "wall s"]
+    cols = ["config", "×rate", "#", "req/s", "attain", "goodput", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99",
+            "missed T/P/both", "hit rate", "per worker", "errors", "client cores", "machine cores (sat.)",
+            "others' cores", "wall s"]
     rows = []
     for r in result["runs"]:
+        rep = str(r.get("repeat", 0) + 1)
         if "attainment" not in r:
-            rows.append([r["config"], fmt(r["multiplier"], 3), fmt(r.get("load_req_per_s"), 2), "FAILED", *["-"] * 12,
-                         fmt(r.get("wall_s"), 0)])
+            rows.append([r["config"], fmt(r["multiplier"], 3), rep, fmt(r.get("load_req_per_s"), 2), "FAILED",
+                         *["-"] * 14, fmt(r.get("wall_s"), 0)])
             continue
         e = r.get("engines", {})
         per_worker = " ".join(str(v) for v in (e.get("requests_per_worker") or {}).values())
         errors = ", ".join(f"{k} {v}" for k, v in list(r["errors"].items())[:3]) or "-"
+        m = r.get("misses")
         cpu = r["cpu"]
-        rows.append([r["config"], fmt(r["multiplier"], 3), fmt(r["load_req_per_s"], 2), f"{r['attainment']:.3f}",
+        rows.append([r["config"], fmt(r["multiplier"], 3), rep, fmt(r["load_req_per_s"], 2), f"{r['attainment']:.3f}",
                      fmt(r["goodput_req_per_s"], 2), fmt(r["ttft_ms"]["p50"]), fmt(r["ttft_ms"]["p90"]),
                      fmt(r["ttft_ms"]["p99"]), fmt(r["tpot_ms"]["p50"], 1), fmt(r["tpot_ms"]["p90"], 1),
+                     fmt(r["tpot_ms"].get("p99"), 1),
+                     "/".join(str(m[k]) for k in ("ttft_only", "tpot_only", "both")) if m else "-",
                      fmt(e.get("prefix_hit_rate"), 3), per_worker or "-", errors, fmt(r["client"]["cores"], 2),
                      f"{fmt(cpu['machine_busy_cores']['mean'], 2)} ({fmt(cpu['saturated_fraction'], 2)})",
                      fmt(cpu["foreign_cores"]["mean"], 2), fmt(r["wall_s"], 0)])
@@ -1305,56 +1453,101 @@ def render(cols: list[str], rows: list[list[str]], markdown: bool = False) -> st
     return "\n".join(out)
 
 
+def report_header(result: dict[str, Any]) -> str:
+    w, f = result["workload"], result["flags"]
+    modes = result.get("engine_modes") or ["vllm"]
+    bounds = []
+    for mode in modes:
+        cap = capacity_of(result, mode)
+        if cap is None:
+            continue
+        lifetimes = slice_lifetimes_of(result, mode)
+        bounds.append(f"{mode} {cap['rate_req_per_s']:.3g} req/s (×{fmt(cap.get('multiplier'), 3)} the recorded rate, "
+                      f"decode batch {fmt(cap.get('decode_batch_size'), 0)} by {cap.get('decode_batch_limited_by')}"
+                      + (f"; the slice lasts {lifetimes:.1f} request lifetimes at it" if lifetimes is not None else "")
+                      + ")")
+    reuse = w.get("prefix_reuse_unbounded")
+    return (f"{result['trace']}: {w['rows']} rows from row {w['first_row']} ({w['recorded_rate_req_per_s']} req/s "
+            f"recorded; {w['prompts_cut']} prompts cut to {f['max_prompt_tokens']} tokens; prefix reuse with an "
+            f"unbounded cache {fmt(reuse, 3)}), {f['workers']} engines, engine modes {', '.join(modes)}, time scale "
+            f"{f['time_scale']:g}, SLO TTFT {f['slo_ttft_ms']:g} ms / TPOT {f['slo_tpot_ms']:g} ms, target "
+            f"{f['target']:.0%} (reachable alone on an idle engine: {w['zero_load_slo_fraction_infinite_cache']:.1%}); "
+            f"capacity bound {'; '.join(bounds) or '-'}; times in engine ms; {result['machine']['cores']} cores shared "
+            f"by the client and every process")
+
+
+def above_bound_banner(records: list[dict[str, Any]]) -> str | None:
+    """A loud message naming every headline above its capacity bound; None when there is none."""
+    above = [r for r in records if r["above_bound"]]
+    if not above:
+        return None
+    lines = [f"  {r['label']} on {r['workload']}: {headline_text(r['headline'])} req/s > bound {r['bound']:.3g} "
+             f"({r['of_bound']:.0%}; the slice lasts {fmt(r['slice_lifetimes'], 1)} request lifetimes at the bound)"
+             for r in above]
+    return ("!" * 78 + "\nHEADLINE ABOVE THE CAPACITY BOUND: no fleet sustains these loads, so these runs measured a "
+            "burst (too short a slice) or the bound is wrong (bench/capacity.py). Replay a longer slice (--rows auto):\n"
+            + "\n".join(lines) + "\n" + "!" * 78)
+
+
 def print_report(result: dict[str, Any], markdown: bool) -> None:
-    w, cap, f = result["workload"], result["capacity"], result["flags"]
-    print(f"\n{result['trace']}: {w['rows']} rows from row {w['first_row']} ({w['recorded_rate_req_per_s']} req/s "
-          f"recorded; {w['prompts_cut']} prompts cut to {f['max_prompt_tokens']} tokens), {f['workers']} engines, "
-          f"time scale {f['time_scale']:g}, SLO TTFT {f['slo_ttft_ms']:g} ms / TPOT {f['slo_tpot_ms']:g} ms, "
-          f"target {f['target']:.0%} (reachable alone on an idle engine: "
-          f"{w['zero_load_slo_fraction_infinite_cache']:.1%}); capacity bound {cap['rate_req_per_s']:.3g} req/s "
-          f"(×{cap['multiplier']:.3g} the recorded rate; reuse {cap['reuse']:.3f}, decode batch "
-          f"{cap['decode_batch_size']} by {cap['decode_batch_limited_by']}); times in engine ms; "
-          f"{result['machine']['cores']} cores shared by the client and every process")
+    print("\n" + report_header(result))
     print(render(*runs_table(result), markdown=markdown))
     print()
-    print(render(*summary_table(result), markdown=markdown))
+    records = matrix_rows([result])
+    print(render(*matrix_table(records), markdown=markdown))
     for note in result["notes_run"]:
         print(f"note: {note}")
+    banner = above_bound_banner(records)
+    if banner:
+        print(banner)
 
 
 def plot(result: dict[str, Any], prefix: str, cdf_sets: dict[str, dict[str, list[float]]],
          cdf_rate: float | None) -> list[str]:
+    """PREFIX_attainment.png (one engine mode) or PREFIX_<mode>_attainment.png per mode:
+    attainment vs load of every configuration, min-max bars over repeats; PREFIX_cdf.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name in dict.fromkeys(r["config"] for r in result["runs"]):
-        pts = sorted((r["load_req_per_s"], r["attainment"]) for r in result["runs"]
-                     if r["config"] == name and r.get("attainment") is not None)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.axhline(result["flags"]["target"], color="grey", linestyle=":", linewidth=1)
-    bound = result["capacity"]["rate_req_per_s"]
-    xmax = max([r["load_req_per_s"] for r in result["runs"] if r.get("load_req_per_s")] or [1.0])
-    if bound <= 2 * xmax:
-        ax.axvline(bound, color="black", linestyle="--", linewidth=1, label=f"capacity bound {bound:.3g} req/s")
-    else:
-        ax.text(0.99, 0.02, f"capacity bound {bound:.3g} req/s (off the chart)", transform=ax.transAxes, ha="right",
-                fontsize=8)
-    ax.set_xlabel("load (req/s)")
-    ax.set_ylabel(f"SLO attainment (TTFT ≤ {result['flags']['slo_ttft_ms']:g} ms, TPOT ≤ "
-                  f"{result['flags']['slo_tpot_ms']:g} ms)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{result['trace']}: {result['workload']['rows']} rows, {result['flags']['workers']} engines")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = f"{prefix}_attainment.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    by_mode: dict[str, list[str]] = {}
+    for label in dict.fromkeys(r["config"] for r in result["runs"]):
+        run = next(r for r in result["runs"] if r["config"] == label)
+        by_mode.setdefault(split_label(label, run)[1], []).append(label)
+    for mode, labels in by_mode.items():
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for name in labels:
+            pts = load_points([r for r in result["runs"] if r["config"] == name])
+            if pts:
+                x, y = [p["load"] for p in pts], [p["attainment"] for p in pts]
+                if any(p["runs"] > 1 for p in pts):
+                    err = [[p["attainment"] - p["min"] for p in pts], [p["max"] - p["attainment"] for p in pts]]
+                    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=split_label(name, {})[0])
+                else:
+                    ax.plot(x, y, marker="o", label=split_label(name, {})[0])
+        ax.axhline(result["flags"]["target"], color="grey", linestyle=":", linewidth=1)
+        cap = capacity_of(result, mode)
+        xmax = max([r["load_req_per_s"] for r in result["runs"] if r.get("load_req_per_s")] or [1.0])
+        if cap is not None:
+            bound = cap["rate_req_per_s"]
+            if bound <= 2 * xmax:
+                ax.axvline(bound, color="black", linestyle="--", linewidth=1, label=f"capacity bound {bound:.3g} req/s")
+            else:
+                ax.text(0.99, 0.02, f"capacity bound {bound:.3g} req/s (off the chart)", transform=ax.transAxes,
+                        ha="right", fontsize=8)
+        ax.set_xlabel("load (req/s)")
+        ax.set_ylabel(f"SLO attainment (TTFT ≤ {result['flags']['slo_ttft_ms']:g} ms, TPOT ≤ "
+                      f"{result['flags']['slo_tpot_ms']:g} ms)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{workload_label(result)} rows, {result['flags']['workers']} engines, engine mode {mode}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{prefix}_attainment.png" if len(by_mode) == 1 else f"{prefix}_{mode}_attainment.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
     if cdf_sets:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 5))
         for name, s in cdf_sets.items():
@@ -1391,11 +1584,12 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def engine_defaults(args: argparse.Namespace) -> tuple[EngineLimits, dict[str, Any], list[str]]:
-    """The engine limits every engine runs with: our flags, else WorkerConfig's defaults."""
+def engine_defaults(args: argparse.Namespace) -> tuple[dict[str, EngineLimits], dict[str, Any], list[str]]:
+    """The engine limits every engine runs with, per engine mode: our flags, else
+    WorkerConfig's defaults."""
     notes = []
     defaults: dict[str, Any] = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "num_kv_blocks": 16384,
-                                "block_size_tokens": 16, "max_seq_len_tokens": 40960}
+                                "block_size_tokens": 16, "max_seq_len_tokens": 40960, "max_prefill_tokens": 16384}
     try:
         import msgspec.structs
 
@@ -1409,20 +1603,79 @@ def engine_defaults(args: argparse.Namespace) -> tuple[EngineLimits, dict[str, A
     for k in list(defaults):
         if getattr(args, k, None) is not None:
             defaults[k] = getattr(args, k)
-    limits = EngineLimits(max_num_batched_tokens=defaults["max_num_batched_tokens"], max_num_seqs=defaults["max_num_seqs"],
-                          num_kv_blocks=defaults["num_kv_blocks"], block_size_tokens=defaults["block_size_tokens"])
+    limits = {mode: EngineLimits(scheduler=mode, chunked_prefill=not args.no_chunked_prefill, **defaults)
+              for mode in args.engine_mode_list}
     return limits, defaults, notes
 
 
+def workload_capacity(rows: list[Row], costs: StepCosts, limits: EngineLimits,
+                      workers: int) -> tuple[CapacityBound, float]:
+    """The capacity bound of `rows` under one engine mode, and how many request lifetimes the
+    slice lasts when it arrives at that bound (bench/capacity.py)."""
+    requests, prefix_block_tokens = workload_requests(rows)
+    cap = capacity_bound(requests, costs, limits, workers, recorded_span_s=rows[-1].ts_ms / 1000.0,
+                         prefix_block_tokens=prefix_block_tokens)
+    return cap, slice_lifetimes(requests, cap, costs, limits)
+
+
+def choose_rows(args: argparse.Namespace, costs: StepCosts, limits: dict[str, EngineLimits]) -> list[Row]:
+    """`--rows N`: those rows. `--rows auto`: about the shortest slice from --start-row that
+    lasts MIN_SLICE_LIFETIMES request lifetimes at the capacity bound of every engine mode
+    (grown from 100 rows by the lifetimes it lacks; the bound moves with the slice), or the
+    whole trace when it is shorter."""
+    def load(n: int) -> list[Row]:
+        return load_workload(args.trace, args.start_row, n, args.max_prompt_tokens, seed=args.chat_seed,
+                             chat=args.chat_params)
+
+    if args.rows != "auto":
+        return load(args.rows)
+    n = 100
+    for _ in range(12):
+        rows = load(n)
+        if len(rows) < 2 or rows[-1].ts_ms <= 0:
+            return rows
+        lifetimes = min(workload_capacity(rows, costs, lim, args.workers)[1] for lim in limits.values())
+        if lifetimes >= MIN_SLICE_LIFETIMES or len(rows) < n:
+            return rows
+        n = math.ceil(n * MIN_SLICE_LIFETIMES / lifetimes * 1.05)
+    return rows
+
+
 # --------------------------------------------------------------------------- main
+QUICK_CONFIGS = ("flexlb", "flexlb-openai", "sglang-cache_aware", "vllm-cache_aware", "direct-round-robin")
+QUICK_ROWS = 60
+QUICK_LOADS_OF_BOUND = (0.25, 0.5)  # --quick's loads, as fractions of the lowest mode's capacity bound
+
+
+def _rows_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rows takes a number or auto, got {text!r}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default="mooncake", help="mooncake | azure-conv | azure-code | a path (default mooncake)")
-    p.add_argument("--rows", type=int, default=200, help="rows to replay (default 200)")
+    p.add_argument("--trace", default="mooncake", help=f"{' | '.join(WORKLOADS)} | a path (default mooncake)")
+    p.add_argument("--rows", type=_rows_arg,
+                   help=f"requests to replay, or auto: about the shortest slice lasting {MIN_SLICE_LIFETIMES:g} "
+                        f"request lifetimes at the capacity bound (default auto; --quick: {QUICK_ROWS})")
     p.add_argument("--start-row", type=int, default=0)
     p.add_argument("--workers", type=int, default=4, help="engines per fleet, K (default 4)")
     p.add_argument("--time-scale", type=float, default=1.0, help="engine time multiplier (default 1: wall = engine)")
-    p.add_argument("--configs", default=",".join(builtin_configs()), help="comma-separated (default: all)")
+    p.add_argument("--configs", help=f"comma-separated (default: all; --quick: {','.join(QUICK_CONFIGS)})")
+    p.add_argument("--engine-modes", default="vllm",
+                   help=f"comma-separated engine schedulers, each configuration runs on each ({', '.join(SCHEDULERS)}; "
+                        f"default vllm): every engine gets --scheduler MODE, cells are labelled CONFIG[MODE]")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each (configuration, load) point, each on a fresh fleet (default 1); the headline "
+                        "uses the mean attainment per load, the table the min-max spread")
+    p.add_argument("--quick", action="store_true",
+                   help=f"iteration preset: {QUICK_ROWS} rows, loads "
+                        f"{' and '.join(f'{x:g}' for x in QUICK_LOADS_OF_BOUND)} × the capacity bound, configurations "
+                        f"{','.join(QUICK_CONFIGS)} (each unless given)")
     p.add_argument("--flexlb-args", default="", help="appended to every `flexlb up` command line")
     p.add_argument("--name", help="label of the FlexLB configuration(s) run with --flexlb-args")
     p.add_argument("--peer-args", default="", help="appended to every peer router's command line")
@@ -1432,7 +1685,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--search-start", type=float, default=1.0, help="first multiplier of --search (default 1)")
     p.add_argument("--search-factor", type=float, default=1.5, help="step of --search up or down (default 1.5)")
     p.add_argument("--bisect", type=int, default=2, help="bisections after the bracket (default 2)")
-    p.add_argument("--max-runs", type=int, default=7, help="most runs per configuration in --search (default 7)")
+    p.add_argument("--max-runs", type=int, default=7,
+                   help="most loads per configuration in --search, each run --repeat times (default 7)")
     p.add_argument("--search-min", type=float, default=0.01, help="lowest multiplier --search tries (default 0.01)")
     p.add_argument("--search-max", type=float,
                    help="highest multiplier --search tries (default: 1.5 × the capacity bound's; a pass above the "
@@ -1440,10 +1694,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.9, help="attainment a load must reach (default 0.9)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    p.add_argument("--max-prompt-tokens", type=int, default=32000, help="longer prompts are cut (default 32000)")
+    p.add_argument("--max-prompt-tokens", type=int, default=32000,
+                   help="traces: longer prompts are cut; chat: a session ends before its history exceeds it "
+                        "(default 32000)")
     p.add_argument("--model-name", default="flexlb-sim", help="the body's model field (SGLang's router needs one)")
+    chat = p.add_argument_group("the chat workload (--trace chat; bench/workloads.py ChatParams)")
+    chat_defaults = ChatParams()
+    chat.add_argument("--chat-tenants", type=int, help=f"tenants, each with its own system prompt "
+                                                       f"(default {chat_defaults.num_tenants})")
+    chat.add_argument("--chat-session-rate", type=float,
+                      help=f"sessions starting per second at ×1 (default {chat_defaults.session_rate_per_s:g})")
+    chat.add_argument("--chat-turns", type=float, help=f"mean turns per session (default {chat_defaults.mean_turns:g})")
+    chat.add_argument("--chat-think-s", type=float,
+                      help=f"mean think time between turns, s (default {chat_defaults.mean_think_s:g})")
+    chat.add_argument("--chat-seed", type=int, help="the workload's seed (default 0)")
     eng = p.add_argument_group("engine flags (every engine of every configuration; default: the engine's own)")
-    for name in ("num_kv_blocks", "block_size_tokens", "max_seq_len_tokens", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ENGINE_INT_FLAGS:
         eng.add_argument(f"--{name.replace('_', '-')}", type=int)
     eng.add_argument("--no-chunked-prefill", action="store_true")
     eng.add_argument("--profile", help="timing profile JSON (also used by the capacity bound)")
@@ -1457,13 +1723,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="tiny requests per router URL before the replay (default 2)")
     p.add_argument("--cpu-interval-s", type=float, default=1.0)
     p.add_argument("--per-request", action="store_true", help="write every request's record to the JSON")
-    p.add_argument("--plot", metavar="PREFIX", help="write PREFIX_attainment.png and PREFIX_cdf.png")
+    p.add_argument("--plot", metavar="PREFIX",
+                   help="write PREFIX_attainment.png (several engine modes: PREFIX_<mode>_attainment.png) and "
+                        "PREFIX_cdf.png")
     p.add_argument("--cdf-rate", type=float, help="multiplier of the CDF plot (default: the highest one every "
                                                   "configuration ran; runs it when missing)")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)")
     p.add_argument("--out", help="JSON report (default bench/results/peers_<trace>.json)")
     args = p.parse_args(argv)
+    if args.rows is None:
+        args.rows = QUICK_ROWS if args.quick else "auto"
+    if args.configs is None:
+        args.configs = ",".join(QUICK_CONFIGS if args.quick else builtin_configs())
+    args.engine_mode_list = list(dict.fromkeys(x.strip() for x in args.engine_modes.split(",") if x.strip()))
+    bad_modes = [m for m in args.engine_mode_list if m not in SCHEDULERS]
+    if bad_modes or not args.engine_mode_list:
+        p.error(f"--engine-modes takes {', '.join(SCHEDULERS)}; got {args.engine_modes!r}")
+    chat_knobs = {"num_tenants": args.chat_tenants, "session_rate_per_s": args.chat_session_rate,
+                  "mean_turns": args.chat_turns, "mean_think_s": args.chat_think_s}
+    if args.trace == "chat":
+        try:
+            args.chat_params = ChatParams(**{k: v for k, v in chat_knobs.items() if v is not None})
+        except ValueError as exc:
+            p.error(f"chat workload: {exc}")
+        args.chat_seed = args.chat_seed or 0
+    else:
+        given = [f"--{k}" for k, v in (("chat-tenants", args.chat_tenants),
+                                       ("chat-session-rate", args.chat_session_rate), ("chat-turns", args.chat_turns),
+                                       ("chat-think-s", args.chat_think_s), ("chat-seed", args.chat_seed))
+                 if v is not None]
+        if given:
+            p.error(f"{', '.join(given)} apply to --trace chat only")
+        args.chat_params, args.chat_seed = None, 0
+        try:
+            resolve_trace(args.trace)
+        except ValueError as exc:
+            p.error(str(exc))
     known = builtin_configs()
     names = [x.strip() for x in args.configs.split(",") if x.strip()]
     for n in names:
@@ -1490,22 +1786,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             label[n] = custom if len(flexlb_selected) == 1 else f"{n}+{custom}"
         else:
             label[n] = n
-    args.selected = [(known[n], label[n]) for n in names]
+    # One cell per (engine mode, configuration), labelled CONFIG[MODE]; modes in the order given.
+    args.selected = [(dataclasses.replace(known[n], engine_mode=mode), f"{label[n]}[{mode}]")
+                     for mode in args.engine_mode_list for n in names]
+    # --quick without --rates: loads as fractions of the capacity bound, known once the rows are (main).
+    args.loads_of_bound = QUICK_LOADS_OF_BOUND if args.quick and not args.rates and not args.search else None
     try:
         args.rate_list = [float(x) for x in (args.rates or "1").split(",") if x.strip()]
     except ValueError:
         p.error("--rates takes numbers")
     if any(r <= 0 for r in args.rate_list) or args.search_start <= 0 or args.search_factor <= 1:
         p.error("rates and --search-start must be > 0, --search-factor > 1")
-    if args.rows < 2 or args.workers < 1 or args.start_row < 0 or args.client_procs < 1:
-        p.error("--rows >= 2, --workers >= 1, --start-row >= 0, --client-procs >= 1")
+    if ((args.rows != "auto" and args.rows < 2) or args.workers < 1 or args.start_row < 0 or args.client_procs < 1
+            or args.repeat < 1):
+        p.error("--rows >= 2 (or auto), --workers >= 1, --start-row >= 0, --client-procs >= 1, --repeat >= 1")
     if args.time_scale <= 0:
         p.error("--time-scale must be > 0")
     return args
 
 
 def sim_server_check(args: argparse.Namespace) -> str | None:
-    """None when the engine server command answers --help (and whether it takes --host)."""
+    """None when the engine server command answers --help and takes --scheduler (and whether
+    it takes --host); else why it cannot run."""
     base = shlex.split(args.sim_server_cmd) if args.sim_server_cmd else [*flexlb_exe(), "sim-server"]
     try:
         res = subprocess.run([*base, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -1513,6 +1815,8 @@ def sim_server_check(args: argparse.Namespace) -> str | None:
         return f"{shlex.join(base)} --help failed: {exc}"
     if res.returncode != 0:
         return f"{shlex.join(base)} --help exited {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]}"
+    if "--scheduler" not in res.stdout:
+        return f"{shlex.join(base)} does not take --scheduler, which every engine gets (the engine mode)"
     args.sim_server_has_host = "--host" in res.stdout
     return None
 
@@ -1525,49 +1829,62 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    trace_name, trace_path = resolve_trace(args.trace)
-    rows = load_rows(trace_path, args.start_row, args.rows, args.max_prompt_tokens)
+    costs = StepCosts.from_file(args.profile or DEFAULT_PROFILE)
+    limits, engine_cfg, notes = engine_defaults(args)
+    modes = args.engine_mode_list
+    trace_name, trace_path = ("chat", None) if args.trace == "chat" else resolve_trace(args.trace)
+    t_build = time.monotonic()
+    rows = choose_rows(args, costs, limits)
     if len(rows) < 2 or rows[-1].ts_ms <= 0:
-        print(f"need at least 2 rows with distinct timestamps from {trace_path} row {args.start_row}", file=sys.stderr)
+        print(f"need at least 2 rows with distinct timestamps from {trace_path or trace_name} row {args.start_row}",
+              file=sys.stderr)
         return 1
     span_recorded_s = rows[-1].ts_ms / 1000.0
-    t_build = time.monotonic()
     bodies = build_bodies(rows, args)
     _BODIES[:] = bodies
-    _REQUEST_IDS[:] = [f"row-{r.row:05d}" for r in rows]
-    facts = workload_facts(rows, span_recorded_s)
-    print(f"{trace_name}: {len(rows)} rows, {facts['recorded_rate_req_per_s']} req/s recorded; bodies "
-          f"{sum(map(len, bodies)) / 1e6:.1f} MB built in {time.monotonic() - t_build:.1f} s; "
+    _REQUEST_IDS[:] = [r.request_id for r in rows]
+    facts = workload_facts(rows, span_recorded_s, engine_cfg["block_size_tokens"])
+    facts["rows_chosen"] = "auto" if args.rows == "auto" else "given"
+    print(f"{trace_name}: {len(rows)} rows ({facts['rows_chosen']}), {facts['recorded_rate_req_per_s']} req/s "
+          f"recorded; bodies {sum(map(len, bodies)) / 1e6:.1f} MB built in {time.monotonic() - t_build:.1f} s; "
           f"{facts['prompts_cut']} prompts cut to {args.max_prompt_tokens} tokens "
-          f"({facts['prompt_tokens_cut']} tokens dropped)", file=sys.stderr, flush=True)
+          f"({facts['prompt_tokens_cut']} tokens dropped); prefix reuse with an unbounded cache "
+          f"{facts['prefix_reuse_unbounded']}", file=sys.stderr, flush=True)
 
-    limits, engine_cfg, notes = engine_defaults(args)
-    costs = StepCosts.from_file(args.profile or DEFAULT_PROFILE)
-    wreqs = [WorkloadRequest(r.input_length, r.max_tokens, tuple(r.hash_ids) if r.hash_ids else None) for r in rows]
-    cap = capacity_bound(wreqs, costs, limits, args.workers, recorded_span_s=span_recorded_s,
-                         prefix_block_tokens=HASH_BLOCK_TOKENS)
+    caps: dict[str, CapacityBound] = {}
+    lifetimes: dict[str, float] = {}
+    for mode in modes:
+        caps[mode], lifetimes[mode] = workload_capacity(rows, costs, limits[mode], args.workers)
+    facts["slice_lifetimes_by_mode"] = {m: round(v, 2) for m, v in lifetimes.items()}
+    requests, prefix_block_tokens = workload_requests(rows)
+    first = limits[modes[0]]  # alone on an idle engine both schedulers run the same steps
     # Who could meet the SLO alone on an idle engine: a ceiling on attainment at any load.
     for with_cache in (True, False):
         facts[f"zero_load_slo_fraction_{'infinite_cache' if with_cache else 'cold'}"] = round(zero_load_slo_fraction(
-            wreqs, costs, limits, args.slo_ttft_ms, args.slo_tpot_ms, with_cache, HASH_BLOCK_TOKENS), 4)
+            requests, costs, first, args.slo_ttft_ms, args.slo_tpot_ms, with_cache, prefix_block_tokens), 4)
     feasible = facts["zero_load_slo_fraction_infinite_cache"]
-    if args.search_max is None:
-        args.search_max = 1.5 * cap.multiplier
-    # Steady state: near the bound, the slice should last many request lifetimes, else it is a
-    # burst that drains after the last arrival and passes loads no fleet sustains.
-    e2e0 = [t + (r.max_tokens - 1) * (p or 0.0) for r, (t, p) in
-            ((r, zero_load_latency_ms(r, 0, costs, limits)) for r in wreqs)]
-    mean_e2e0_s = sum(e2e0) / len(e2e0) / 1000.0
+    mean_e2e0_s = mean_zero_load_e2e_ms(requests, costs, first) / 1000.0
     facts["mean_zero_load_e2e_s"] = round(mean_e2e0_s, 3)
-    facts["span_at_bound_s"] = round(len(rows) / cap.rate_req_per_s, 2)
-    if facts["span_at_bound_s"] < 10 * mean_e2e0_s:
-        want = math.ceil(10 * mean_e2e0_s * cap.rate_req_per_s)
-        notes.append(f"at the capacity bound these {len(rows)} rows arrive in {facts['span_at_bound_s']} s, under 10 "
-                     f"request lifetimes ({mean_e2e0_s:.2f} s each alone): near the bound a run is a burst, not a "
-                     f"sustained load, and passes too easily; about {want} rows would reach steady state")
-        print(f"warning: {notes[-1]}", file=sys.stderr, flush=True)
-    print(f"capacity bound: {cap.rate_req_per_s:.3g} req/s (×{cap.multiplier:.3g} the recorded rate); "
-          f"{feasible:.1%} of the requests could meet the SLO alone on an idle engine", file=sys.stderr, flush=True)
+    facts["span_at_bound_s"] = {m: round(len(rows) / c.rate_req_per_s, 2) for m, c in caps.items()}
+    for mode in modes:
+        # Near the bound a slice shorter than MIN_SLICE_LIFETIMES request lifetimes is a burst that
+        # drains after the last arrival and passes loads no fleet sustains (bench/capacity.py).
+        if lifetimes[mode] < MIN_SLICE_LIFETIMES:
+            notes.append(f"{mode}: at the capacity bound these {len(rows)} rows arrive in "
+                         f"{facts['span_at_bound_s'][mode]} s, {lifetimes[mode]:.1f} request lifetimes "
+                         f"({mean_e2e0_s:.2f} s each alone), under {MIN_SLICE_LIFETIMES:g}: near the bound a run is a "
+                         f"burst, not a sustained load, and passes too easily; its headlines are marked as a burst "
+                         f"slice (--rows auto replays a sustained one)")
+            print(f"warning: {notes[-1]}", file=sys.stderr, flush=True)
+        print(f"capacity bound ({mode}): {caps[mode].rate_req_per_s:.3g} req/s (×{caps[mode].multiplier:.3g} the "
+              f"recorded rate); the slice lasts {lifetimes[mode]:.1f} request lifetimes at it", file=sys.stderr,
+              flush=True)
+    print(f"{feasible:.1%} of the requests could meet the SLO alone on an idle engine", file=sys.stderr, flush=True)
+    if args.loads_of_bound:
+        lowest = min(c.multiplier for c in caps.values())
+        args.rate_list = [round(f * lowest, 3) for f in args.loads_of_bound]
+        print(f"--quick: loads ×{', ×'.join(f'{m:g}' for m in args.rate_list)} (of the lowest bound ×{lowest:.3g})",
+              file=sys.stderr, flush=True)
     if feasible < args.target:
         notes.append(f"only {feasible:.1%} of these requests could meet TTFT ≤ {args.slo_ttft_ms:g} ms and TPOT ≤ "
                      f"{args.slo_tpot_ms:g} ms even alone on an idle engine with every shared prefix cached "
@@ -1594,19 +1911,28 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="flexlb-peers-"))
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"peers_{trace_name}.json"
+    cap_facts = {"formula": "bench/capacity.py module docstring", "upper_bound": True,
+                 "formula_version": 2}  # 2: issue 24 (bench/peers_report.py recomputes older ones)
     result: dict[str, Any] = {
         "benchmark": "bench/peers.py: FlexLB vs peer routers on simulated engines",
         "command": shlex.join([sys.executable, *sys.argv]),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": bt.machine_facts() | {"versions": versions()},
         "trace": trace_name,
-        "trace_path": str(trace_path),
-        "flags": {k: v for k, v in vars(args).items() if k not in ("selected",) and not callable(v)}
+        "trace_path": str(trace_path) if trace_path else None,
+        "chat": ({"seed": args.chat_seed} | {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path)
+                                               else v) for k, v in dataclasses.asdict(args.chat_params).items()}
+                 if args.chat_params else None),
+        "flags": {k: v for k, v in vars(args).items()
+                  if k not in ("selected", "chat_params", "engine_mode_list") and not callable(v)}
         | {"configs_run": [lbl for _, lbl in args.selected]},
+        "engine_modes": modes,
         "engine": engine_cfg | {"chunked_prefill": not args.no_chunked_prefill,
-                                "profile": str(args.profile or DEFAULT_PROFILE), "flags_passed": engine_flags(args)},
+                                "profile": str(args.profile or DEFAULT_PROFILE),
+                                "flags_passed": {m: engine_flags(args, m) for m in modes}},
         "workload": facts,
-        "capacity": cap.as_dict() | {"formula": "bench/capacity.py module docstring", "upper_bound": True},
+        "capacity": caps[modes[0]].as_dict() | cap_facts,  # the first mode's, as reports before engine modes had
+        "capacity_by_mode": {m: c.as_dict() | cap_facts for m, c in caps.items()},
         "notes_run": notes,
         "runs": [],
         "headline": {},
@@ -1616,17 +1942,38 @@ def main(argv: list[str] | None = None) -> int:
     cdf_sets: dict[str, dict[str, list[float]]] = {}
     t0 = time.monotonic()
     cdf_rate = args.cdf_rate
+
+    def finish_headline(config: Config, label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+        mode = config.engine_mode
+        h = headline(runs, args.target) | {"kind": config.kind, "engine_mode": mode, "runs": len(runs)}
+        if lifetimes[mode] < MIN_SLICE_LIFETIMES:
+            h["burst_slice"] = True
+        if h.get("value") and h["value"] > caps[mode].rate_req_per_s:
+            h["above_bound"] = True
+            notes.append(f"{label}: {h['value']:.3g} req/s is ABOVE the capacity bound "
+                         f"{caps[mode].rate_req_per_s:.3g}: a burst the slice was too short to tell from a sustained load, or a wrong bound")
+            print(f"WARNING: {notes[-1]}", file=sys.stderr, flush=True)
+        return h
+
     try:
         for config, label in args.selected:
-            def run_at(mult: float, config=config, label=label) -> dict[str, Any]:
+            def run_point(mult: float, config=config, label=label) -> list[dict[str, Any]]:
                 nonlocal seq, failed
-                seq += 1
-                r = one_run(config, label, mult, rows, args, workdir, seq)
-                failed |= not r["harness_ok"] or bool(r.get("stop_note"))
-                result["runs"].append(r)
-                return r
+                point = []
+                for k in range(args.repeat):
+                    seq += 1
+                    r = one_run(config, label, mult, rows, args, workdir, seq, k)
+                    failed |= not r["harness_ok"] or bool(r.get("stop_note"))
+                    result["runs"].append(r)
+                    point.append(r)
+                return point
 
-            runs = search_runs(run_at, args) if args.search else [run_at(m) for m in args.rate_list]
+            if args.search:
+                search_max = (args.search_max if args.search_max is not None
+                              else 1.5 * caps[config.engine_mode].multiplier)
+                runs = search_runs(run_point, args, search_max)
+            else:
+                runs = [r for m in args.rate_list for r in run_point(m)]
             for r in runs:
                 if r.get("client_bottleneck"):
                     notes.append(f"{label} ×{r['multiplier']:g}: {r['client_bottleneck']}")
@@ -1634,14 +1981,7 @@ def main(argv: list[str] | None = None) -> int:
                     notes.append(f"{label} ×{r['multiplier']:g}: the machine was ≥90 % busy in "
                                  f"{r['cpu']['saturated_fraction']:.0%} of the samples (others' processes "
                                  f"{r['cpu']['foreign_cores']['mean']} cores): engine sleeps and routers ran late")
-            h = headline(runs, args.target)
-            if h.get("value") and h["value"] > cap.rate_req_per_s:
-                h["note_above_bound"] = ("above the capacity bound: the slice is too short for queues to build "
-                                         "(a burst, not a sustained load); replay more rows")
-                notes.append(f"{label}: {h['value']:.3g} req/s is {h['note_above_bound']}")
-            h["kind"] = config.kind
-            h["runs"] = len(runs)
-            result["headline"][label] = h
+            result["headline"][label] = finish_headline(config, label, runs)
             write_json(result, out)  # after every configuration: a partial report survives a crash
         if args.plot:
             if cdf_rate is None:
@@ -1669,8 +2009,7 @@ def main(argv: list[str] | None = None) -> int:
         for config, label in args.selected:  # what ran of the configuration cut short still counts
             runs = [r for r in result["runs"] if r["config"] == label]
             if runs and label not in result["headline"]:
-                result["headline"][label] = headline(runs, args.target) | {"kind": config.kind, "runs": len(runs),
-                                                                            "note_interrupted": True}
+                result["headline"][label] = finish_headline(config, label, runs) | {"note_interrupted": True}
     finally:
         stop_all(args.stop_timeout_s)
     result["total_wall_s"] = round(time.monotonic() - t0, 1)
@@ -1689,11 +2028,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"process logs: {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    return 3 if any(h.get("above_bound") for h in result["headline"].values()) else 0
 
 
 PER_REQUEST_COLUMNS = ["row", "target", "input_tokens", "max_tokens", "send_at_trace_ms", "late_wall_ms", "status",
-                       "error", "ttft_ms", "e2e_ms", "tokens", "attained"]
+                       "error", "ttft_ms", "e2e_ms", "tokens", "attained", "request_id"]
 
 
 def write_json(result: dict[str, Any], out: Path, per_request: bool = False, rows: list[Row] | None = None,
@@ -1710,7 +2051,7 @@ def write_json(result: dict[str, Any], out: Path, per_request: bool = False, row
                  round(x.late_s * 1000, 2) if x.late_s is not None else None, x.status, x.error,
                  round(x.ttft_s * inv, 1) if x.ttft_s is not None else None,
                  round(x.e2e_s * inv, 1) if x.e2e_s is not None else None, x.tokens,
-                 is_attained(x, rows[x.index].max_tokens, args)] for x in recs]
+                 is_attained(x, rows[x.index].max_tokens, args), rows[x.index].request_id] for x in recs]
         runs.append(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
