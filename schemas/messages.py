@@ -219,6 +219,24 @@ class TokensGenerated(_Event, tag="tokens.generated"):
     finish_reason: str | None = None  # "length" | "stop" on the last chunk
 
 
+class TokensBatch(_Event, tag="tokens.batch"):
+    """Token chunks of several requests from one worker to one router, in one core-NATS
+    message on the router's token subject (`BatchRequest.token_batch_subject`).
+
+    A worker sends a request's chunks this way only when its dispatch named that subject (a
+    router before this message names none, and gets one TokensGenerated per chunk on the
+    request's own subject, as before). What a worker coalesces: one engine step's chunks (the
+    NATS worker), or what its streams brought within a flush interval (the OpenAI agent).
+    Each chunk keeps its request's `start_index`, so the router finds gaps and duplicates
+    per request as before; a ResendTokens is answered with plain TokensGenerated on the
+    request's own subject. A request's chunks are in order within a message and across the
+    messages of one worker.
+    """
+
+    worker_id: str
+    chunks: list[TokensGenerated]
+
+
 class RequestFinished(_Event, tag="request.finished"):
     """Terminal: every output token was generated and published."""
 
@@ -314,6 +332,10 @@ class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     token_subject: str  # core-NATS subject the router listens on for this request's tokens
     deadline_ns: int = 0  # 0: none
     sampling: Sampling | None = None  # None: greedy
+    # The router takes this request's tokens coalesced with other requests' (TokensBatch) on
+    # this subject; "" (a router before it, or a request a standby forwarded): one
+    # TokensGenerated per chunk on token_subject.
+    token_batch_subject: str = ""
 
 
 class DispatchBatch(_Event, tag="cmd.dispatch_batch"):
@@ -343,6 +365,7 @@ class StartDecode(_Event, tag="cmd.start_decode"):
     # The torch engine: the prompt's K/V, an object in the JetStream object store KV_BUCKET
     # (schemas.subjects); the decode worker reads and deletes it. "": no KV shipped (sim).
     kv_object: str = ""
+    token_batch_subject: str = ""  # BatchRequest's: where the router takes coalesced tokens ("": none)
 
 
 class CancelRequest(_Event, tag="cmd.cancel_request"):
@@ -442,6 +465,7 @@ Payload = Union[
     BatchStarted,
     PrefillCompleted,
     TokensGenerated,
+    TokensBatch,
     RequestFinished,
     RequestFailed,
     RequestCancelled,

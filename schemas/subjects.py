@@ -14,6 +14,7 @@
 | fencing epoch                | flexlb.cmd.epoch.<worker>         | core NATS, repeated every liveness cycle |
 | forwarded requests (standby) | flexlb.cmd.submit.<cluster>       | core NATS request-reply to the leader  |
 | tokens                       | flexlb.tok.<router>.<request>     | core NATS                              |
+| tokens, coalesced            | flexlb.tok.<router>               | core NATS (TokensBatch)                |
 | dead letters                 | flexlb.dlq.<component>            | stream FLEXLB_DLQ                      |
 
 Ids used in subjects must be subject-safe tokens: `validate_token` enforces it.
@@ -112,6 +113,12 @@ def token_subject(router_id: str, request_id: str) -> str:
 
 def all_tokens_subject(router_id: str) -> str:
     return f"{PREFIX}.tok.{router_id}.*"
+
+
+def token_batch_subject(router_id: str) -> str:
+    """Core NATS: a router's own token subject, where workers send it token chunks of many
+    requests coalesced (TokensBatch); the per-request subjects above are one level below."""
+    return f"{PREFIX}.tok.{router_id}"
 
 
 def dlq_subject(component: str) -> str:

@@ -7,7 +7,9 @@ Loops (one asyncio task each):
   newest seen (each of its requests fails with `dispatch_failed`, retryable); ack.
 - engine: `engine.step()`, sleep `duration_ms × time_scale`, then publish the step:
   `BatchStarted` (before the sleep) for each batch whose first chunk runs in it, token
-  chunks on each request's token subject (the last chunk carries `finish_reason`),
+  chunks (the last of a request carries `finish_reason`): the step's chunks in one
+  `TokensBatch` per router where the dispatch named the router's batch subject, else one
+  `TokensGenerated` per request on its own token subject,
   `PrefillCompleted` once a batch's last member finished its prefill, with its measured ms:
   the sum over the steps its chunks ran in of the step's measured time × the batch's share
   of that step (`StepResult.prefill_ms_by_batch`; with continuous batching a batch shares
@@ -217,6 +219,7 @@ class ReqMeta:
     deadline_ns: int = 0  # wall clock; past it the worker stops the request (timed_out); 0: none
     sampling: m.Sampling | None = None  # passed on in a PD hand-off
     batch_id: str = ""  # the command it came in (a re-route may bring the request back in another)
+    token_batch_subject: str = ""  # its router takes its tokens coalesced there (TokensBatch); "": one message a chunk
     # Its text so far: a UTF-8 character whose bytes span two steps is sent whole, once.
     text: TextDecoder = field(default_factory=TextDecoder)
 
@@ -242,8 +245,13 @@ class WorkerAgent:
         self.num_stale_refused = 0
         self.acked: AckedPublisher | None = None  # terminal events: acked by the stream, re-sent until they are
         self.last_status: m.WorkerStatusReported | None = None  # what /metrics reads (workers/metrics.py)
-        # request id -> (token subject, [(start index, published bytes)]): recent requests' chunks
-        self.sent_tokens: OrderedDict[str, tuple[str, list[tuple[int, bytes]]]] = OrderedDict()
+        # request id -> (its token subject, its chunks so far): recent requests', for a resend
+        self.sent_tokens: OrderedDict[str, tuple[str, list[m.TokensGenerated]]] = OrderedDict()
+        # The outbox of token chunks not yet published (_queue_tokens, _flush_tokens): router
+        # subject -> chunks for one TokensBatch, and (subject, chunk) for routers that take one
+        # TokensGenerated per chunk.
+        self.token_batches: dict[str, list[m.TokensGenerated]] = {}
+        self.token_singles: list[tuple[str, m.TokensGenerated]] = []
         self.num_chunks_resent = 0
         self.num_stream_overflows = 0  # requests stopped because their tokens did not fit the outbound buffer
         self.first_token_ns: dict[str, int] = {}  # request id -> when its first token was published (until it ends)
@@ -305,17 +313,51 @@ class WorkerAgent:
     def _env(self, payload) -> bytes:
         return m.encode(self.envelopes.wrap(payload, time.time_ns()))
 
-    async def _publish_tokens(self, token_subject: str, chunk: m.TokensGenerated) -> None:
-        """Publish a token chunk (core NATS) and keep it, so a router that missed some (its
-        NATS node was lost with them in flight) can have them again (ResendTokens)."""
-        data = self._env(chunk)
+    def _queue_tokens(self, meta: ReqMeta, chunk: m.TokensGenerated) -> None:
+        """Keep a token chunk for a resend (a router that missed some, its NATS node lost with
+        them in flight, asks for them again: ResendTokens) and put it in the outbox:
+        coalesced with every other chunk for its router when the router takes them so
+        (meta.token_batch_subject), else alone for the request's own subject.
+        _flush_tokens publishes the outbox; a request's chunks keep their order."""
         sent = self.sent_tokens.get(chunk.request_id)
         if sent is None:
-            sent = self.sent_tokens[chunk.request_id] = (token_subject, [])
+            sent = self.sent_tokens[chunk.request_id] = (meta.token_subject, [])
             if len(self.sent_tokens) > SENT_TOKENS_MAX:
                 self.sent_tokens.popitem(last=False)
-        sent[1].append((chunk.start_index, data))
-        await self.nc.publish(token_subject, data)
+        sent[1].append(chunk)
+        if meta.token_batch_subject:
+            batch = self.token_batches.get(meta.token_batch_subject)
+            if batch is None:
+                self.token_batches[meta.token_batch_subject] = [chunk]
+            else:
+                batch.append(chunk)
+        else:
+            self.token_singles.append((meta.token_subject, chunk))
+
+    async def _flush_tokens(self) -> None:
+        """Publish the outbox (core NATS): one TokensBatch per router subject, one
+        TokensGenerated per chunk for the rest. A request whose chunk does not fit the
+        outbound buffer (NATS away too long) is stopped with stream_overflow; with a
+        TokensBatch that is every request in it."""
+        if not self.token_batches and not self.token_singles:
+            return
+        batches, self.token_batches = self.token_batches, {}
+        singles, self.token_singles = self.token_singles, []
+        overflowed: set[str] = set()
+        for subject, chunks in batches.items():
+            try:
+                await self.nc.publish(subject, self._env(m.TokensBatch(worker_id=self.cfg.worker_id, chunks=chunks)))
+            except OutboundBufferLimitError:
+                overflowed.update(c.request_id for c in chunks)
+        for subject, chunk in singles:
+            if chunk.request_id in overflowed:
+                continue
+            try:
+                await self.nc.publish(subject, self._env(chunk))
+            except OutboundBufferLimitError:
+                overflowed.add(chunk.request_id)
+        for request_id in overflowed:
+            await self._stream_overflow(request_id)
 
     async def _on_resend(self, msg) -> None:
         try:
@@ -327,9 +369,9 @@ class WorkerAgent:
         if sent is None:
             log.warning("resend of %s from %d: its tokens are no longer kept", cmd.request_id, cmd.from_index)
             return
-        chunks = [data for start, data in sent[1] if start >= cmd.from_index]
-        for data in chunks:
-            await self.nc.publish(cmd.token_subject or sent[0], data)
+        chunks = [c for c in sent[1] if c.start_index >= cmd.from_index]
+        for chunk in chunks:  # one message each, on the request's subject: what every router version reads
+            await self.nc.publish(cmd.token_subject or sent[0], self._env(chunk))
         self.num_chunks_resent += len(chunks)
 
     async def _event(self, payload) -> None:
@@ -551,7 +593,8 @@ class WorkerAgent:
                 self._superseded(r.request_id)
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns,
-                                                  r.sampling, batch_id=cmd.batch_id)
+                                                  r.sampling, batch_id=cmd.batch_id,
+                                                  token_batch_subject=r.token_batch_subject)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
             self._submit_batch(cmd.batch_id, requests)
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
@@ -572,7 +615,8 @@ class WorkerAgent:
                     return
             self._superseded(cmd.request_id)
             self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns,
-                                                cmd.sampling, batch_id=cmd.batch_id)
+                                                cmd.sampling, batch_id=cmd.batch_id,
+                                                token_batch_subject=cmd.token_batch_subject)
             self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
                                       kv=kv)
         else:
@@ -713,13 +757,11 @@ class WorkerAgent:
                 self.first_token_ns[request_id] = now_ns
             ids = [t.token_id for t in toks]
             fin = finished.get(request_id)
-            try:
-                await self._publish_tokens(meta.token_subject, m.TokensGenerated(
-                    request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
-                    text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
-                ))
-            except OutboundBufferLimitError:
-                await self._stream_overflow(request_id)
+            self._queue_tokens(meta, m.TokensGenerated(
+                request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
+                text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
+            ))
+        await self._flush_tokens()  # the step's tokens: one message per router (before their requests' terminal events)
         for done in step.batches_prefilled:
             self.batch_members.pop(done.batch_id, None)
             if not done.request_ids:  # every member was cancelled: nothing ran to report
@@ -745,6 +787,7 @@ class WorkerAgent:
                     batch_id=h.batch_id, prompt_token_ids=meta.prompt_token_ids, max_tokens=meta.max_tokens,
                     token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
                     deadline_ns=meta.deadline_ns, sampling=meta.sampling, kv_object=kv_object,
+                    token_batch_subject=meta.token_batch_subject,
                 )
                 await publish_until_acked(self.js, decode_subject(meta.decode_worker_id), self._env(cmd),
                                           f"{h.batch_id}:{h.request_id}")

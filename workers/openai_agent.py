@@ -12,8 +12,10 @@ the limit goes alone, when nothing else is open). The body: the prompt as token 
 `max_tokens`, `stream: true`, `stream_options.include_usage`, `return_token_ids: true`
 (vLLM >= 0.10.2: every chunk carries its token ids), the sampling of the request
 (`temperature` 0 when it sets none: FlexLB's default is greedy, vLLM's is 1.0), `top_p`,
-`seed`, `ignore_eos`, and `X-Request-Id: <request id>`. Tokens are relayed as they arrive,
-with the server's text. Released: `BatchStarted`; every member's first token (or end):
+`seed`, `ignore_eos`, and `X-Request-Id: <request id>`. Tokens are relayed with the
+server's text as they arrive, through the agent's outbox (workers/agent.py): the chunks its
+streams bring within TOKEN_FLUSH_S (1 ms) of the first unsent one go to a router in one
+TokensBatch, and a request's last chunk is out before its end is reported. Released: `BatchStarted`; every member's first token (or end):
 `PrefillCompleted` with the batch's measured prefill, the longest first-token latency of its
 members from the release (the agent's own queue is excluded; the server's is not, so a
 server that queues inflates it: keep `upstream_max_concurrency` near the server's
@@ -81,6 +83,10 @@ UNREACHABLE_AFTER_POLLS = 3  # metric polls failed in a row before the server co
 METRICS_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 STREAM_GAPS_WINDOW_S = 3.0
+# Token chunks that arrive within this of the first unsent one go to the router in one
+# message (TokensBatch): an engine step's chunks reach the agent over its many streams a
+# little apart. What it adds to each token's latency, at most.
+TOKEN_FLUSH_S = 0.001
 
 _decode_json = msgspec.json.Decoder().decode
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
@@ -203,6 +209,7 @@ class OpenAIAgent(WorkerAgent):
         # Requests let go of whose terminal event is being published: still reported as held
         # until it is out, or the router's calibration settles them as lost meanwhile.
         self.ending: set[str] = set()
+        self.tokens_queued = asyncio.Event()  # the outbox has chunks (_token_flush_loop)
 
     def _make_engine(self):
         return None  # the server is the engine
@@ -251,10 +258,22 @@ class OpenAIAgent(WorkerAgent):
                  cfg.engine_model, st.flavour or "no known", cfg.num_kv_blocks, cfg.block_size_tokens)
 
     def _engine_loops(self) -> list:
-        loops = [self._release_loop(), self._status_loop()]
+        loops = [self._release_loop(), self._status_loop(), self._token_flush_loop()]
         if self.kv_feed is not None:
             loops.append(self._kv_loop())
         return loops
+
+    # ------------------------------------------------------------------ tokens
+    def _queue_tokens(self, meta, chunk: m.TokensGenerated) -> None:
+        super()._queue_tokens(meta, chunk)
+        self.tokens_queued.set()
+
+    async def _token_flush_loop(self) -> None:
+        while True:
+            await self.tokens_queued.wait()
+            await asyncio.sleep(TOKEN_FLUSH_S)
+            self.tokens_queued.clear()
+            await self._flush_tokens()
 
     # ------------------------------------------------------------------ status
     async def _poll(self) -> None:
@@ -485,7 +504,7 @@ class OpenAIAgent(WorkerAgent):
                         elif ids:
                             self.token_gaps.append((now_s, (now_s - last_s) * 1000 / len(ids)))
                         last_s = now_s
-                        await self._publish_tokens(meta.token_subject, m.TokensGenerated(
+                        self._queue_tokens(meta, m.TokensGenerated(
                             request_id=rid, worker_id=wid, start_index=index, token_ids=list(ids),
                             text=choice.get("text") or "", finish_reason=reason))
                         index += len(ids)
@@ -514,6 +533,7 @@ class OpenAIAgent(WorkerAgent):
             self.ending.discard(rid)
             return
         try:
+            await self._flush_tokens()  # its last chunk before its end
             self.batch_of.pop(rid, None)
             self._first_or_end(batch, rid, None)
             self._forget(rid)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from schemas import messages as m
 from schemas.acked import publish_until_acked
-from schemas.subjects import dispatch_subject, token_subject
+from schemas.subjects import dispatch_subject, token_batch_subject, token_subject
 from services.core.scheduler import FormedBatch, QueueFailure
 from services.shell.ledger import kv_field, LedgerEntry, prefill_field
 from services.shell.state import RequestHandle, RouterState
@@ -97,6 +97,9 @@ class Dispatcher:
                 decode_worker_id=item.decode_worker_id,
                 token_subject=handle.token_subject or token_subject(self.s.router_id, item.request_id),
                 deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9), sampling=handle.sampling,
+                # Our own clients' tokens may come coalesced (TokensBatch, relay.py); a standby's
+                # (token_subject set) one chunk a message, which every router version reads.
+                token_batch_subject="" if handle.token_subject else token_batch_subject(self.s.router_id),
             ))
             entries.append(LedgerEntry(item.decode_worker_id, kv_field(item.request_id), {
                 "kind": "decode", "request_id": item.request_id, "batch_id": batch.batch_id,

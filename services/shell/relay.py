@@ -1,11 +1,14 @@
 """Relay: token chunks to clients.
 
-Owns: the token subscription's handler (ordering by start index, the per-client buffer
-bound, first-token time), gaps (chunks past a missing one are held and the worker is asked
-to publish the missing ones again: token chunks travel on core NATS, and those in flight
-when the router's NATS node is lost are gone; a gap not filled in RESEND_WAIT_S fails the
-request), a broken stream (the client is told, the workers cancel), and the grace period for
-tokens still in flight after a worker's request.finished (then one resend is asked for).
+Owns: the token subscriptions' handlers (a request's own subject: one TokensGenerated a
+message; this router's own subject: a TokensBatch, many requests' chunks from one worker in
+one message, each taken as if it had come alone), ordering by start index, the per-client
+buffer bound, first-token time, gaps (chunks past a missing one are held and the worker is
+asked to publish the missing ones again: token chunks travel on core NATS, and those in
+flight when the router's NATS node is lost are gone; a gap not filled in RESEND_WAIT_S fails
+the request), a broken stream (the client is told, the workers cancel), and the grace
+period for tokens still in flight after a worker's request.finished (then one resend is
+asked for).
 Calls: the bus (cancels, resends). Called by: the service (subscription), fold.
 """
 
@@ -26,12 +29,26 @@ class Relay:
         self.s = state
 
     async def on_token_msg(self, msg) -> None:
+        """One request's chunk, on its own subject (a worker given no batch subject, a resend)."""
         try:
             env = m.decode_as(msg.data, m.TokensGenerated)
         except m.DecodeError as exc:
             await self.s.undecodable("tokens", msg, exc)
             return
-        chunk: m.TokensGenerated = env.payload
+        self.on_chunk(env.payload)
+
+    async def on_token_batch_msg(self, msg) -> None:
+        """Chunks of many requests from one worker, on this router's own token subject
+        (TokensBatch): each is taken as if it had come alone, in the order they are listed."""
+        try:
+            env = m.decode_as(msg.data, m.TokensBatch)
+        except m.DecodeError as exc:
+            await self.s.undecodable("tokens", msg, exc)
+            return
+        for chunk in env.payload.chunks:
+            self.on_chunk(chunk)
+
+    def on_chunk(self, chunk: m.TokensGenerated) -> None:
         handle = self.s.handles.get(chunk.request_id)
         if handle is not None and not handle.decode_worker_id and not handle.done:
             # Forwarded, and the leader's reply (which names the workers) is still on its way:

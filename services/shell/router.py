@@ -8,7 +8,8 @@ Inputs
 - `flexlb.evt.req.>` — worker lifecycle events, a durable pull consumer named after the
   router id: a restarted router resumes where it stopped and releases ledger entries for
   requests that finished while it was down.
-- `flexlb.tok.<router>.*` — token chunks (core NATS), relayed to clients.
+- `flexlb.tok.<router>.*` — token chunks (core NATS), relayed to clients; `flexlb.tok.<router>`
+  the same, many requests' in one message (TokensBatch).
 
 Outputs
 - one `DispatchBatch` per batch, JetStream-published with the batch id as `Nats-Msg-Id`
@@ -70,6 +71,7 @@ from schemas.subjects import (
     EVENTS_STREAM,
     JOURNAL_STREAM,
     all_tokens_subject,
+    token_batch_subject,
     nats_servers,
     router_events_consumer,
 )
@@ -198,6 +200,7 @@ class RouterService:
         s.running = True
         await self.leadership.lease_cycle()
         await s.nc.subscribe(all_tokens_subject(s.router_id), cb=self.relay.on_token_msg)
+        await s.nc.subscribe(token_batch_subject(s.router_id), cb=self.relay.on_token_batch_msg)
         await s.nc.subscribe(ALL_ROUTER_EVENTS, cb=self.intake.on_router_event_msg)
         # Live status and KV events arrive on plain subscriptions, which nats-py re-creates
         # on every reconnect (an ephemeral JetStream consumer did not survive a server
