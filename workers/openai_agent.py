@@ -12,10 +12,13 @@ the limit goes alone, when nothing else is open). The body: the prompt as token 
 `max_tokens`, `stream: true`, `stream_options.include_usage`, `return_token_ids: true`
 (vLLM >= 0.10.2: every chunk carries its token ids), the sampling of the request
 (`temperature` 0 when it sets none: FlexLB's default is greedy, vLLM's is 1.0), `top_p`,
-`seed`, `ignore_eos`, and `X-Request-Id: <request id>`. Tokens are relayed with the
-server's text as they arrive, through the agent's outbox (workers/agent.py): the chunks its
-streams bring within TOKEN_FLUSH_S (1 ms) of the first unsent one go to a router in one
-TokensBatch, and a request's last chunk is out before its end is reported. Released: `BatchStarted`; every member's first token (or end):
+`seed`, `ignore_eos`, and `X-Request-Id: <request id>`. The streams are read by
+workers/upstream_http.py (keep-alive connections, httptools, each event handed over from the
+read callback), not httpx: httpx's streaming was most of the agent's CPU per token
+(bench/README.md, "adapter_cost.py"). Tokens are relayed with the server's text as they
+arrive, through the agent's outbox (workers/agent.py): the chunks its streams bring within
+TOKEN_FLUSH_S (1 ms) of the first unsent one go to a router in one TokensBatch, and a
+request's last chunk is out before its end is reported. Released: `BatchStarted`; every member's first token (or end):
 `PrefillCompleted` with the batch's measured prefill, the longest first-token latency of its
 members from the release (the agent's own queue is excluded; the server's is not, so a
 server that queues inflates it: keep `upstream_max_concurrency` near the server's
@@ -74,7 +77,8 @@ from schemas import messages as m
 from schemas.errors import error_code
 from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes
-from workers.agent import WorkerAgent
+from workers.agent import ReqMeta, WorkerAgent
+from workers.upstream_http import UpstreamClient, UpstreamFailure, refusal_of  # noqa: F401  (refusal_of: this module's API)
 
 log = logging.getLogger("flexlb.worker.openai")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per /metrics poll and per request otherwise
@@ -89,15 +93,26 @@ STREAM_GAPS_WINDOW_S = 3.0
 TOKEN_FLUSH_S = 0.001
 
 _decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
+
+
+class _Choice(msgspec.Struct):
+    """What the agent reads of a streamed completion chunk's choice (the rest is ignored)."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None  # vLLM >= 0.10.2 with return_token_ids: this chunk's
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: dict | None = None  # with stream_options.include_usage: the last chunk's
+    error: object = None  # an error chunk (vLLM: {"error": {...}})
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-class UpstreamFailure(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -160,25 +175,6 @@ def server_status(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> Ser
     return st
 
 
-def refusal_of(status: int, body: bytes) -> UpstreamFailure:
-    """A non-200 answer of the server -> the failure a request ends with."""
-    try:
-        detail = _decode_json(body)
-        message = detail.get("error", detail) if isinstance(detail, dict) else detail
-        if isinstance(message, dict):
-            message = message.get("message", message)
-    except msgspec.DecodeError:
-        message = body[:300].decode(errors="replace")
-    text = f"the engine server answered {status}: {message}"
-    if status in (429, 503):
-        return UpstreamFailure("upstream_refused", text)
-    if status == 400:
-        return UpstreamFailure("invalid_request", text)
-    if status == 413:
-        return UpstreamFailure("too_large", text)
-    return UpstreamFailure("upstream_error", text)
-
-
 @dataclass
 class OpenBatch:
     batch_id: str
@@ -193,7 +189,10 @@ class OpenAIAgent(WorkerAgent):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.base_url = config.engine_url.rstrip("/")
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # /v1/models and /metrics
+        # The completions' streams (workers/upstream_http.py: httpx's streaming was most of the
+        # agent's CPU per token, bench/README.md "adapter_cost.py").
+        self.upstream = UpstreamClient(self.base_url, config.upstream_max_concurrency + 8)
         self.queued: deque[OpenBatch] = deque()  # not yet released, in arrival order
         self.streams: dict[str, asyncio.Task] = {}  # request id -> its stream, while open
         self.batch_of: dict[str, OpenBatch] = {}  # request id -> its batch (queued or open)
@@ -202,7 +201,8 @@ class OpenAIAgent(WorkerAgent):
         self.server_ok = False
         self.num_failed_polls = 0
         self.num_upstream_failures = 0
-        self.token_gaps: deque[tuple[float, float]] = deque()  # (monotonic s, ms per token)
+        self.token_gaps: deque[tuple[float, float]] = deque()  # (monotonic s, ms per token) of the last 3 s
+        self.token_gaps_sum_ms = 0.0  # the sum of those ms
         self.kv_view: dict[int, None] = {}  # our block hashes the server holds (KV events)
         self.kv_feed = None
         self._background: set[asyncio.Task] = set()  # PrefillCompleted publications on their way
@@ -217,15 +217,13 @@ class OpenAIAgent(WorkerAgent):
     # ------------------------------------------------------------------ start
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
-        limits = httpx.Limits(max_connections=cfg.upstream_max_concurrency + 8,
-                              max_keepalive_connections=cfg.upstream_max_concurrency + 8)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
-            connect=CONNECT_TIMEOUT_S, read=cfg.upstream_stall_timeout_s, write=CONNECT_TIMEOUT_S, pool=None))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(METRICS_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
         try:
             await super().run(stop)
         finally:
             if self.kv_feed is not None:
                 self.kv_feed.close()
+            self.upstream.close()
             await self.client.aclose()
 
     async def _prepare(self) -> None:
@@ -306,17 +304,23 @@ class OpenAIAgent(WorkerAgent):
             await self._enforce_deadlines()
             await asyncio.sleep(interval)
 
+    def note_token_gap(self, now_s: float, ms_per_token: float) -> None:
+        self.token_gaps.append((now_s, ms_per_token))
+        self.token_gaps_sum_ms += ms_per_token
+
     def recent_step_ms(self) -> float:
         horizon = time.monotonic() - STREAM_GAPS_WINDOW_S
         while self.token_gaps and self.token_gaps[0][0] < horizon:
-            self.token_gaps.popleft()
+            self.token_gaps_sum_ms -= self.token_gaps.popleft()[1]
         if not self.token_gaps:
+            self.token_gaps_sum_ms = 0.0  # no drift from the running sum
             return 0.0
-        return round(sum(ms for _, ms in self.token_gaps) / len(self.token_gaps), 3)
+        return round(self.token_gaps_sum_ms / len(self.token_gaps), 3)
 
     def status(self) -> m.WorkerStatusReported:
         cfg, st = self.cfg, self.server
         held = [r.request_id for b in self.queued for r in b.requests] + list(self.streams) + list(self.ending)
+        step_ms = self.recent_step_ms()
         used = min(cfg.num_kv_blocks, round(st.kv_usage * cfg.num_kv_blocks))
         return m.WorkerStatusReported(
             worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id,
@@ -329,8 +333,8 @@ class OpenAIAgent(WorkerAgent):
             num_batches_executed=self.num_batches_executed, num_requests_finished=self.num_requests_finished,
             num_undecodable_messages=self.num_undecodable, num_stale_commands_refused=self.num_stale_refused,
             fencing_epoch=self.max_epoch,
-            num_stream_overflows=self.num_stream_overflows, time_scale=1.0, last_step_ms=self.recent_step_ms(),
-            recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            num_stream_overflows=self.num_stream_overflows, time_scale=1.0, last_step_ms=step_ms,
+            recent_step_ms=step_ms, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
         )
 
     # ------------------------------------------------------------------ commands
@@ -455,71 +459,21 @@ class OpenAIAgent(WorkerAgent):
 
     async def _stream(self, batch: OpenBatch, r: m.BatchRequest) -> None:
         rid = r.request_id
-        wid = self.cfg.worker_id
         meta = self.meta.get(rid)
         if meta is None:  # ended by the router between its release and now
             self.streams.pop(rid, None)
             return
-        index = 0
-        finish: str | None = None
-        usage: dict = {}
-        first_ns = 0
-        last_s = 0.0
+        relay = StreamRelay(self, batch, r, meta)
         try:
-            async with self.client.stream("POST", f"{self.base_url}/v1/completions", json=self._body(r),
-                                          headers={"X-Request-Id": rid}) as resp:
-                if resp.status_code != 200:
-                    raise refusal_of(resp.status_code, await resp.aread())
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    try:
-                        chunk = _decode_json(data)
-                    except msgspec.DecodeError:
-                        raise UpstreamFailure("upstream_error", f"undecodable stream chunk: {data[:200]!r}") from None
-                    if "error" in chunk:
-                        raise UpstreamFailure("upstream_error", f"the engine server failed the request: {chunk['error']}")
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or []:
-                        ids = choice.get("token_ids")
-                        reason = choice.get("finish_reason")
-                        if ids is None:
-                            if choice.get("text") or reason is None:
-                                raise UpstreamFailure("upstream_error", "the server's stream carries no token ids "
-                                                      "(vLLM: return_token_ids needs vLLM >= 0.10.2)")
-                            ids = []
-                        if reason is not None and reason not in ("length", "stop"):
-                            raise UpstreamFailure("upstream_error", f"the engine server ended the request: {reason}")
-                        if not ids and reason is None:
-                            continue
-                        now_s = time.monotonic()
-                        if ids and index == 0:
-                            first_ns = time.time_ns()
-                            self.first_token_ns[rid] = first_ns
-                            self._first_or_end(batch, rid, (time.monotonic_ns() - batch.released_ns) / 1e6)
-                        elif ids:
-                            self.token_gaps.append((now_s, (now_s - last_s) * 1000 / len(ids)))
-                        last_s = now_s
-                        self._queue_tokens(meta, m.TokensGenerated(
-                            request_id=rid, worker_id=wid, start_index=index, token_ids=list(ids),
-                            text=choice.get("text") or "", finish_reason=reason))
-                        index += len(ids)
-                        finish = reason or finish
-            if finish is None:
-                raise UpstreamFailure("upstream_error", f"the stream ended after {index} tokens without a finish reason")
+            await self.upstream.stream("/v1/completions", _encode_json(self._body(r)), rid, relay.on_data,
+                                       self.cfg.upstream_stall_timeout_s)
+            if relay.finish is None:
+                raise UpstreamFailure("upstream_error",
+                                      f"the stream ended after {relay.index} tokens without a finish reason")
         except asyncio.CancelledError:
             raise  # cancelled by the router, a deadline or a failure: whoever cancelled reports it
         except UpstreamFailure as exc:
             failure = exc
-        except httpx.TimeoutException as exc:
-            failure = UpstreamFailure(
-                "upstream_error", f"no data from the engine server for {self.cfg.upstream_stall_timeout_s:g} s ({exc!r})")
-        except httpx.HTTPError as exc:
-            failure = UpstreamFailure("upstream_error", f"the engine server's stream broke: {exc!r}")
         else:
             failure = None
         finally:
@@ -538,12 +492,13 @@ class OpenAIAgent(WorkerAgent):
             self._first_or_end(batch, rid, None)
             self._forget(rid)
             self.num_requests_finished += 1
-            details = usage.get("prompt_tokens_details") or {}
+            details = (relay.usage or {}).get("prompt_tokens_details") or {}
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             await self._event(m.RequestFinished(
-                request_id=rid, worker_id=wid, finish_reason=finish, num_prompt_tokens=len(r.prompt_token_ids),
-                num_output_tokens=index, num_cached_tokens=cached if isinstance(cached, int) else batch.cached.get(rid, 0),
-                first_token_ns=first_ns))
+                request_id=rid, worker_id=self.cfg.worker_id, finish_reason=relay.finish,
+                num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=relay.index,
+                num_cached_tokens=cached if isinstance(cached, int) else batch.cached.get(rid, 0),
+                first_token_ns=relay.first_ns))
         finally:
             self.ending.discard(rid)
 
@@ -570,3 +525,62 @@ class OpenAIAgent(WorkerAgent):
                     worker_id=wid, boot_id=self.boot_id, kv_seq=self.kv_seq, block_hashes=list(out.stored),
                     block_size_tokens=self.cfg.block_size_tokens)))
 
+
+
+class StreamRelay:
+    """One request's stream: each server-sent event's data (UpstreamClient calls on_data from
+    the event loop's read callback, no task switch) -> a token chunk in the agent's outbox.
+    Raises UpstreamFailure for what ends the request (module docstring, Failures)."""
+
+    __slots__ = ("agent", "batch", "meta", "request_id", "index", "finish", "usage", "first_ns", "last_s")
+
+    def __init__(self, agent: OpenAIAgent, batch: OpenBatch, r: m.BatchRequest, meta: ReqMeta) -> None:
+        self.agent = agent
+        self.batch = batch
+        self.meta = meta
+        self.request_id = r.request_id
+        self.index = 0  # output tokens relayed so far
+        self.finish: str | None = None
+        self.usage: dict | None = None
+        self.first_ns = 0
+        self.last_s = 0.0
+
+    def on_data(self, payload: bytes) -> None:
+        agent, rid = self.agent, self.request_id
+        if agent.meta.get(rid) is not self.meta:
+            # It left the agent (cancelled, failed, superseded) while its bytes were on the
+            # way: close the stream (the server aborts it); whoever ended it reported it.
+            raise UpstreamFailure("cancelled", "the request left the agent")
+        try:
+            chunk = _decode_chunk(payload)
+        except msgspec.DecodeError:
+            raise UpstreamFailure("upstream_error", f"undecodable stream chunk: {payload[:200]!r}") from None
+        if chunk.error is not None:
+            raise UpstreamFailure("upstream_error", f"the engine server failed the request: {chunk.error}")
+        if chunk.usage:
+            self.usage = chunk.usage
+        for choice in chunk.choices:
+            ids = choice.token_ids
+            reason = choice.finish_reason
+            if ids is None:
+                if choice.text or reason is None:
+                    raise UpstreamFailure("upstream_error", "the server's stream carries no token ids "
+                                                            "(vLLM: return_token_ids needs vLLM >= 0.10.2)")
+                ids = []
+            if reason is not None and reason not in ("length", "stop"):
+                raise UpstreamFailure("upstream_error", f"the engine server ended the request: {reason}")
+            if not ids and reason is None:
+                continue
+            now_s = time.monotonic()
+            if ids and self.index == 0:
+                self.first_ns = time.time_ns()
+                agent.first_token_ns[rid] = self.first_ns
+                agent._first_or_end(self.batch, rid, (time.monotonic_ns() - self.batch.released_ns) / 1e6)
+            elif ids:
+                agent.note_token_gap(now_s, (now_s - self.last_s) * 1000 / len(ids))
+            self.last_s = now_s
+            agent._queue_tokens(self.meta, m.TokensGenerated(
+                request_id=rid, worker_id=agent.cfg.worker_id, start_index=self.index, token_ids=ids,
+                text=choice.text or "", finish_reason=reason))
+            self.index += len(ids)
+            self.finish = reason or self.finish
