@@ -20,7 +20,7 @@ from schemas.tokens import block_hashes, encode_text
 from services.infra import free_port
 from tests.conftest import wait_for
 from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async
-from workers.openai_agent import parse_prometheus, refusal_of, server_status
+from workers.openai_agent import STATUS_METRICS, parse_prometheus, refusal_of, server_status
 
 
 def sim_server(spawn, *extra: str, time_scale: str = "0.05") -> tuple[str, object]:
@@ -51,6 +51,16 @@ def test_metrics_of_vllm_and_sglang_map_to_a_status():
     st = server_status(parse_prometheus('sglang:num_running_reqs{tp_rank="0"} 5\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n'))
     assert (st.flavour, st.num_running, st.num_waiting, st.kv_usage) == ("sglang", 5, 1, 0.5)
     assert server_status(parse_prometheus("other_metric 1\n")).flavour == ""
+    # What a poll reads: only the lines of the metrics the status uses, the same status.
+    assert set(parse_prometheus(text := vllm_text(), STATUS_METRICS)) == {
+        "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"}
+    assert server_status(parse_prometheus(text, STATUS_METRICS)) == server_status(parse_prometheus(text))
+
+
+def vllm_text() -> str:
+    histogram = "".join(f'vllm:time_to_first_token_seconds_bucket{{le="{b}"}} {b}\n' for b in range(50))
+    return ('vllm:num_requests_running{model_name="m"} 2\n' + histogram + 'vllm:kv_cache_usage_perc 0.5\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="99"} 1\n')
 
 
 def test_a_refusing_server_gives_coded_failures():

@@ -52,8 +52,8 @@ class Script:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
                 request = head + await reader.readexactly(length)
                 self.requests.append(request)
                 n += 1
@@ -273,6 +273,26 @@ async def test_a_reused_connection_the_server_dropped_is_replaced_and_the_reques
         await asyncio.sleep(0.2)
         assert await collect(client) == [b"ok"]
     assert script.num_connections == 2
+
+
+async def test_get_answers_status_and_body_on_the_pooled_connection_and_times_out_on_silence():
+    async def answer(writer, request, n):
+        if n == 3:
+            await asyncio.sleep(30)  # no answer
+            return False
+        body = b"# HELP x\nvllm:num_requests_running 3\n" if n == 1 else b"not here"
+        writer.write(b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n" % (200 if n == 1 else 404, len(body)) + body)
+        return True
+
+    script = Script(answer)
+    async with script as url:
+        client = UpstreamClient(url, 4)
+        assert await client.get("/metrics", 5) == (200, b"# HELP x\nvllm:num_requests_running 3\n")
+        assert await client.get("/nope", 5) == (404, b"not here")
+        assert script.num_connections == 1 and script.requests[0].startswith(b"GET /metrics HTTP/1.1\r\n")
+        with pytest.raises(UpstreamFailure) as info:
+            await client.get("/metrics", 0.5)
+    assert info.value.code == "upstream_error" and "within 0.5 s" in info.value.message
 
 
 async def test_a_server_that_does_not_listen_fails_with_a_code():

@@ -70,7 +70,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import httpx
 import msgspec
 
 from schemas import messages as m
@@ -81,11 +80,9 @@ from workers.agent import ReqMeta, WorkerAgent
 from workers.upstream_http import UpstreamClient, UpstreamFailure, refusal_of  # noqa: F401  (refusal_of: this module's API)
 
 log = logging.getLogger("flexlb.worker.openai")
-logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per /metrics poll and per request otherwise
 
 UNREACHABLE_AFTER_POLLS = 3  # metric polls failed in a row before the server counts as gone
 METRICS_TIMEOUT_S = 2.0
-CONNECT_TIMEOUT_S = 5.0
 STREAM_GAPS_WINDOW_S = 3.0
 # Token chunks that arrive within this of the first unsent one go to the router in one
 # message (TokensBatch): an engine step's chunks reach the agent over its many streams a
@@ -115,13 +112,15 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+def parse_prometheus(text: str, names: tuple[str, ...] | None = None) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Prometheus text exposition -> {metric name: [(labels, value)]}; comments skipped, a
     line that does not parse is skipped too (a server's exporter may add formats we do not
-    read; what we need is looked up by name and its absence is handled by the caller)."""
+    read; what we need is looked up by name and its absence is handled by the caller).
+    `names`: only lines that start with one of them (vLLM's /metrics is hundreds of lines
+    of histograms, read at every heartbeat)."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for line in text.splitlines():
-        if not line or line[0] == "#":
+        if not line or line[0] == "#" or (names is not None and not line.startswith(names)):
             continue
         match = _SAMPLE.match(line)
         if match is None:
@@ -147,6 +146,14 @@ class ServerStatus:
     block_size: int = 0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+
+
+# Every metric server_status reads (parse_prometheus' filter at each poll).
+STATUS_METRICS = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+)
 
 
 def server_status(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> ServerStatus:
@@ -189,9 +196,8 @@ class OpenAIAgent(WorkerAgent):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.base_url = config.engine_url.rstrip("/")
-        self.client: httpx.AsyncClient | None = None  # /v1/models and /metrics
-        # The completions' streams (workers/upstream_http.py: httpx's streaming was most of the
-        # agent's CPU per token, bench/README.md "adapter_cost.py").
+        # Streams, /metrics and /v1/models (workers/upstream_http.py: httpx's streaming was most
+        # of the agent's CPU per token, and its /metrics GET per heartbeat the next largest part).
         self.upstream = UpstreamClient(self.base_url, config.upstream_max_concurrency + 8)
         self.queued: deque[OpenBatch] = deque()  # not yet released, in arrival order
         self.streams: dict[str, asyncio.Task] = {}  # request id -> its stream, while open
@@ -216,29 +222,27 @@ class OpenAIAgent(WorkerAgent):
 
     # ------------------------------------------------------------------ start
     async def run(self, stop: asyncio.Event) -> None:
-        cfg = self.cfg
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(METRICS_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
         try:
             await super().run(stop)
         finally:
             if self.kv_feed is not None:
                 self.kv_feed.close()
             self.upstream.close()
-            await self.client.aclose()
 
     async def _prepare(self) -> None:
         """Learn the model name and the KV geometry before registering (non-fatal: a server
         that is not up yet is waited for by the status loop, not-ready meanwhile)."""
         cfg = self.cfg
         try:
-            resp = await self.client.get(f"{self.base_url}/v1/models", timeout=METRICS_TIMEOUT_S)
-            resp.raise_for_status()
-            models = _decode_json(resp.content).get("data") or []
+            status, body = await self.upstream.get("/v1/models", METRICS_TIMEOUT_S)
+            if status != 200:
+                raise UpstreamFailure("upstream_error", f"answered {status}")
+            models = _decode_json(body).get("data") or []
             if models and not cfg.engine_model:
                 cfg.engine_model = str(models[0].get("id", ""))
             if models and isinstance(models[0].get("max_model_len"), int):
                 cfg.max_seq_len_tokens = models[0]["max_model_len"]
-        except (httpx.HTTPError, msgspec.DecodeError, AttributeError) as exc:
+        except (UpstreamFailure, msgspec.DecodeError, AttributeError) as exc:
             log.warning("engine server %s: GET /v1/models failed (%s); model %r", self.base_url, exc, cfg.engine_model)
         await self._poll()
         st = self.server
@@ -276,10 +280,11 @@ class OpenAIAgent(WorkerAgent):
     # ------------------------------------------------------------------ status
     async def _poll(self) -> None:
         try:
-            resp = await self.client.get(f"{self.base_url}/metrics", timeout=METRICS_TIMEOUT_S)
-            resp.raise_for_status()
-            self.server = server_status(parse_prometheus(resp.text))
-        except httpx.HTTPError as exc:
+            status, body = await self.upstream.get("/metrics", METRICS_TIMEOUT_S)
+            if status != 200:
+                raise UpstreamFailure("upstream_error", f"GET /metrics answered {status}")
+            self.server = server_status(parse_prometheus(body.decode(errors="replace"), STATUS_METRICS))
+        except UpstreamFailure as exc:
             self.num_failed_polls += 1
             if not self.server_ok and self.queued:  # never came up: what was sent here meanwhile fails now
                 await self._fail_held(f"the engine server {self.base_url} does not answer ({exc})")

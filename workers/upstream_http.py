@@ -8,6 +8,8 @@ asyncio.Protocol, and each server-sent event's data goes to the caller's callbac
 synchronously, from the event loop's read callback: no task switch and no await per chunk.
 
 `UpstreamClient(base_url, max_idle_connections)` holds keep-alive connections to one server.
+`await client.get(path, timeout_s)` -> (status, body): the agent's /metrics polls and
+/v1/models (httpx's GET per heartbeat was the agent's largest cost after the streams).
 `await client.stream(path, body, request_id, on_data, stall_timeout_s)` POSTs `body` (JSON
 bytes, `X-Request-Id: request_id`) and returns when the response is over: at `data: [DONE]`
 or at the end of the body. `on_data(payload)` gets each event's data (its `data:` lines,
@@ -86,15 +88,15 @@ class _StaleConnection(Exception):
 class _Exchange:
     """One request and its response on a connection."""
 
-    __slots__ = ("on_data", "future", "status", "framed", "error_body", "buf", "data_lines", "got_bytes",
+    __slots__ = ("on_data", "future", "status", "framed", "body", "buf", "data_lines", "got_bytes",
                  "reused", "ended", "done_seen")
 
-    def __init__(self, on_data: Callable[[bytes], None], future: asyncio.Future, reused: bool) -> None:
-        self.on_data = on_data
-        self.future = future  # None: the stream is over; an UpstreamFailure: it failed
+    def __init__(self, on_data: Callable[[bytes], None] | None, future: asyncio.Future, reused: bool) -> None:
+        self.on_data = on_data  # None: not a stream; the body is kept and the future's result is (status, body)
+        self.future = future  # stream: None when it is over; an UpstreamFailure when it failed
         self.status = 0
         self.framed = False  # chunked or Content-Length: a cut body is an error, not an end
-        self.error_body = bytearray()  # a non-200 answer's body
+        self.body = bytearray()  # a non-200 answer's body, or the whole body when not a stream
         self.buf = b""  # the current line's bytes so far (no line break yet)
         self.data_lines: list[bytes] = []  # the current event's data lines
         self.got_bytes = False
@@ -153,9 +155,8 @@ class _Connection(asyncio.Protocol):
         if ex.reused and not ex.got_bytes:
             ex.future.set_exception(_StaleConnection())
             return
-        if ex.status == 200 and not ex.framed:  # a body that ends with the connection: over
-            self._dispatch_pending(ex)
-            self._resolve(ex)
+        if ex.status and not ex.framed:  # a body that ends with the connection: over
+            self.on_message_complete()
             return
         why = f": {exc}" if exc else ""
         self.fail(UpstreamFailure("upstream_error", f"the engine server's stream broke: the connection closed "
@@ -172,9 +173,12 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         ex = self.exchange
+        if ex.on_data is None:
+            ex.body += body
+            return
         if ex.status != 200:
-            if len(ex.error_body) < ERROR_BODY_MAX_BYTES:
-                ex.error_body += body
+            if len(ex.body) < ERROR_BODY_MAX_BYTES:
+                ex.body += body
             return
         if ex.ended:
             return
@@ -204,8 +208,11 @@ class _Connection(asyncio.Protocol):
         self.reusable = self.parser.should_keep_alive()
         if ex is None or ex.future.done():
             return
+        if ex.on_data is None:
+            ex.future.set_result((ex.status, bytes(ex.body)))
+            return
         if ex.status != 200:
-            self.fail(refusal_of(ex.status, bytes(ex.error_body)))
+            self.fail(refusal_of(ex.status, bytes(ex.body)))
             return
         self._dispatch_pending(ex)
         self._resolve(ex)
@@ -255,7 +262,8 @@ class _Connection(asyncio.Protocol):
         else:
             self.stall_timer = self.loop.call_later(self.stall_timeout_s - quiet_s, self._check_stall)
 
-    def start(self, request: bytes, on_data: Callable[[bytes], None], stall_timeout_s: float, reused: bool) -> asyncio.Future:
+    def start(self, request: bytes, on_data: Callable[[bytes], None] | None, stall_timeout_s: float,
+              reused: bool) -> asyncio.Future:
         future = self.loop.create_future()
         self.exchange = _Exchange(on_data, future, reused)
         self.reusable = False
@@ -330,13 +338,26 @@ class UpstreamClient:
         request = (f"POST {self.path_prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
                    f"Content-Type: application/json\r\nAccept: text/event-stream\r\nX-Request-Id: {request_id}\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        await self._exchange(request, on_data, stall_timeout_s)
+
+    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """GET `path`: (status, body), whatever the status. UpstreamFailure (upstream_error)
+        when there is no connection or no whole answer within `timeout_s`."""
+        request = f"GET {self.path_prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n\r\n".encode()
+        try:
+            return await asyncio.wait_for(self._exchange(request, None, timeout_s), timeout_s)
+        except asyncio.TimeoutError:
+            raise UpstreamFailure("upstream_error", f"GET {path}: no answer from the engine server within "
+                                                    f"{timeout_s:g} s") from None
+
+    async def _exchange(self, request: bytes, on_data: Callable[[bytes], None] | None, stall_timeout_s: float):
         conn = self._idle_connection()
         while True:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect()
             try:
-                await conn.start(request, on_data, stall_timeout_s, reused)
+                result = await conn.start(request, on_data, stall_timeout_s, reused)
             except _StaleConnection:
                 conn.finish()
                 conn = None  # once more, on a new connection
@@ -350,7 +371,7 @@ class UpstreamClient:
                     self.idle.append(conn)
                 else:
                     conn.close()
-            return
+            return result
 
     def close(self) -> None:
         while self.idle:
