@@ -435,6 +435,47 @@ async def test_a_dispatch_without_a_batch_subject_gets_one_message_a_chunk_on_th
     await nc.close()
 
 
+async def test_a_step_over_the_servers_max_payload_goes_in_several_batches_in_order(spawn, tmp_path):
+    """A nats-server whose max_payload (4 KiB) is below one step's chunks of 40 requests
+    (~130 bytes each): the worker splits the step's TokensBatch in halves, in order, and
+    every request's tokens still arrive whole."""
+    import subprocess
+
+    from services.infra import find_binary, free_port, wait_port
+
+    port = free_port()
+    conf = tmp_path / "small.conf"
+    conf.write_text(f'port: {port}\nmax_payload: 4096\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n')
+    server = subprocess.Popen([find_binary("nats-server"), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 10, server)
+        nats_url = f"nats://127.0.0.1:{port}"
+        worker, router = _ids("w"), _ids("router")
+        spawn("worker", "--id", worker, "--time-scale", "0.05", env={"FLEXLB_NATS_URL": nats_url}, name=worker)
+        nc = await nats.connect(nats_url)
+        tap = Tap(router)
+        sizes: list[int] = []
+
+        async def on_batch(msg):
+            sizes.append(len(msg.data))
+            await tap.on_msg(msg)
+
+        await nc.subscribe(token_batch_subject(router), cb=on_batch)
+        await ready_worker(nc, worker)
+        rids, max_tokens = [_ids("r") for _ in range(40)], 8
+        for i in range(0, len(rids), 10):  # 10 a command: a command of 40 would be over the limit itself
+            await dispatch(nc, worker, router, rids[i:i + 10], max_tokens, batched=True)
+        await wait_async(lambda: asyncio.sleep(0, sum(c.finish_reason is not None for c in tap.chunks()) == len(rids)),
+                         60, "every request's last chunk")
+        check_every_request_whole_and_in_order(tap.chunks(), rids, max_tokens)
+        assert max(sizes) <= 4096 and max(len(b.chunks) for b in tap.batches) >= 10
+        await nc.close()
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 # --------------------------------------------------------------------------- the router's side
 async def test_the_router_finds_a_duplicate_and_a_gap_inside_a_batch_by_start_index(flexlb_up):
     """Chunks that come in a TokensBatch are checked one by one, as if each had come alone:

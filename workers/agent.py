@@ -335,20 +335,17 @@ class WorkerAgent:
             self.token_singles.append((meta.token_subject, chunk))
 
     async def _flush_tokens(self) -> None:
-        """Publish the outbox (core NATS): one TokensBatch per router subject, one
-        TokensGenerated per chunk for the rest. A request whose chunk does not fit the
-        outbound buffer (NATS away too long) is stopped with stream_overflow; with a
-        TokensBatch that is every request in it."""
+        """Publish the outbox (core NATS): one TokensBatch per router subject (split in
+        halves, in order, while over the server's max payload), one TokensGenerated per chunk
+        for the rest. A request whose chunk does not fit the outbound buffer (NATS away too
+        long) is stopped with stream_overflow; with a TokensBatch that is every request in it."""
         if not self.token_batches and not self.token_singles:
             return
         batches, self.token_batches = self.token_batches, {}
         singles, self.token_singles = self.token_singles, []
         overflowed: set[str] = set()
         for subject, chunks in batches.items():
-            try:
-                await self.nc.publish(subject, self._env(m.TokensBatch(worker_id=self.cfg.worker_id, chunks=chunks)))
-            except OutboundBufferLimitError:
-                overflowed.update(c.request_id for c in chunks)
+            await self._publish_batch(subject, chunks, overflowed)
         for subject, chunk in singles:
             if chunk.request_id in overflowed:
                 continue
@@ -358,6 +355,18 @@ class WorkerAgent:
                 overflowed.add(chunk.request_id)
         for request_id in overflowed:
             await self._stream_overflow(request_id)
+
+    async def _publish_batch(self, subject: str, chunks: list[m.TokensGenerated], overflowed: set[str]) -> None:
+        data = self._env(m.TokensBatch(worker_id=self.cfg.worker_id, chunks=chunks))
+        if len(data) > self.nc.max_payload and len(chunks) > 1:
+            half = len(chunks) // 2
+            await self._publish_batch(subject, chunks[:half], overflowed)
+            await self._publish_batch(subject, chunks[half:], overflowed)
+            return
+        try:
+            await self.nc.publish(subject, data)
+        except OutboundBufferLimitError:
+            overflowed.update(c.request_id for c in chunks)
 
     async def _on_resend(self, msg) -> None:
         try:

@@ -275,7 +275,12 @@ class OpenAIAgent(WorkerAgent):
             await self.tokens_queued.wait()
             await asyncio.sleep(TOKEN_FLUSH_S)
             self.tokens_queued.clear()
-            await self._flush_tokens()
+            try:
+                await self._flush_tokens()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep relaying: the router finds the lost chunks' gap and asks for them again
+                log.exception("publishing token chunks failed")
 
     # ------------------------------------------------------------------ status
     async def _poll(self) -> None:
