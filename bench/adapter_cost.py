@@ -26,7 +26,9 @@ the clients have received so far are read; again after `--duration-s`; the diffe
 per process kind, CPU-microseconds per relayed token (a token counted once, when its text
 reaches the client) and the cores it used. Before the load, `--idle-s` of the fleet at rest
 give each kind's idle cores (heartbeats, the agents' /metrics polls, the router's liveness
-cycles); `above idle` is the per-token figure less that: what the tokens themselves cost. Kinds: `agents` (the adapter's worker agents),
+cycles); `above idle` is the per-token figure less that: what the tokens themselves cost.
+The JSON also has each kind's system (kernel) time per token, `sys_us_per_token`: the
+socket reads and writes of the path. Kinds: `agents` (the adapter's worker agents),
 `engines` (the sim-servers), `workers` (FlexLB's NATS workers: engine + agent in one
 process), `router`, `nats` (nats-server), `redis` (redis-server), `loadgen` (this process).
 The pids come from `flexlb up`'s state file. Wall throughput on a shared machine moves with
@@ -160,6 +162,15 @@ def cpu_by_pid(pids: dict[str, int]) -> dict[str, float | None]:
     return {name: bt.proc_cpu_s(pid) for name, pid in pids.items()}
 
 
+def sys_cpu_s(pid: int) -> float | None:
+    """System (kernel) CPU seconds of a process: its socket writes and reads, mostly."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[12]) / bt.CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def cores_by_kind(before: dict[str, float | None], after: dict[str, float | None], wall_s: float,
                   config: str) -> dict[str, float]:
     """CPU seconds between two readings / wall seconds, summed by process kind."""
@@ -194,9 +205,10 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             results.append(res)
             await asyncio.wait_for(bt.stream_one(host, int(port), req, res), args.request_timeout_s)
 
-    def snapshot() -> tuple[float, int, int, dict[str, float | None]]:
-        return (time.monotonic(), sum(r.tokens for r in results), sum(r.done for r in results),
-                cpu_by_pid(fleet.pids()))
+    def snapshot() -> tuple[float, int, int, dict[str, float | None], dict[str, float | None]]:
+        pids = fleet.pids()
+        return (time.monotonic(), sum(r.tokens for r in results), sum(r.done for r in results), cpu_by_pid(pids),
+                {name: sys_cpu_s(pid) for name, pid in pids.items()})
 
     idle0 = cpu_by_pid(fleet.pids())
     t_idle = time.monotonic()
@@ -205,9 +217,9 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     stop_at = time.monotonic() + args.warmup_s + args.duration_s
     tasks = [asyncio.create_task(client(c)) for c in range(args.concurrency)]
     await asyncio.sleep(args.warmup_s)
-    t0, tok0, done0, cpu0 = snapshot()
+    t0, tok0, done0, cpu0, sys0 = snapshot()
     await asyncio.sleep(args.duration_s)
-    t1, tok1, done1, cpu1 = snapshot()
+    t1, tok1, done1, cpu1, sys1 = snapshot()
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), args.request_timeout_s + 5)
     except asyncio.TimeoutError:
@@ -217,6 +229,7 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     wall = t1 - t0
     tokens = tok1 - tok0
     cores = cores_by_kind(cpu0, cpu1, wall, fleet.config)
+    sys_cores = cores_by_kind(sys0, sys1, wall, fleet.config)
     busy = {k: max(0.0, v - idle_cores.get(k, 0.0)) for k, v in cores.items()}
     return {
         "window_s": round(wall, 2),
@@ -230,6 +243,8 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         # The same less each kind's idle cores (heartbeats, /metrics polls, liveness: what it
         # costs with nothing to relay), measured for --idle-s before the load.
         "cpu_us_per_token_above_idle": {k: round(v * wall * 1e6 / tokens, 1) for k, v in busy.items()} if tokens else {},
+        # Of cpu_us_per_token, what the kernel spent (system time: socket reads and writes).
+        "sys_us_per_token": {k: round(v * wall * 1e6 / tokens, 1) for k, v in sys_cores.items()} if tokens else {},
         "cores": {k: round(v, 3) for k, v in cores.items()},
         "idle_cores": {k: round(v, 3) for k, v in idle_cores.items()},
     }
