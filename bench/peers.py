@@ -1380,13 +1380,20 @@ def matrix_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return records
 
 
+def points_text(points: list[dict[str, Any]]) -> str:
+    """'LOAD: MEAN (MIN–MAX)' per load of a cell (the range only with repeats)."""
+    return "; ".join(f"{p['load']:.3g}: {p['attainment']:.2f}"
+                     + (f" ({p['min']:.2f}–{p['max']:.2f})" if p["runs"] > 1 else "") for p in points) or "-"
+
+
 def matrix_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The matrix: a row per (mode, workload, configuration). The load columns are the
     headline (mean attainment per load; with repeats, the headlines of the per-load min and
-    max attainment in brackets); the detail columns are means over the repeats at the
-    headline's highest passing load (else the lowest load run)."""
+    max attainment in brackets) and every load's mean attainment (with repeats, its min and
+    max); the detail columns are means over the repeats at the headline's highest passing
+    load (else the lowest load run)."""
     cols = ["mode", "workload", "config", "target", "highest load at target (req/s)", "of bound", "vs best peer",
-            "vs direct-rr", "at req/s", "hit rate", "TTFT p50/p90/p99", "TPOT p50/p90/p99",
+            "vs direct-rr", "attainment by load (min–max)", "at req/s", "hit rate", "TTFT p50/p90/p99", "TPOT p50/p90/p99",
             "missed TTFT/TPOT/both", "not completed", "per engine", "runs"]
     rows = []
     for rec in records:
@@ -1405,7 +1412,8 @@ def matrix_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[st
         errors = ", ".join(f"{k} {v:g}" for k, v in list(st.get("errors", {}).items())[:2])
         rows.append([
             rec["mode"], rec["workload"], rec["config"], f"{rec['target']:.0%}", text, of_bound,
-            fmt(rec["vs_best_peer"], 2), fmt(rec["vs_direct"], 2), fmt(st.get("load"), 2),
+            fmt(rec["vs_best_peer"], 2), fmt(rec["vs_direct"], 2), points_text(h.get("points") or []),
+            fmt(st.get("load"), 2),
             fmt(st.get("hit_rate"), 3),
             "/".join(fmt(st["ttft_ms"][q], 0) for q in ("p50", "p90", "p99")) if st else "-",
             "/".join(fmt(st["tpot_ms"][q], 1) for q in ("p50", "p90", "p99")) if st else "-",
@@ -1632,10 +1640,13 @@ def choose_rows(args: argparse.Namespace, costs: StepCosts, limits: dict[str, En
     n = 100
     for _ in range(12):
         rows = load(n)
-        if len(rows) < 2 or rows[-1].ts_ms <= 0:
-            return rows
+        if len(rows) < n or len(rows) < 2:
+            return rows  # the whole rest of the trace
+        if rows[-1].ts_ms <= 0:  # no span yet: no rate, no bound
+            n *= 2
+            continue
         lifetimes = min(workload_capacity(rows, costs, lim, args.workers)[1] for lim in limits.values())
-        if lifetimes >= MIN_SLICE_LIFETIMES or len(rows) < n:
+        if lifetimes >= MIN_SLICE_LIFETIMES:
             return rows
         n = math.ceil(n * MIN_SLICE_LIFETIMES / lifetimes * 1.05)
     return rows

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import Rec, headline, matrix_rows, matrix_table, parse_args, summarize_run
+from bench.peers import Rec, headline, matrix_rows, matrix_table, parse_args, points_text, summarize_run
 from bench.peers_report import ReportMismatch, cdf_sets, main, merge, refresh_capacity
 from bench.workloads import load_workload
 
@@ -85,6 +85,7 @@ def test_repeats_give_the_headline_of_the_mean_and_its_range():
     assert h["range"]["low"]["value"] == pytest.approx(12 + 0.02 / 0.11 * 4)
     assert h["range"]["high"] == {"value": 16.0, "bound": "at_least"}
     assert "range" not in headline(runs[:1] + runs[2:3], 0.9)
+    assert points_text(h["points"]) == "12: 0.94 (0.92–0.96); 16: 0.86 (0.81–0.91)"
 
 
 def test_misses_are_counted_by_kind():
@@ -166,6 +167,7 @@ def test_the_matrix_compares_cells_within_their_engine_mode_and_flags_the_bound(
     assert text["vllm", "flexlb"]["TTFT p50/p90/p99"] == "100/200/300"
     assert text["vllm", "flexlb"]["missed TTFT/TPOT/both"] == "1/2/0"
     assert text["vllm", "flexlb"]["per engine"] == "5 7"
+    assert text["vllm", "flexlb"]["attainment by load (min–max)"] == "10: 0.95; 20: 0.50"
 
 
 def test_a_burst_slice_is_marked(tmp_path):
