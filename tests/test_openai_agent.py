@@ -181,3 +181,56 @@ def test_vllm_kv_events_drive_the_exact_prefix_index(spawn, flexlb_up):
     # The agent's view of the server's cache, built from the translated events, saw the
     # first prompt's blocks when the second was released (the router consumes the same events).
     assert second and second[0].num_cached_tokens >= 16 * (len(want) - 1), second
+
+
+def relay_of(rid: str = "r1"):
+    """An agent (not started: no bus, no server) holding one released request, and its stream's relay."""
+    from workers.agent import ReqMeta, WorkerConfig
+    from workers.openai_agent import OpenAIAgent, OpenBatch, StreamRelay
+
+    agent = OpenAIAgent(WorkerConfig(worker_id="w9", engine="openai", engine_url="http://127.0.0.1:9").validate())
+    r = m.BatchRequest(request_id=rid, prompt_token_ids=[1, 2], max_tokens=8, decode_worker_id="w9",
+                       token_subject=f"flexlb.tok.rt.{rid}", token_batch_subject="flexlb.tok.rt")
+    meta = agent.meta[rid] = ReqMeta(r.token_subject, "w9", [], 8, token_batch_subject=r.token_batch_subject)
+    return agent, StreamRelay(agent, OpenBatch("b1", [r], released_ns=1), r, meta)
+
+
+def test_stream_chunks_become_token_chunks_for_the_routers_batch_in_order():
+    agent, relay = relay_of()
+    relay.on_data(b'{"choices": [{"text": "ab", "token_ids": [97, 98], "finish_reason": null}], "usage": null}')
+    relay.on_data(b'{"choices": [{"text": "", "token_ids": [], "finish_reason": null}]}')  # nothing new: skipped
+    relay.on_data(b'{"choices": [{"text": "c", "token_ids": [99], "finish_reason": "length"}]}')
+    relay.on_data(b'{"choices": [], "usage": {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}}')
+    chunks = agent.token_batches["flexlb.tok.rt"]
+    assert [(c.start_index, c.token_ids, c.text, c.finish_reason) for c in chunks] == [
+        (0, [97, 98], "ab", None), (2, [99], "c", "length")]
+    assert (relay.index, relay.finish, relay.usage["prompt_tokens_details"]["cached_tokens"]) == (3, "length", 1)
+    assert agent.sent_tokens["r1"][1] == chunks  # kept for a resend
+    assert agent.first_token_ns["r1"] == relay.first_ns > 0
+
+
+@pytest.mark.parametrize("payload,fragment", [
+    (b'{"error": {"message": "CUDA out of memory", "code": 500}}', "failed the request"),
+    (b'{"choices": [{"text": "x", "finish_reason": null}]}', "no token ids"),
+    (b'{"choices": [{"text": "", "token_ids": [], "finish_reason": "abort"}]}', "ended the request: abort"),
+    (b'{"choices": [{"text": "x", "token_ids": [1], "fini', "undecodable"),
+    (b'{"choices": {"not": "a list"}}', "undecodable"),
+], ids=["error-chunk", "no-token-ids", "abort", "cut-json", "wrong-shape"])
+def test_a_bad_stream_chunk_ends_the_request_with_upstream_error(payload, fragment):
+    from workers.upstream_http import UpstreamFailure
+
+    agent, relay = relay_of()
+    with pytest.raises(UpstreamFailure) as info:
+        relay.on_data(payload)
+    assert info.value.code == "upstream_error" and fragment in info.value.message
+    assert not agent.token_batches
+
+
+def test_bytes_for_a_request_that_left_the_agent_close_its_stream():
+    from workers.upstream_http import UpstreamFailure
+
+    agent, relay = relay_of()
+    agent._forget("r1")  # cancelled meanwhile
+    with pytest.raises(UpstreamFailure):
+        relay.on_data(b'{"choices": [{"text": "a", "token_ids": [97], "finish_reason": null}]}')
+    assert not agent.token_batches and "r1" not in agent.first_token_ns
