@@ -5,7 +5,18 @@
 
 Each configuration is `PREFILL_POLICY+BATCHER[:BATCHER_PARAMS_JSON][|ROUTER_SETTINGS_JSON]`,
 built through `RouterSettings` exactly as `flexlb router` builds it (so the shipped
-defaults are what `flexlb` alone means: `--config default`). The loop is
+defaults are what `flexlb` alone means: `--config default`; `default|{...}` changes some
+settings), or one of the peers' emulations (`PEERS`: the routers people run, re-built from
+the core's own policies with their shipped parameters, dispatching every request at once,
+admitting everything):
+- `peer-cache_aware`: sglang-router / vllm-router cache_aware (cache_threshold 0.3, balance
+  thresholds 64 and 1.5; its tree of routed prompts is the core's pending-prefix index);
+- `peer-round_robin`, `peer-power_of_two` (loads fresh at every pick, unlike the real
+  routers' 1 s poll of /get_load).
+`--engine-scheduler vllm|sglang|both` picks the engine's scheduler (workers/engines/sim.py).
+`--headline` prints, per engine mode and configuration, the highest load with attainment
+>= 90 % (linear between the highest passing and the lowest failing rate) and its ratio to the
+best peer emulation. The loop is
 `services.whatif`'s: arrivals at trace time / rate, the core admits, routes and batches,
 each formed batch goes to its worker's `SimEngine` (the engine the workers run), status
 reports every 200 ms. It answers "which configuration, on which load" in seconds instead
@@ -20,8 +31,6 @@ with TTFT and TPOT targets sent per request (`--slo-ttft-ms` 2000, `--slo-tpot-m
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
 import json
 import sys
 import time
@@ -30,51 +39,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.workloads import load_workload  # noqa: E402
 from services.core.scheduler import AdmitRequest  # noqa: E402
 from services.settings import RouterSettings  # noqa: E402
 from services.whatif import Arrival, Recording, WorkerSpec, _simulate  # noqa: E402
 
-TRACES = {
-    "mooncake": "../shared/data/mooncake_synthetic_trace.jsonl",
-    "azure-conv": "../shared/data/AzureLLMInferenceTrace_conv_2023.csv",
-    "azure-code": "../shared/data/AzureLLMInferenceTrace_code_2023.csv",
-}
 MS = 1_000_000
 
 
-def _h(*parts: object) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+def load_rows(trace: str, start: int, rows: int, seed: int = 0) -> list[tuple[float, int, int, list[int]]]:
+    """(arrival ms, prompt tokens, output tokens, block hashes of 16-token blocks) of a workload
+    of bench/workloads.py (its prompts' own block hashes: prefix sharing as the engines see it)."""
+    return [(r.ts_ms, r.input_length, r.max_tokens, r.block_hashes(16))
+            for r in load_workload(trace, start, rows, seed=seed)]
 
 
-def load_rows(trace: str, start: int, rows: int) -> list[tuple[float, int, int, list[int]]]:
-    """(arrival ms, prompt tokens, output tokens, block hashes of 16-token blocks)."""
-    path = (REPO / TRACES.get(trace, trace)).resolve()
-    out = []
-    if path.suffix == ".jsonl":
-        with open(path) as f:
-            lines = f.readlines()[start:start + rows]
-        for line in lines:
-            r = json.loads(line)
-            n = min(int(r["input_length"]), 32000)
-            ids = r["hash_ids"]
-            # 16-token blocks inside 512-token hash blocks: shared exactly when the ids are
-            hashes = [_h(tuple(ids[: b * 16 // 512 + 1]), b % 32) for b in range(n // 16)]
-            out.append((float(r["timestamp"]), n, max(1, int(r["output_length"])), hashes))
-    else:
-        with open(path) as f:
-            reader = list(csv.DictReader(f))[start:start + rows]
-        t0 = None
-        from datetime import datetime
-        for i, r in enumerate(reader):
-            ts = datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() * 1000
-            t0 = ts if t0 is None else t0
-            n = min(int(r["ContextTokens"]), 32000)
-            out.append((ts - t0, max(1, n), max(1, int(r["GeneratedTokens"])), [_h("row", start + i, b) for b in range(n // 16)]))
-    t_first = out[0][0]
-    return [(t - t_first, n, o, h) for t, n, o, h in out]
+PEERS = {
+    "peer-cache_aware": ("cache-aware", {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5}),
+    "peer-round_robin": ("round-robin", {}),
+    "peer-power_of_two": ("power-of-two", {}),
+}
 
 
 def build_settings(spec: str) -> RouterSettings:
+    if spec in PEERS:
+        policy, params = PEERS[spec]
+        return RouterSettings(prefill_policy=policy, prefill_policy_params=params, batcher="fixed-window",
+                              batcher_params={"wait_ms": 0, "batch_size_max": 1}, slo_mode="best-effort")
     extra = {}
     if "|" in spec:
         spec, extra_json = spec.split("|", 1)
@@ -90,14 +81,14 @@ def build_settings(spec: str) -> RouterSettings:
 
 
 def run(rows, rate: float, settings: RouterSettings, workers: int, slo_ttft: float, slo_tpot: float,
-        num_kv_blocks: int, roles: list[str] | None = None) -> dict:
+        num_kv_blocks: int, roles: list[str] | None = None, scheduler: str = "vllm", agent: str = "openai") -> dict:
     arrivals = [Arrival(int(t / rate * MS), AdmitRequest(request_id=f"r{i}", num_prompt_tokens=n, max_tokens=o,
                                                          block_hashes=tuple(h), slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot))
                 for i, (t, n, o, h) in enumerate(rows)]
     roles = roles or ["pd_fusion"] * workers
-    specs = [WorkerSpec(f"w{i}", role, num_kv_blocks, 16, 65536, 40960, 1.0) for i, role in enumerate(roles)]
+    specs = [WorkerSpec(f"w{i}", role, num_kv_blocks, 16, 65536, 40960, 1.0, scheduler) for i, role in enumerate(roles)]
     rec = Recording(settings.scheduler_config(), arrivals, specs, [])
-    res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None)
+    res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None, agent)
     span_s = (rows[-1][0] - rows[0][0]) / rate / 1000
     res["load_rps"] = round(len(rows) / span_s, 3) if span_s > 0 else float("nan")
     res["attainment"] = round(res["num_attained"] / len(rows), 4)
@@ -115,26 +106,62 @@ def main() -> int:
     ap.add_argument("--roles", help="comma-separated role per worker (pd_fusion | prefill | decode); default all pd_fusion")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--seed", type=int, default=0, help="the chat workload's seed")
     ap.add_argument("--config", action="append", default=[])
+    ap.add_argument("--engine-scheduler", default="vllm", choices=["vllm", "sglang", "both"])
+    ap.add_argument("--agent", default="openai", choices=["openai", "sim"],
+                    help="what FlexLB hears: openai agents in front of engine servers (default, as it is judged) or its own sim workers")
+    ap.add_argument("--headline", action="store_true", help="highest load at >= --target per config, vs the best peer")
+    ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
-    rows = load_rows(args.trace, args.start_row, args.rows)
+    rows = load_rows(args.trace, args.start_row, args.rows, args.seed)
     results = []
-    for spec in args.config or ["default"]:
+    modes = ["vllm", "sglang"] if args.engine_scheduler == "both" else [args.engine_scheduler]
+    for mode, spec in [(m, c) for m in modes for c in args.config or ["default"]]:
         settings = build_settings(spec)
         for rate in [float(x) for x in args.rates.split(",")]:
             t0 = time.monotonic()
             r = run(rows, rate, settings, args.workers, args.slo_ttft_ms, args.slo_tpot_ms, args.num_kv_blocks,
-                    args.roles.split(",") if args.roles else None)
-            r.update(config=spec, rate=rate, wall_s=round(time.monotonic() - t0, 1))
+                    args.roles.split(",") if args.roles else None, mode, args.agent)
+            r.update(config=spec, mode=mode, rate=rate, wall_s=round(time.monotonic() - t0, 1))
             results.append(r)
-            print(f"{spec[:60]:<60} x{rate:<5} {r['load_rps']:>7.2f} rps  att {r['attainment']:.3f}  "
+            print(f"[{mode}] {spec[:60]:<60} x{rate:<5} {r['load_rps']:>7.2f} rps  att {r['attainment']:.3f}  "
                   f"ttft {r['ttft_ms']['mean']:>8.0f}/{r['ttft_ms']['p90']:>8.0f}  tpot {r['tpot_ms']['mean']:>6.1f}/"
                   f"{r['tpot_ms']['p90']:>6.1f}  hit {r['prefix_hit_rate']:.3f}  rej {r['rejected']}  ({r['wall_s']}s)",
                   flush=True)
+    if args.headline:
+        print_headlines(results, modes, args.target)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def highest_passing_load(points: list[tuple[float, float]], target: float) -> tuple[float | None, str]:
+    """(load, how): linear between the highest passing load and the lowest failing one above it."""
+    points = sorted(points)
+    passing = [p for p in points if p[1] >= target]
+    if not passing:
+        return None, f"< {points[0][0]:.3g}"
+    p = passing[-1]
+    above = [q for q in points if q[0] > p[0] and q[1] < target]
+    if not above:
+        return p[0], f">= {p[0]:.3g}"
+    f = above[0]
+    return p[0] + (p[1] - target) / (p[1] - f[1]) * (f[0] - p[0]), "interpolated"
+
+
+def print_headlines(results: list[dict], modes: list[str], target: float) -> None:
+    for mode in modes:
+        heads = {}
+        for spec in dict.fromkeys(r["config"] for r in results if r["mode"] == mode):
+            pts = [(r["load_rps"], r["attainment"]) for r in results if r["mode"] == mode and r["config"] == spec]
+            heads[spec] = highest_passing_load(pts, target)
+        best_peer = max((v for k, (v, _) in heads.items() if k in PEERS and v is not None), default=None)
+        print(f"[{mode}] highest load at >= {target:.0%} (best peer emulation: {best_peer})")
+        for spec, (v, how) in heads.items():
+            ratio = f"{v / best_peer:.3f}" if v is not None and best_peer else "-"
+            print(f"  {spec[:70]:<70} {('%.2f' % v) if v is not None else '-':>8} rps  {how:<14} x best peer {ratio}")
 
 
 if __name__ == "__main__":

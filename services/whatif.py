@@ -177,7 +177,15 @@ def simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None = 
 
 
 def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, heartbeat_ms: float,
-              liveness_ms: float, profile_path: str | None, with_ttfts: bool, on_arrival):
+              liveness_ms: float, profile_path: str | None, with_ttfts: bool, on_arrival, agent: str = "sim"):
+    """`agent`: what the router hears, as from "sim" workers (the engine's own steps: a batch
+    starts when its first chunk runs, its prefill time is its share of the steps) or from
+    "openai" agents in front of engine servers (workers/openai_agent.py: a batch starts when
+    it is released, at once here; its prefill time is the longest first-token latency of its
+    members from the release, the server's queueing included; running = everything
+    released, queued = the server's waiting requests)."""
+    if agent not in ("sim", "openai"):
+        raise ValueError(f"agent must be sim or openai, got {agent!r}")
     profile = load_profile(profile_path)
     specs = list(rec.workers)
     if num_workers is not None:  # more or fewer workers like the first one
@@ -211,12 +219,15 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
 
     def status(w: str, t: int) -> None:
         e, sp = engines[w], spec_of[w]
+        running, queued = e.num_running_requests, e.num_queued_batches
+        if agent == "openai":
+            running, queued = running + e.num_queued_requests, e.num_queued_requests
         s.on_worker_event(m.WorkerStatusReported(
             worker_id=w, role=sp.role, boot_id="whatif", block_size_tokens=sp.block_size_tokens,
             num_kv_blocks=sp.num_kv_blocks, num_free_kv_blocks=e.num_free_kv_blocks,
             num_cached_kv_blocks=e.num_cached_kv_blocks, max_batch_tokens=sp.max_batch_tokens,
-            max_seq_len_tokens=sp.max_seq_len_tokens, num_running_requests=e.num_running_requests,
-            num_queued_batches=e.num_queued_batches, running_request_ids=e.running_request_ids(), time_scale=scale,
+            max_seq_len_tokens=sp.max_seq_len_tokens, num_running_requests=running,
+            num_queued_batches=queued, running_request_ids=e.running_request_ids(), time_scale=scale,
             recent_step_ms=recent_step_ms(w, t)), t)
         s.take_settled()
 
@@ -243,11 +254,15 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
             busy[w] = False
             return
         busy[w] = True
-        for batch_id in step.batches_started:
-            s.on_batch_started(w, batch_id, t)
+        if agent == "sim":
+            for batch_id in step.batches_started:
+                s.on_batch_started(w, batch_id, t)
         push(t + int(step.duration_ms * scale * MS), "step_done", (w, step))
 
+    tick_at: list[int | None] = [None]  # when the one pending "tick" event is due
+
     def tick(t: int) -> None:
+        nonlocal pending_work
         res = s.tick(t)
         for b in res.batches:
             for i in b.items:
@@ -255,15 +270,23 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
             engines[b.worker_id].submit_batch(EngineBatch(batch_id=b.batch_id, requests=[
                 EngineRequest(request_id=i.request_id, prompt_token_ids=[0] * i.num_prompt_tokens, max_tokens=i.max_tokens,
                               block_hashes=list(requests[i.request_id].block_hashes)) for i in b.items]))
+            if agent == "openai":
+                released_ns[b.batch_id] = t
+                s.on_batch_started(b.worker_id, b.batch_id, t)
             if not busy[b.worker_id]:
                 start_step(b.worker_id, t)
         for f in res.failures:
             rejected[f.code] += 1
+        pending_work -= len(res.failures)
         due = s.next_due_ns(t)
-        if due is not None:
-            push(max(due, t + 1), "tick")
+        if due is not None:  # one pending tick at a time: an earlier one replaces a later one
+            due = max(due, t + 1)
+            if tick_at[0] is None or due < tick_at[0] or tick_at[0] <= t:
+                tick_at[0] = due
+                push(due, "tick")
 
     decode_of: dict[str, str] = {}  # request id -> the decode worker the router chose for it
+    released_ns: dict[str, int] = {}  # agent openai: batch id -> its release
     pending_work = len(rec.arrivals)
     while heap:
         ev = heapq.heappop(heap)
@@ -281,7 +304,9 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 pending_work -= 1
             tick(t)
         elif ev.kind == "tick":
-            tick(t)
+            if t == tick_at[0]:  # (a superseded tick is skipped)
+                tick_at[0] = None
+                tick(t)
         elif ev.kind == "step_done":
             w, step = ev.data
             if step.kind != "report":
@@ -298,6 +323,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 batch_prefill_ms[batch_id] += share_ms
             for done in step.batches_prefilled:
                 measured_ms = batch_prefill_ms.pop(done.batch_id, 0.0)
+                if agent == "openai":  # (the step's end is its last member's first token)
+                    measured_ms = (t - released_ns.pop(done.batch_id, t)) / MS / scale
                 if done.request_ids:
                     s.on_prefill_completed(w, done.batch_id, measured_ms, done.num_cached_tokens)
                     cached += done.num_cached_tokens

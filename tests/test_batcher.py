@@ -38,15 +38,22 @@ class Req:
     deadline_ns: int = 0
     kv_tokens: int = 0
     num_cached_tokens: int = 0
+    tpot_target_ms: float = 0.0
+    strict_deadline: bool = False
 
 
-def req(rid: str, tokens: int = 10, t_ms: float = 0, deadline_ms: float | None = None, kv: int = 0) -> Req:
-    """A request arriving at t_ms; deadline_ms is absolute (None: no SLO)."""
-    return Req(rid, tokens, round(t_ms * MS), 0 if deadline_ms is None else round(deadline_ms * MS), kv)
+def req(rid: str, tokens: int = 10, t_ms: float = 0, deadline_ms: float | None = None, kv: int = 0,
+        tpot_ms: float = 0.0, strict: bool = False) -> Req:
+    """A request arriving at t_ms; deadline_ms is absolute (None: no SLO); tpot_ms its TPOT
+    target (0: none); strict: refused rather than served late."""
+    return Req(rid, tokens, round(t_ms * MS), 0 if deadline_ms is None else round(deadline_ms * MS), kv,
+               tpot_target_ms=tpot_ms, strict_deadline=strict)
 
 
-def load(cap: int = 0, free_kv: int = 10**9, inflight: int = 0, wait_ms: float = 0.0) -> WorkerLoad:
-    return WorkerLoad(max_batch_tokens=cap, free_kv_tokens=free_kv, num_inflight_batches=inflight, wait_ms=wait_ms)
+def load(cap: int = 0, free_kv: int = 10**9, inflight: int = 0, wait_ms: float = 0.0, tpot_ms: float = 0.0,
+         per_request: float = 0.0, per_kilotoken: float = 0.0) -> WorkerLoad:
+    return WorkerLoad(max_batch_tokens=cap, free_kv_tokens=free_kv, num_inflight_batches=inflight, wait_ms=wait_ms,
+                      tpot_ms=tpot_ms, tpot_ms_per_request=per_request, tpot_ms_per_kilotoken=per_kilotoken)
 
 
 class Predictor:
@@ -742,3 +749,56 @@ def test_taking_a_batch_head_lets_the_next_request_join_the_batch_before():
     assert b.queue_wait_ms(0, ld) == pytest.approx(7.0 + 150 + 7.0 + 200)  # [300] [400] ahead of [200]
     b.take(seq)
     assert b.queue_wait_ms(0, ld) == pytest.approx(100 - 0)  # one batch [300, 200]: a newcomer joins, waits the window
+
+
+# ------------------------------------------------------------------ slo-budget: the TPOT hold
+def test_tpot_hold_keeps_requests_while_the_worker_would_decode_too_slowly_and_releases_when_it_speeds_up():
+    """headroom 0.9 of a 100 ms TPOT target: a worker at 85 ms where one more request adds 2 ms
+    (+ 1 ms per thousand tokens of its 1,000-token prompt) would be at 88: it takes it; at 88
+    (-> 91) it is held until the load drops, or until the head's emergency point."""
+    b = slo(tpot_headroom=0.9, window_ms=0, max_inflight_batches=0, emergency_guard_ms=150)
+    b.add(req("a", 1000, t_ms=0, deadline_ms=2000, kv=1000, tpot_ms=100))  # prefill 100 ms: latest start 1900
+    busy = load(tpot_ms=88, per_request=2, per_kilotoken=1)
+    assert batch_ids(b.poll(0, busy)) == []
+    assert b.next_due_ns(0, busy) == (1900 - 150) * MS  # the emergency point, no earlier wake-up
+    assert batch_ids(b.poll(500 * MS, load(tpot_ms=85, per_request=2, per_kilotoken=1))) == [["a"]]
+
+
+def test_tpot_hold_counts_what_the_poll_dispatched_and_next_due_until_the_load_shows_it():
+    b = slo(tpot_headroom=0.9, window_ms=0, max_inflight_batches=0, batch_size_max=1)
+    add_all(b, req("a", 100, deadline_ms=2000, kv=0, tpot_ms=100), req("b", 100, deadline_ms=2000, kv=0, tpot_ms=100))
+    ld = load(tpot_ms=80, per_request=6)  # a: 80 -> 86 fits; b after a: 86 -> 92 does not
+    assert batch_ids(b.poll(0, ld)) == [["a"]]  # b held in the same poll: a's 6 ms counted
+    assert b.next_due_ns(0, ld) > 0  # and with the same load, no wake-up now (no spin)
+    assert batch_ids(b.poll(2 * MS, load(tpot_ms=78, per_request=6))) == [["b"]]  # a newer load: room again
+
+
+def test_tpot_hold_at_the_emergency_point_serves_a_lenient_request_and_refuses_a_strict_one():
+    full = load(tpot_ms=95, per_request=1)
+    lenient = slo(tpot_headroom=0.9, window_ms=0, max_inflight_batches=0, emergency_guard_ms=150)
+    lenient.add(req("a", 1000, deadline_ms=2000, tpot_ms=100))
+    r = lenient.poll(1750 * MS, full)
+    assert batch_ids(r) == [["a"]] and r.batches[0].reason == "emergency" and r.unattainable == []
+    strict = slo(tpot_headroom=0.9, window_ms=0, max_inflight_batches=0, emergency_guard_ms=150)
+    add_all(strict, req("a", 1000, deadline_ms=2000, tpot_ms=100, strict=True),
+            req("b", 1000, deadline_ms=9000, tpot_ms=100, strict=True))
+    r = strict.poll(1750 * MS, full)
+    assert ids(r.unattainable) == ["a"] and r.batches == [] and len(strict) == 1  # b still has slack: still held
+
+
+@pytest.mark.parametrize("ld,item", [
+    (load(tpot_ms=0.0, per_request=50), req("a", 100, deadline_ms=2000, tpot_ms=100)),  # idle worker / no model
+    (load(tpot_ms=95, per_request=1), req("a", 100, deadline_ms=2000, tpot_ms=0)),  # the request has no TPOT target
+], ids=["idle-worker", "no-target"])
+def test_tpot_hold_never_holds_for_an_idle_worker_or_a_request_without_target(ld, item):
+    b = slo(tpot_headroom=0.9, window_ms=0, max_inflight_batches=0)
+    b.add(item)
+    assert batch_ids(b.poll(0, ld)) == [["a"]]
+
+
+def test_tpot_hold_off_by_default_and_headroom_is_validated():
+    b = slo(window_ms=0, max_inflight_batches=0)
+    b.add(req("a", 100, deadline_ms=2000, tpot_ms=100, strict=True))
+    assert batch_ids(b.poll(0, load(tpot_ms=500, per_request=10))) == [["a"]]
+    with pytest.raises(ValueError, match="tpot_headroom"):
+        slo(tpot_headroom=1.5)

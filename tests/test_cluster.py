@@ -329,7 +329,7 @@ async def test_a_withdrawal_is_of_one_batch_and_the_request_re_routed_back_to_th
 
 
 async def test_requests_a_dead_leader_held_undispatched_fail_retryable_at_once_on_the_standby(spawn, nats_url, redis_url):
-    """The leader holds forwarded requests in its batch queue (a 20 s window) and is killed:
+    """The leader holds forwarded requests in its batch queue (fixed-window, a 20 s window) and is killed:
     nothing will ever dispatch them, so the standby fails them with a retryable not_ready as
     soon as it sees the leader gone, not at their 600 s deadline."""
     import time
@@ -340,11 +340,11 @@ async def test_requests_a_dead_leader_held_undispatched_fail_retryable_at_once_o
     cluster = _ids("c")
     port_a, port_b = free_port(), free_port()
     leader = spawn("router", "--router-id", _ids("leader"), "--port", str(port_a), "--cluster", cluster,
-                   "--batch-wait-ms", "20000", "--batch-size-max", "64", env=env, name="leader")
+                   "--batcher", "fixed-window", "--batch-wait-ms", "20000", "--batch-size-max", "64", env=env, name="leader")
     a_url, b_url = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
     wait_for(lambda: leader.popen.poll() is None and _ready(a_url), 60, "leader ready")
     b = spawn("router", "--router-id", _ids("standby"), "--port", str(port_b), "--cluster", cluster,
-              "--batch-wait-ms", "20000", "--batch-size-max", "64", env=env, name="standby")
+              "--batcher", "fixed-window", "--batch-wait-ms", "20000", "--batch-size-max", "64", env=env, name="standby")
     wait_for(lambda: b.popen.poll() is None and _ready(b_url), 60, "standby ready")
     assert httpx.get(b_url + "/healthz").json()["role"] == "standby"
     async with httpx.AsyncClient(timeout=60) as c:

@@ -453,7 +453,7 @@ def test_the_gates_and_expected_output_are_the_policies_parameters_as_the_settin
 
     def pick_after(gate_high: int) -> str:
         cfg = RouterSettings(prefill_policy="cost-based", prefill_policy_params={"pending_gate_high": gate_high},
-                             batcher_params={"wait_ms": 1000, "batch_size_max": 64}).scheduler_config()
+                             batcher="fixed-window", batcher_params={"wait_ms": 1000, "batch_size_max": 64}).scheduler_config()
         s = Scheduler(cfg, id_prefix="r-boot")
         s.on_worker_event(status("w0", num_running_requests=5), 0)
         s.on_worker_event(status("w1", num_running_requests=3), 0)

@@ -138,7 +138,7 @@ import bisect
 import math
 from itertools import islice
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
@@ -168,6 +168,12 @@ class Batchable(Protocol):
     @property
     def deadline_ns(self) -> int: ...  # TTFT deadline (arrival + SLO); 0 = none
 
+    @property
+    def tpot_target_ms(self) -> float: ...  # its TPOT target; 0 = none
+
+    @property
+    def strict_deadline(self) -> bool: ...  # refused rather than served late (slo-budget's TPOT hold)
+
 
 T = TypeVar("T", bound=Batchable)
 
@@ -182,6 +188,12 @@ class WorkerLoad(NamedTuple):
     free_kv_tokens: int  # KV budget for the non-head members of a batch (the head always goes)
     num_inflight_batches: int  # dispatched to the worker and not yet prefill-completed
     wait_ms: float  # predicted ms until the worker is free of its inflight batches
+    # The worker's decode step time now (its TPOT) and what one more request adds to it:
+    # per request and per thousand tokens of its context (services/core/decode_model.py).
+    # tpot_ms 0: unknown or not a decoding worker (nothing is held for TPOT).
+    tpot_ms: float = 0.0
+    tpot_ms_per_request: float = 0.0
+    tpot_ms_per_kilotoken: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +211,9 @@ class PollResult(Generic[T]):
     batches: list[Closed[T]]
     expired: list[T]  # waited enqueue_deadline_ms: the caller fails each with queue_timeout
     too_large: list[T]  # alone over the worker's padded-token cap: the caller fails each with too_large
+    # slo-budget: held for the worker's TPOT until its TTFT deadline could no longer be met,
+    # and `strict_deadline`: the caller refuses each (slo_unattainable)
+    unattainable: list[T] = field(default_factory=list)
 
 
 class FixedWindowParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -231,9 +246,12 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     ema_alpha: float = 0.2
     max_inflight_batches: int = 2  # 0 = off
     enqueue_deadline_ms: float = 5000.0
+    tpot_headroom: float = 0.0  # TPOT hold: 0 = off (module docstring)
 
     def validate(self) -> Self:
         _require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
+        _require(math.isfinite(self.tpot_headroom) and 0.0 <= self.tpot_headroom <= 1.0, "slo-budget",
+                 "tpot_headroom", self.tpot_headroom, "in [0, 1] (0 = off)")
         _require_ms(self.window_ms, "slo-budget", "window_ms", allow_zero=True)
         _require_ms(self.guard_ms, "slo-budget", "guard_ms", allow_zero=True)
         _require_ms(self.emergency_guard_ms, "slo-budget", "emergency_guard_ms", allow_zero=True)
@@ -257,6 +275,11 @@ def _require_ms(value: float, batcher: str, field: str, *, allow_zero: bool) -> 
 
 def _ms_to_ns(ms: float) -> int:
     return round(ms * NS_PER_MS)
+
+
+def tpot_added_ms(load: WorkerLoad, item: Batchable) -> float:
+    """What `item` adds to the worker's step time once it runs (its prompt as its context)."""
+    return load.tpot_ms_per_request + load.tpot_ms_per_kilotoken * item.kv_tokens / 1000.0
 
 
 class Batcher(Protocol[T]):
@@ -298,6 +321,7 @@ class _OwnDispatches:
     num_batches: int = 0
     kv_tokens: int = 0  # of all their members, heads included
     predicted_ms: float = 0.0
+    tpot_ms: float = 0.0  # what its members add to the worker's step time
 
     def effective(self, load: WorkerLoad) -> WorkerLoad:
         if self.num_batches == 0 or load != self.load:
@@ -307,11 +331,14 @@ class _OwnDispatches:
             free_kv_tokens=load.free_kv_tokens - self.kv_tokens,
             num_inflight_batches=load.num_inflight_batches + self.num_batches,
             wait_ms=load.wait_ms + self.predicted_ms,
+            tpot_ms=load.tpot_ms + self.tpot_ms if load.tpot_ms else 0.0,
+            tpot_ms_per_request=load.tpot_ms_per_request,
+            tpot_ms_per_kilotoken=load.tpot_ms_per_kilotoken,
         )
 
-    def plus(self, items: Sequence[Batchable], predicted_ms: float) -> _OwnDispatches:
+    def plus(self, items: Sequence[Batchable], predicted_ms: float, load: WorkerLoad) -> _OwnDispatches:
         return _OwnDispatches(self.load, self.num_batches + 1, self.kv_tokens + sum(i.kv_tokens for i in items),
-                              self.predicted_ms + predicted_ms)
+                              self.predicted_ms + predicted_ms, self.tpot_ms + sum(tpot_added_ms(load, i) for i in items))
 
 
 class _Shape:
@@ -459,14 +486,18 @@ class _QueueBatcher(Generic[T]):
                        if values and min(i.enqueued_ns for i in values) + self._enqueue_deadline_ns <= now_ns else [])
             self._own = _OwnDispatches(load=load)
             batches: list[Closed[T]] = []
+            unattainable: list[T] = []
             while self._items:
                 plan = self._plan(now_ns, self._own.effective(load), with_members=True)
                 if plan.reason is None:
                     break
                 self._version += 1
                 items = [self._items.pop(seq) for seq in plan.members]
+                if plan.reason == "unattainable":  # held past its deadline: the caller refuses it
+                    unattainable.extend(items)
+                    continue
                 predicted_ms = self._predict(items)
-                self._own = self._own.plus(items, predicted_ms)
+                self._own = self._own.plus(items, predicted_ms, load)
                 batches.append(Closed(items, plan.reason, predicted_ms))
         except Exception as exc:  # a broken prediction: put everything back, then fail loudly
             self._version += 1
@@ -474,7 +505,7 @@ class _QueueBatcher(Generic[T]):
             self._items.update(saved_items)
             self._own = saved_own  # nothing taken out is lost
             raise exc
-        return PollResult(batches, expired, too_large)
+        return PollResult(batches, expired, too_large, unattainable)
 
     def quiet(self, now_ns: int, max_batch_tokens: int) -> bool:
         """True only when a poll now is sure to find nothing (a cheap check before building the
@@ -808,10 +839,15 @@ class SloBudgetBatcher(_QueueBatcher[T]):
         candidate, stop = _fill(entries, load, p.batch_size_max)
         latest_start_ns = (self._deadline_ns(entries[0][1]) - _ms_to_ns(load.wait_ms)
                            - _ms_to_ns(self._predict([i for _, i in candidate])))
-        if self._is_held(load, p.max_inflight_batches):
+        head = entries[0][1]
+        tpot_full = (p.tpot_headroom > 0 and load.tpot_ms > 0 and head.tpot_target_ms > 0
+                     and load.tpot_ms + tpot_added_ms(load, head) > p.tpot_headroom * head.tpot_target_ms)
+        if tpot_full or self._is_held(load, p.max_inflight_batches):
             emergency_due_ns = latest_start_ns - self._emergency_guard_ns
             if now_ns < emergency_due_ns:
                 return _Plan(None, emergency_due_ns, [])
+            if tpot_full and head.strict_deadline:  # its TTFT or everyone's TPOT: refused
+                return _Plan("unattainable", now_ns, [entries[0][0]] if with_members else [])
             reason = "emergency"
         else:
             guard_due_ns = latest_start_ns - self._guard_ns

@@ -49,6 +49,7 @@ from schemas.messages import (
     WorkerStatusReported,
 )
 from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher
+from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy, build_policy
 from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
@@ -207,6 +208,8 @@ class SchedulerConfig:
     batcher_params: dict[str, Any] = field(default_factory=dict)
     predictor_coefficients: PrefillCoefficients = field(default_factory=PrefillCoefficients)
     predictor_params: PredictorParams = field(default_factory=PredictorParams)
+    decode_coefficients: DecodeCoefficients = field(default_factory=DecodeCoefficients)  # the decode model's prior
+    decode_model_params: DecodeModelParams = field(default_factory=DecodeModelParams)
     slo: SloParams = field(default_factory=SloParams)
     prefix_index: str = "exact"  # "exact" (KV events) | "approximate" (learned from decisions)
     approx_index_ttl_ms: float = 120_000.0
@@ -246,6 +249,8 @@ class QueuedRequest:
     max_tokens: int
     enqueued_ns: int
     deadline_ns: int  # arrival + TTFT SLO
+    tpot_target_ms: float  # its TPOT SLO
+    strict_deadline: bool  # refused rather than served past its TTFT target (its SLO mode: see admit)
     prefill_worker_id: str
     decode_worker_id: str
     payload: object = None  # the shell's request handle; the core never looks inside
@@ -376,6 +381,7 @@ class Scheduler:
         self.pending_index = PendingPrefixes(ttl_ms=config.pending_prefix_ttl_ms)
         self.ledger = InflightLedger()
         self.predictors: dict[str, PrefillPredictor] = {}  # prefill worker id -> its predictor
+        self.decode_models: dict[str, DecodeModel] = {}  # worker id -> its decode-step model (decode_model.py)
         self.batchers: dict[str, Batcher] = {}  # prefill worker id -> its batcher
         self.prefill_gated: set[str] = set()  # workers whose pending count closed the gate
         self.decode_gated: set[str] = set()  # workers whose KV usage closed the gate
@@ -397,6 +403,11 @@ class Scheduler:
     def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
         info = self.view.apply(event, now_ns, stale)
         if isinstance(event, WorkerStatusReported) and not stale:
+            if info.role != "prefill":
+                used_blocks = event.num_kv_blocks - event.num_free_kv_blocks - event.num_cached_kv_blocks
+                self.decode_model(event.worker_id).observe(event.num_running_requests,
+                                                           max(0, used_blocks) * event.block_size_tokens,
+                                                           event.recent_step_ms)
             for r in self.ledger.calibrate(event.worker_id, event.running_request_ids, self.config.settle_after_missed_reports):
                 self.settled.append((event.worker_id, r.request_id))
         return info
@@ -444,6 +455,7 @@ class Scheduler:
         orphans = batcher.drain() if batcher is not None else []
         self.view.remove(worker_id)
         self.predictors.pop(worker_id, None)
+        self.decode_models.pop(worker_id, None)
         self.index.remove_worker(worker_id)
         self.pending_index.remove_worker(worker_id)
         self.approx_index.remove_worker(worker_id)
@@ -499,6 +511,29 @@ class Scheduler:
             p = self.predictors[worker_id] = PrefillPredictor(self.config.predictor_coefficients, self.config.predictor_params)
         return p
 
+    def decode_model(self, worker_id: str) -> DecodeModel:
+        d = self.decode_models.get(worker_id)
+        if d is None:
+            d = self.decode_models[worker_id] = DecodeModel(self.config.decode_coefficients, self.config.decode_model_params)
+        return d
+
+    def engine_load(self, worker_id: str) -> tuple[int, int]:
+        """(requests, KV tokens) the worker runs or has been sent: its report, plus what we
+        dispatched that it does not show yet."""
+        info = self.view.workers.get(worker_id)
+        if info is None:
+            return 0, 0
+        inf = self.ledger.workers.get(worker_id)
+        batcher = self.batchers.get(worker_id)
+        used = max(0, info.num_kv_blocks - info.num_allocatable_kv_blocks) * info.block_size_tokens
+        if inf is None:
+            return info.num_running_requests, used
+        queued = len(batcher) if batcher is not None else 0
+        ours = len(inf.reservations) - queued if info.role == "pd_fusion" else len(inf.reservations)
+        hidden = ours - inf.num_visible
+        running = info.num_running_requests + (hidden if hidden > 0 else 0)
+        return running, used + inf.hidden_hard_kv_tokens
+
     def batcher(self, worker_id: str) -> Batcher:
         b = self.batchers.get(worker_id)
         if b is None:
@@ -525,11 +560,18 @@ class Scheduler:
         # Unknown KV (no report yet) must not shrink batches to one request: treat as unbounded
         # (_prefill_candidates inlines the same rule).
         free_kv = (info.num_allocatable_kv_blocks * bs - hard) if info and info.num_kv_blocks else 1 << 40
+        tpot = per_request = per_kilotoken = 0.0
+        if info is not None and info.role != "prefill":
+            running, kv = self.engine_load(worker_id)
+            if running > 0:  # an idle worker always takes work
+                model = self.decode_model(worker_id)
+                tpot, per_request, per_kilotoken = model.predict_ms(running, kv), model.b, model.c
         return WorkerLoad(
             max_batch_tokens=info.max_batch_tokens if info else 0,
             free_kv_tokens=max(0, free_kv),
             num_inflight_batches=self.ledger.num_inflight_batches(worker_id),
             wait_ms=self.ledger.wait_ms(worker_id, now_ns),
+            tpot_ms=tpot, tpot_ms_per_request=per_request, tpot_ms_per_kilotoken=per_kilotoken,
         )
 
     def block_size_tokens(self) -> int:
@@ -751,7 +793,9 @@ class Scheduler:
         item = QueuedRequest(
             request_id=req.request_id, num_prompt_tokens=n, num_cached_tokens=chosen.num_cached_tokens,
             kv_tokens=n, max_tokens=req.max_tokens, enqueued_ns=now_ns,
-            deadline_ns=now_ns + int(slo_ttft * 1e6), prefill_worker_id=p.pick.worker_id,
+            deadline_ns=now_ns + int(slo_ttft * 1e6), tpot_target_ms=slo_tpot,
+            strict_deadline=mode == "reject" or (mode != "best-effort" and req.slo_ttft_ms is not None),
+            prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload,
         )
         self.queued[req.request_id] = (p.pick.worker_id, self.batcher(p.pick.worker_id).add(item))
@@ -784,6 +828,10 @@ class Scheduler:
                 failures.append(QueueFailure(it, "queue_timeout", f"queued on {worker_id} past its deadline"))
             for it in res.too_large:
                 failures.append(QueueFailure(it, "too_large", f"prompt of {it.num_prompt_tokens} tokens cannot fit {worker_id}"))
+            for it in res.unattainable:
+                failures.append(QueueFailure(it, "slo_unattainable", (
+                    f"held for {worker_id}'s TPOT (its decodes would exceed the {it.tpot_target_ms:.0f} ms target) "
+                    f"until its TTFT target could no longer be met")))
         for f in failures:
             self.on_terminal(f.item.request_id)
         return TickResult(batches, failures)

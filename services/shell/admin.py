@@ -117,6 +117,20 @@ class Admin:
                 "num_running_requests": w.num_running_requests, "num_queued_batches": w.num_queued_batches,
                 "num_queued_at_router": len(self.s.scheduler.batchers[w.worker_id]) if w.worker_id in self.s.scheduler.batchers else 0,
                 "num_restarts": w.num_restarts,
+                **self.decode_model_view(w.worker_id, w.role),
             })
         return out
+
+    def decode_model_view(self, worker_id: str, role: str) -> dict[str, Any]:
+        """What the router learned of the worker's decode steps (services/core/decode_model.py)
+        and the TPOT it predicts there now; nothing for a prefill worker."""
+        sch = self.s.scheduler
+        if role == "prefill":
+            return {}
+        model = sch.decode_model(worker_id)
+        running, kv = sch.engine_load(worker_id)
+        return {"decode_model": {"base_ms": round(model.a, 3), "per_request_ms": round(model.b, 4),
+                                 "per_kilotoken_ms": round(model.c, 4), "num_observations": model.num_observations,
+                                 "mean_abs_pct_error": round(model.mean_abs_pct_error, 2)},
+                "predicted_tpot_ms": round(model.predict_ms(running, kv), 2) if running else None}
 

@@ -64,6 +64,10 @@ class RouterMetrics:
                                    ["worker"], registry=r)
         self.worker_held = Gauge("flexlb_worker_held_requests", "Requests the router holds inflight on the worker",
                                  ["worker"], registry=r)
+        self.worker_tpot = Gauge("flexlb_worker_predicted_tpot_ms", "The TPOT the router's decode model predicts on the "
+                                 "worker now (its load and what was dispatched there)", ["worker"], registry=r)
+        self.decode_model_error = Gauge("flexlb_decode_model_error_percent", "Mean relative error of the worker's decode "
+                                        "model against its reported step times (EMA, percent)", ["worker"], registry=r)
         self.dispatch_paused = Gauge(
             "flexlb_dispatch_paused", "1 while the leader dispatches nothing: its lease outran its renewal (Redis unreachable)",
             registry=r)

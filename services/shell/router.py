@@ -172,7 +172,7 @@ class RouterService:
     def refresh_gauges(self) -> None:
         """Gauges read from the view at scrape time (a worker gone from the view leaves them)."""
         mx, view = self.s.metrics, self.admin.workers_view()
-        for g in (mx.worker_live, mx.worker_kv_used, mx.worker_queued, mx.worker_held):
+        for g in (mx.worker_live, mx.worker_kv_used, mx.worker_queued, mx.worker_held, mx.worker_tpot, mx.decode_model_error):
             g.clear()
         for w in view:
             mx.worker_live.labels(w["id"]).set(1 if w["live"] else 0)
@@ -180,6 +180,9 @@ class RouterService:
             mx.worker_kv_used.labels(w["id"]).set(round(used, 4))
             mx.worker_queued.labels(w["id"]).set(w["num_queued_at_router"])
             mx.worker_held.labels(w["id"]).set(w["num_held"])
+            if "decode_model" in w:
+                mx.worker_tpot.labels(w["id"]).set(w["predicted_tpot_ms"] or 0.0)
+                mx.decode_model_error.labels(w["id"]).set(w["decode_model"]["mean_abs_pct_error"])
         mx.queue_depth.set(sum(w["num_queued_at_router"] for w in view))
         ledger = self.s.scheduler.ledger
         mx.ledger_entries.set(sum(len(w.batches) + len(w.reservations) for w in ledger.workers.values()))

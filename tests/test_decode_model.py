@@ -1,0 +1,125 @@
+"""The decode-step model (services/core/decode_model.py): prior, online learning from status
+reports, robustness, bounds, determinism; and what the scheduler makes of it (a seeded RNG,
+no clock)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from schemas.messages import WorkerStatusReported
+from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
+from services.core.scheduler import AdmitRequest, Scheduler, SchedulerConfig
+
+
+def samples(rng: random.Random, n: int, a: float, b: float, c: float, noise: float = 0.03):
+    """(running, kv tokens, measured step ms) of an engine with step = a + b·R + c·K/1000."""
+    out = []
+    for _ in range(n):
+        running = rng.randint(1, 120)
+        kv = running * rng.randint(300, 3000)
+        out.append((running, kv, (a + b * running + c * kv / 1000) * (1 + rng.gauss(0, noise))))
+    return out
+
+
+def mean_abs_pct_error(model: DecodeModel, data) -> float:
+    return 100 * sum(abs(model.predict_ms(r, k) - y) / y for r, k, y in data) / len(data)
+
+
+def test_the_prior_is_the_default_profiles_decode_fit():
+    m = DecodeModel()
+    assert m.predict_ms(10, 20_000) == pytest.approx(29.57 + 0.198 * 10 + 0.220 * 20)
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 3.0])
+def test_it_learns_an_engine_unlike_its_prior(scale):
+    rng = random.Random(7)
+    truth = (29.57 * scale, 0.198 * scale * 1.5, 0.22 * scale)
+    m = DecodeModel()
+    held_out = samples(random.Random(99), 200, *truth, noise=0.0)
+    before = mean_abs_pct_error(m, held_out)
+    for r, k, y in samples(rng, 400, *truth):
+        m.observe(r, k, y)
+    after = mean_abs_pct_error(m, held_out)
+    assert after < 6.0 < before, (before, after)
+    assert m.num_observations == 400 and m.mean_abs_pct_error < 10
+
+
+def test_reports_without_load_or_time_teach_nothing():
+    m = DecodeModel()
+    for running, kv, step in [(0, 0, 50.0), (3, 1000, 0.0), (3, 1000, float("nan")), (3, -1, 50.0)]:
+        assert m.observe(running, kv, step) is False
+    assert m.num_observations == 0 and m.coefficients == DecodeCoefficients()
+
+
+def test_learning_off_keeps_the_prior_but_scores_it():
+    m = DecodeModel(params=DecodeModelParams(learning=False))
+    for r, k, y in samples(random.Random(1), 50, 60, 0.5, 0.5):
+        m.observe(r, k, y)
+    assert m.coefficients == DecodeCoefficients() and m.mean_abs_pct_error > 20
+
+
+def test_an_absurd_report_moves_the_prediction_a_bounded_step_and_coefficients_stay_in_bounds():
+    m = DecodeModel()
+    for r, k, y in samples(random.Random(3), 300, 29.57, 0.198, 0.22):
+        m.observe(r, k, y)
+    before = m.predict_ms(50, 60_000)
+    m.observe(50, 60_000, before * 100)
+    assert m.predict_ms(50, 60_000) < 1.5 * before
+    for _ in range(500):  # a stream of garbage
+        m.observe(1, 0, 1e9)
+        m.observe(200, 10**7, 1e-6)
+    c = m.coefficients
+    for value, prior in zip((c.base_ms, c.per_request_ms, c.per_kilotoken_ms), (29.57, 0.198, 0.22)):
+        assert 0 <= value <= 100 * prior
+
+
+def test_the_same_reports_give_the_same_model():
+    data = samples(random.Random(5), 100, 40, 0.3, 0.3)
+    a, b = DecodeModel(), DecodeModel()
+    for r, k, y in data:
+        a.observe(r, k, y)
+        b.observe(r, k, y)
+    assert a.coefficients == b.coefficients
+
+
+@pytest.mark.parametrize("bad", [{"forgetting_factor": 0.5}, {"prior_variance": 0}, {"outlier_sigmas": 0.5},
+                                 {"error_ema_alpha": 0}])
+def test_bad_parameters_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DecodeModelParams(**bad).validate()
+
+
+def status(worker_id: str, running: int, used_blocks: int, step_ms: float, role: str = "pd_fusion") -> WorkerStatusReported:
+    return WorkerStatusReported(worker_id=worker_id, role=role, boot_id="b0", block_size_tokens=16, num_kv_blocks=10_000,
+                                num_free_kv_blocks=10_000 - used_blocks, max_batch_tokens=65536, max_seq_len_tokens=8192,
+                                num_running_requests=running, recent_step_ms=step_ms)
+
+
+def test_the_scheduler_learns_each_workers_model_from_its_reports_and_predicts_its_tpot_with_what_it_sent():
+    s = Scheduler(SchedulerConfig(), id_prefix="r")
+    for i in range(200):  # w0 decodes twice as slowly as the prior says
+        running = 10 + i % 50
+        s.on_worker_event(status("w0", running, running * 100, 2 * DecodeModel().predict_ms(running, running * 1600)), i)
+        s.on_worker_event(status("w1", running, running * 100, DecodeModel().predict_ms(running, running * 1600)), i)
+    s.on_worker_event(status("w0", 20, 2000, 0.0), 300)
+    s.on_worker_event(status("w1", 20, 2000, 0.0), 300)
+    slow, fast = s.load("w0", 300), s.load("w1", 300)
+    assert slow.tpot_ms == pytest.approx(2 * fast.tpot_ms, rel=0.1)
+    assert fast.tpot_ms == pytest.approx(DecodeModel().predict_ms(20, 32_000), rel=0.05)
+    # a request admitted and dispatched to w1 counts there before w1 reports it
+    a = s.admit(AdmitRequest(request_id="x", num_prompt_tokens=3200, max_tokens=10, slo_ttft_ms=60_000), 300)
+    worker = a.request.prefill_worker_id
+    before = s.load(worker, 300).tpot_ms
+    assert len(s.tick(300 + 2 * 10**9).batches) == 1  # past the 1 s window: dispatched
+    assert s.engine_load(worker)[0] == 21
+    assert s.load(worker, 300 + 2 * 10**9).tpot_ms > before
+
+
+def test_an_idle_worker_or_a_prefill_worker_reports_no_tpot_to_hold_for():
+    s = Scheduler(SchedulerConfig(), id_prefix="r")
+    s.on_worker_event(status("idle", 0, 0, 0.0), 0)
+    s.on_worker_event(status("p0", 5, 500, 40.0, role="prefill"), 0)
+    assert s.load("idle", 0).tpot_ms == 0.0 and s.load("p0", 0).tpot_ms == 0.0
+    assert "p0" not in s.decode_models
