@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,9 +220,12 @@ SENTINEL_MASTER = "flexlb"  # the master name `flexlb up --redis-sentinel` monit
 
 def redis_argv(port: int, replica_of: int | None = None) -> list[str]:
     """One loopback redis-server keeping nothing on disk; with `replica_of`, a replica of
-    the server on that port."""
+    the server on that port. Replication streams its snapshots over the socket (diskless),
+    and the working directory is a temporary one of its own: a full resync would otherwise
+    write dump.rdb into whatever directory the server was started from."""
     argv = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--protected-mode", "no"]
+            "--save", "", "--appendonly", "no", "--protected-mode", "no",
+            "--dir", tempfile.mkdtemp(prefix=f"flexlb-redis-{port}-"), "--repl-diskless-sync", "yes"]
     if replica_of is not None:
         argv += ["--replicaof", "127.0.0.1", str(replica_of)]
     return argv
