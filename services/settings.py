@@ -35,6 +35,17 @@ ENV_PREFIX = "FLEXLB_"
 # traffic: the README's defaults section says how to pick).
 SHIPPED_FIXED_WINDOW_WAIT_MS = 10.0
 
+# The batcher we ship and its parameters (FlexLB's defaults are fixed-window, 300 ms): slo-budget
+# holding prompts for a worker up to a 1 s window (never past what a request's TTFT target
+# leaves: its guard), so that a worker's prompts go together, and holding them while the
+# worker's predicted TPOT with one more request would exceed 0.9 x the request's TPOT target
+# (its decode model, services/core/decode_model.py), so that a burst waits out its TTFT slack
+# at the router instead of slowing every running decode. Measured in virtual time against
+# the peers' routing rules (bench/tune.py) and side by side with the peers (bench/PEERS.md);
+# the README's defaults section has the numbers.
+SHIPPED_BATCHER = "slo-budget"
+SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9}
+
 
 def sentinel_addresses(value: str) -> list[tuple[str, int]]:
     """`host:port,host:port` -> [(host, port), ...]; "" -> []. ValueError names a bad entry."""
@@ -75,10 +86,12 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill_policy_params: dict[str, Any] = {}  # JSON object of the policy's parameters
     decode_policy: str = "kv-aware"
     decode_policy_params: dict[str, Any] = {}
-    batcher: str = "fixed-window"  # fixed-window | slo-budget (services/core/batcher.py)
-    batcher_params: dict[str, Any] = {}  # JSON object of the batcher's parameters
-    batch_wait_ms: float | None = None  # fixed-window shortcut for batcher_params.wait_ms
-    batch_size_max: int | None = None  # fixed-window shortcut for batcher_params.batch_size_max
+    batcher: str = SHIPPED_BATCHER  # slo-budget | fixed-window (services/core/batcher.py)
+    batcher_params: dict[str, Any] = {}  # JSON object of the batcher's parameters (over the shipped ones)
+    # Shortcuts: the longest wait of a batch (fixed-window wait_ms, slo-budget window_ms) and
+    # the most requests in one (batch_size_max of either).
+    batch_wait_ms: float | None = None
+    batch_size_max: int | None = None
     prefix_index: str = "exact"  # exact (workers' KV events) | approximate (learned from decisions)
     slo_mode: str = "reject-explicit"  # reject-explicit | best-effort | reject | shed (services/core/slo.py)
     slo_tpot_guard: float = 0.0  # shed: refuse while the decoding worker's step time > this x the TPOT target; 0 = off
@@ -174,13 +187,14 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
     def batcher_params_effective(self) -> dict[str, Any]:
-        params = dict(self.batcher_params)
-        if self.batcher == "fixed-window":
-            params.setdefault("wait_ms", SHIPPED_FIXED_WINDOW_WAIT_MS)
-            if self.batch_wait_ms is not None:
-                params["wait_ms"] = self.batch_wait_ms
-            if self.batch_size_max is not None:
-                params["batch_size_max"] = self.batch_size_max
+        """The batcher's parameters: the shipped ones, under `batcher_params`, under the shortcuts."""
+        shipped = {"fixed-window": {"wait_ms": SHIPPED_FIXED_WINDOW_WAIT_MS},
+                   "slo-budget": SHIPPED_SLO_BUDGET_PARAMS}.get(self.batcher, {})
+        params = {**shipped, **self.batcher_params}
+        if self.batch_wait_ms is not None:
+            params["window_ms" if self.batcher == "slo-budget" else "wait_ms"] = self.batch_wait_ms
+        if self.batch_size_max is not None:
+            params["batch_size_max"] = self.batch_size_max
         return params
 
     def scheduler_config(self):

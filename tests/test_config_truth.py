@@ -212,17 +212,12 @@ SLO_PAIR = [cand("a", prefill_ms=50, wait_ms=400), cand("b", prefill_ms=500)]
 def slo_filter(param: dict) -> str | None:
     """Off: the cheapest TTFT (a). On (budget 500 - 100 = 400): both filtered, the fallback
     takes the least waiting (b)."""
-    return pick("prefill", "cost-based", param, SLO_PAIR)
+    return pick("prefill", "cost-based", param, SLO_PAIR, slo_ttft_ms=500.0)
 
 
 def slo_margin(param: dict) -> str | None:
     """Filter on, SLO 500: margin 100 filters both (fallback b); margin 0 keeps both (a)."""
-    return pick("prefill", "cost-based", {"slo_filter": True, **param}, SLO_PAIR)
-
-
-def default_slo(param: dict) -> str | None:
-    """Filter on, the request states no SLO: 500 - 100 filters both (b); 600 - 100 keeps a."""
-    return pick("prefill", "cost-based", {"slo_filter": True, **param}, SLO_PAIR, slo_ttft_ms=0.0)
+    return pick("prefill", "cost-based", {"slo_filter": True, **param}, SLO_PAIR, slo_ttft_ms=500.0)
 
 
 def hotspot(pending_a: int) -> Callable[[dict], str | None]:
@@ -442,7 +437,6 @@ ROWS = [
     Row(CostBasedParams, "tpot_filter", False, tpot_filter, ("w1", "w0")),
     Row(CostBasedParams, "slo_filter", True, slo_filter, ("a", "b")),
     Row(CostBasedParams, "slo_margin_ms", 0.0, slo_margin, ("b", "a")),
-    Row(CostBasedParams, "default_slo_ms", 600.0, default_slo, ("b", "a")),  # select only: see the xfail below
     Row(CostBasedParams, "hotspot_factor", 4.5, hotspot(pending_a=10), ("b", "a")),
     Row(CostBasedParams, "hotspot_min_excess", 2, hotspot(pending_a=4), ("a", "b")),
     Row(CostBasedParams, "imbalance_factor", 4.5, imbalance(wait_a_ms=150), ("b", "a")),
@@ -508,26 +502,6 @@ def test_the_table_covers_every_parameter_of_every_policy_and_batcher() -> None:
     assert covered == documented, (
         f"without a scenario: {sorted(documented - covered)}; unknown: {sorted(covered - documented)}")
     assert len({r.id for r in ROWS}) == len(ROWS)
-
-
-# ------------------------------------------------------------------ known gap
-@pytest.mark.xfail(strict=True, reason=(
-    "default_slo_ms ('SLO for the filter when the request has none') never acts through the scheduler: "
-    "every request gets a positive TTFT target from the SLO buckets (the API refuses slo_ttft_ms <= 0), "
-    "so cost-based's filter always uses that and default_slo_ms is read only by callers that pass "
-    "slo_ttft_ms=0, which the router never does. Remove this mark once it acts, or remove the parameter."))
-def test_default_slo_ms_acts_through_the_scheduler() -> None:
-    def decision(default_slo_ms: float) -> tuple:
-        s = scheduler(prefill_policy="cost-based", batcher="fixed-window",
-                      prefill_policy_params={"slo_filter": True, "default_slo_ms": default_slo_ms})
-        s.on_worker_event(status("w0"), 0)
-        s.on_worker_event(status("w1"), 0)
-        hashes = cached_prompt(s, "w0", 1, 3200)  # w0 ~38 ms, w1 ~280 ms; the bucket's target is 600 ms
-        p = s.admit(AdmitRequest("x", 3200, 10, hashes), 0).prefill_pick
-        return p.worker_id, tuple(c.filtered_by for c in p.scores)
-
-    # An SLO of 200 ms (budget 100) would filter w1; the default 500 (budget 400) keeps both.
-    assert decision(200.0) != decision(500.0)
 
 
 # ------------------------------------------------------------------ the settings' JSON reaches the component

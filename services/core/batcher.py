@@ -123,6 +123,21 @@ SloBudgetParams (FlexLB's defaults):
   ema_alpha               0.2    weight of the newest gap in the inter-arrival EMA
   max_inflight_batches    2      backpressure (0 = off)
   enqueue_deadline_ms     5000.0 as above; also the deadline of requests without one
+  tpot_headroom           0.0    TPOT hold (ours; 0 = off; FlexLB has none; we ship 0.9):
+                                 the worker's load carries its predicted decode step now
+                                 (load.tpot_ms, from the scheduler's decode model) and what
+                                 one more request adds (tpot_ms_per_request + per thousand
+                                 prompt tokens). While tpot_ms + the head's addition exceeds
+                                 tpot_headroom × the head's tpot_target_ms, the worker is
+                                 held like under backpressure: nothing leaves until the load
+                                 drops or the head's emergency point, where a head with
+                                 strict_deadline (a request that set its own SLO under
+                                 reject-explicit, or any under reject) is returned in
+                                 `unattainable` (the caller refuses it slo_unattainable)
+                                 and any other head leaves as "emergency". tpot_ms 0 (an
+                                 idle worker, a prefill-only worker: the hold applies to
+                                 workers that decode what they prefill, colocated ones) or a
+                                 head without a TPOT target never holds.
 
 `queue_wait_ms(now_ns, load)`: the predicted extra wait a request arriving now would see in
 this queue, defined so that load.wait_ms + queue_wait_ms is the time until its batch starts
@@ -946,6 +961,11 @@ def build_batcher(
     """A batcher by name. `params`: a mapping (unknown keys and wrong types are rejected), a
     params struct of that batcher, or None for the defaults. Every error is a ValueError
     naming the batcher and the field."""
+    return _spec(name).factory(parse_params(name, params), predict_ms)
+
+
+def parse_params(name: str, params: Mapping[str, Any] | msgspec.Struct | None) -> FixedWindowParams | SloBudgetParams:
+    """Batcher `name`'s validated parameters (build_batcher's rules)."""
     spec = _spec(name)
     parsed: FixedWindowParams | SloBudgetParams
     if params is None:
@@ -960,4 +980,4 @@ def build_batcher(
     else:
         raise ValueError(f"{name}: parameters must be a mapping or {spec.params_type.__name__}, "
                          f"got {type(params).__name__}")
-    return spec.factory(parsed.validate(), predict_ms)
+    return parsed.validate()

@@ -19,7 +19,9 @@ Prefill policies (stage "prefill"; colocated pd_fusion workers use these too)
 - `cost-based` (FlexLB): score = predicted prefill of this request given the worker's
   prefix hit + predicted wait of its inflight batches + predicted wait in its batcher queue.
   Filters, in order: pending above the hysteresis gate (closes at `pending_gate_high` 64,
-  reopens at 64 − 15% = 55; the scheduler keeps the gate state); optional SLO filter
+  reopens at 64 − 15% = 55; the scheduler keeps the gate state); TPOT (`tpot_filter`, ours:
+  the worker's predicted TPOT with this request above the batcher's TPOT-hold limit, which
+  would only hold it there); optional SLO filter
   (wait + prefill > SLO − `slo_margin_ms` 100); hotspot (pending > `hotspot_factor` 3 ×
   average); imbalance (wait > `imbalance_factor` 3 × average). If nothing survives: the
   least-waiting worker. Where we differ: hotspot and imbalance also need an absolute excess
@@ -73,6 +75,7 @@ class _CandidateFields(NamedTuple):
     kv_available_tokens: int  # reported free − Σ hard reservations not yet visible
     gated: bool  # pending above the hysteresis gate (prefill) / KV usage gate (decode)
     ttft_ms: float  # prefill_ms + wait_ms + queue_ms: predicted time to first token there
+    tpot_ms: float  # predicted decode step (TPOT) there with this request added; 0: idle or not predicted
 
 
 class Candidate(_CandidateFields):
@@ -84,10 +87,11 @@ class Candidate(_CandidateFields):
 
     def __new__(cls, worker: WorkerInfo, num_cached_tokens: int = 0, prefill_ms: float = 0.0, wait_ms: float = 0.0,
                 queue_ms: float = 0.0, num_pending: int = 0, num_cache_blocks: int = 0, kv_total_tokens: int = 0,
-                kv_used_tokens: int = 0, kv_available_tokens: int = 0, gated: bool = False) -> "Candidate":
+                kv_used_tokens: int = 0, kv_available_tokens: int = 0, gated: bool = False,
+                tpot_ms: float = 0.0) -> "Candidate":
         return tuple.__new__(cls, (worker, worker.worker_id, num_cached_tokens, prefill_ms, wait_ms, queue_ms, num_pending,
                                    num_cache_blocks, kv_total_tokens, kv_used_tokens, kv_available_tokens, gated,
-                                   prefill_ms + wait_ms + queue_ms))
+                                   prefill_ms + wait_ms + queue_ms, tpot_ms))
 
     def __repr__(self) -> str:
         return f"Candidate({self.worker_id}, ttft={self.ttft_ms:.1f}ms)"
@@ -98,10 +102,11 @@ class RouteContext:
     nothing: seeding a Random costs more than scoring a worker); pass a Random or a seed."""
 
     __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "candidates", "now_ns", "_rng", "_seed",
-                 "num_prompt_blocks", "slo_ttft_ms")
+                 "num_prompt_blocks", "slo_ttft_ms", "tpot_limit_ms")
 
     def __init__(self, request_id: str, num_prompt_tokens: int, max_tokens: int, candidates: list[Candidate],
-                 now_ns: int, rng: random.Random | int, num_prompt_blocks: int = 0, slo_ttft_ms: float = 0.0) -> None:
+                 now_ns: int, rng: random.Random | int, num_prompt_blocks: int = 0, slo_ttft_ms: float = 0.0,
+                 tpot_limit_ms: float = 0.0) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
@@ -111,6 +116,9 @@ class RouteContext:
         self._seed = rng if isinstance(rng, int) else None
         self.num_prompt_blocks = num_prompt_blocks  # full blocks of the prompt (for match ratios)
         self.slo_ttft_ms = slo_ttft_ms  # 0: no SLO
+        # The decode step above which a worker holds new work for TPOT (the batcher's
+        # tpot_headroom x the request's TPOT target); 0: no TPOT hold
+        self.tpot_limit_ms = tpot_limit_ms
 
     @property
     def rng(self) -> "random.Random | DecisionRng":
@@ -231,7 +239,7 @@ def _avg(values: list[float]) -> float:
 def _components(c: Candidate) -> dict[str, float]:
     return {
         "prefill_ms": c.prefill_ms, "wait_ms": c.wait_ms, "queue_ms": c.queue_ms,
-        "cached_tokens": c.num_cached_tokens, "pending": c.num_pending,
+        "cached_tokens": c.num_cached_tokens, "pending": c.num_pending, "tpot_ms": c.tpot_ms,
     }
 
 
@@ -245,7 +253,6 @@ class CostBasedParams(_Params):
     pending_gate_hysteresis: float = 0.15  # ... until pending falls to high × (1 − this)
     slo_filter: bool = False  # drop workers whose wait + prefill exceeds the SLO − margin
     slo_margin_ms: float = 100.0
-    default_slo_ms: float = 500.0  # SLO for the filter when the request has none
     hotspot_factor: float = 3.0  # pending > factor × average: filtered ...
     hotspot_min_excess: int = 4  # ... if also pending − average >= this (ours, see below)
     imbalance_factor: float = 3.0  # wait > factor × average: filtered ...
@@ -258,6 +265,10 @@ class CostBasedParams(_Params):
     # TPOT), then draws; "random" draws among all ties (the reference's behaviour). Chosen on
     # goodput (bench/tune.py, Azure conv 800 rows, 4 workers, SLO 2 s / 100 ms; README).
     tie_break: str = "fewest-pending"
+    # Leave out a worker whose predicted TPOT with this request would pass the TPOT hold's
+    # limit (the slo-budget batcher's tpot_headroom x the request's TPOT target: it would only
+    # hold the request there), while another has room. Off, or without a TPOT hold: not used.
+    tpot_filter: bool = True
 
     def validate(self) -> "CostBasedParams":
         if self.tie_break not in ("fewest-pending", "random"):
@@ -271,8 +282,8 @@ class CostBasedParams(_Params):
                 raise ValueError(f"cost-based: {name} must be > 1")
         if self.hotspot_min_excess < 0 or self.imbalance_min_excess_ms < 0:
             raise ValueError("cost-based: hotspot_min_excess and imbalance_min_excess_ms must be >= 0")
-        if self.tie_rel < 0 or self.tie_abs_ms < 0 or self.slo_margin_ms < 0 or self.default_slo_ms <= 0:
-            raise ValueError("cost-based: tie_rel, tie_abs_ms, slo_margin_ms must be >= 0 and default_slo_ms > 0")
+        if self.tie_rel < 0 or self.tie_abs_ms < 0 or self.slo_margin_ms < 0:
+            raise ValueError("cost-based: tie_rel, tie_abs_ms and slo_margin_ms must be >= 0")
         return self
 
 
@@ -294,14 +305,18 @@ class CostBased:
         avg_wait = sum(waits) / k
         hot_ratio, hot_abs = p.hotspot_factor * avg_pending, avg_pending + p.hotspot_min_excess
         imb_ratio, imb_abs = p.imbalance_factor * avg_wait, avg_wait + p.imbalance_min_excess_ms
-        budget = ((ctx.slo_ttft_ms or p.default_slo_ms) - p.slo_margin_ms) if p.slo_filter else math.inf
+        # (the scheduler gives every request a TTFT target: its own or its bucket's; 0 = none)
+        budget = ctx.slo_ttft_ms - p.slo_margin_ms if p.slo_filter and ctx.slo_ttft_ms > 0 else math.inf
         filtered: list[str | None] = [None] * k
         best = math.inf
         num_filtered = 0
+        tpot_limit = ctx.tpot_limit_ms if p.tpot_filter else 0.0
         for i, c in enumerate(cands):
             pending = c.num_pending
             if c.gated:
                 filtered[i] = "pending_gate"
+            elif 0 < tpot_limit < c.tpot_ms:
+                filtered[i] = "tpot"
             elif costs[i] > budget:
                 filtered[i] = "slo"
             elif pending > hot_ratio and pending >= hot_abs:

@@ -48,7 +48,7 @@ from schemas.messages import (
     WorkerRegistered,
     WorkerStatusReported,
 )
-from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher
+from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher, parse_params
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy, build_policy
@@ -375,6 +375,9 @@ class Scheduler:
         self.max_kv_usage: float = getattr(dp, "max_kv_usage", math.inf)
         self.kv_usage_hysteresis: float = getattr(dp, "kv_usage_hysteresis", 0.0)
         self.expected_output_cap_tokens: int = getattr(dp, "expected_output_cap", DEFAULT_EXPECTED_OUTPUT_CAP)
+        # The batcher's TPOT hold (slo-budget's tpot_headroom; 0: none): the policy may leave
+        # out workers that would only hold a request for it.
+        self.tpot_headroom: float = getattr(parse_params(config.batcher, config.batcher_params), "tpot_headroom", 0.0)
         self.view = WorkerView()
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -600,7 +603,8 @@ class Scheduler:
             gated.add(worker_id)
         return worker_id in gated
 
-    def _prefill_candidates(self, workers: list[WorkerInfo], req: AdmitRequest, now_ns: int) -> list[Candidate]:
+    def _prefill_candidates(self, workers: list[WorkerInfo], req: AdmitRequest, now_ns: int,
+                            with_tpot: bool = False) -> list[Candidate]:
         """Score every worker whose queue has room (the hot path: one pass, O(1) per worker —
         the ledger keeps its wait aggregates, the batcher its queue shape)."""
         matches = self._matches(req.block_hashes, now_ns)
@@ -670,9 +674,14 @@ class Scheduler:
             prefill = a + b * (n - cached) + c * (n_sq - cached * cached) + d * cached + e
             if prefill < 0.0:
                 prefill = 0.0
+            tpot = 0.0
+            if with_tpot:  # colocated: the TPOT this worker would decode the request at (idle: 0, it always takes it)
+                running, kv = self.engine_load(wid)
+                if running:
+                    tpot = self.decode_model(wid).predict_ms(running + 1, kv + n)
             out.append(new_candidate(Candidate, (
                 w, wid, cached, prefill, wait, queue, pending, block_counts.get(wid, 0), total,
-                total - free + inf.hidden_expected_kv_tokens, free - hard, gated, prefill + wait + queue,
+                total - free + inf.hidden_expected_kv_tokens, free - hard, gated, prefill + wait + queue, tpot,
             )))
         return out
 
@@ -695,11 +704,11 @@ class Scheduler:
         return out
 
     def _decide(self, stage: str, policy: RoutingPolicy, req: AdmitRequest, cands: list[Candidate], now_ns: int,
-                slo_ttft_ms: float) -> RouteDecision:
+                slo_ttft_ms: float, tpot_limit_ms: float = 0.0) -> RouteDecision:
         self.decision_seq += 1
         seed = decision_seed(self.config.seed, self.decision_seq)
         ctx = RouteContext(req.request_id, req.num_prompt_tokens, req.max_tokens, cands, now_ns, seed,
-                           len(req.block_hashes), slo_ttft_ms)
+                           len(req.block_hashes), slo_ttft_ms, tpot_limit_ms)
         return RouteDecision(stage, policy.name, self.decision_seq, seed, policy.select(ctx))
 
     # ---------------------------------------------------------------- admission
@@ -740,10 +749,11 @@ class Scheduler:
         else:
             return Rejected("no_worker", "no live worker can serve this request" if not fitting
                             else "disaggregated fleet lacks a live prefill or decode worker")
-        cands = self._prefill_candidates(prefill_pool, req, now_ns)  # (only workers whose queue has room)
+        cands = self._prefill_candidates(prefill_pool, req, now_ns, self.tpot_headroom > 0 and not decisions)  # (only workers whose queue has room)
         if not cands:
             return Rejected("queue_full", f"every prefill worker's queue holds {cfg.max_queue_per_worker} requests", decisions)
-        p = self._decide("prefill", self.prefill_policy, req, cands, now_ns, slo_ttft)
+        p = self._decide("prefill", self.prefill_policy, req, cands, now_ns, slo_ttft,
+                         self.tpot_headroom * slo_tpot if self.tpot_headroom else 0.0)
         decisions.append(p)
         if p.pick.worker_id is None:
             return Rejected("no_worker", f"no prefill worker can take it: {p.pick.reason}", decisions)
