@@ -186,8 +186,10 @@ def gate_hysteresis(param: dict) -> tuple[str, str]:
 def tpot_hold_routing(param: dict) -> str:
     """Colocated: w0 holds the prompt's blocks but decodes 50 requests (predicted TPOT with
     this one ~40 ms); w1 is idle. The request's TPOT target is 50 ms: a hold at 0.5 x 50 =
-    25 ms would only park it on w0, so cost-based sends it to w1; without a hold, w0."""
-    s = scheduler(prefill_policy="cost-based", batcher="slo-budget", batcher_params=param)
+    25 ms would only park it on w0, so cost-based (its tpot_filter on) sends it to w1; without a
+    hold, w0."""
+    s = scheduler(prefill_policy="cost-based", prefill_policy_params={"tpot_filter": True}, batcher="slo-budget",
+                  batcher_params=param)
     s.on_worker_event(status("w0", num_running_requests=50), 0)
     s.on_worker_event(status("w1"), 0)
     hashes = cached_prompt(s, "w0", 1, 3200)
@@ -195,7 +197,7 @@ def tpot_hold_routing(param: dict) -> str:
 
 
 def tpot_filter(param: dict) -> str:
-    """As tpot_hold_routing with the hold at 0.5: the filter leaves w0 out; off, w0's prefix wins."""
+    """As tpot_hold_routing with the hold at 0.5: off (the default), w0's prefix wins; on, the filter leaves w0 out."""
     s = scheduler(prefill_policy="cost-based", prefill_policy_params=param, batcher="slo-budget",
                   batcher_params={"tpot_headroom": 0.5})
     s.on_worker_event(status("w0", num_running_requests=50), 0)
@@ -434,7 +436,7 @@ ROWS = [
     # cost-based (the gates and the TPOT filter end to end through the scheduler)
     Row(CostBasedParams, "pending_gate_high", 32, gate_high, ("w0", "w1")),
     Row(CostBasedParams, "pending_gate_hysteresis", 0.5, gate_hysteresis, (("w1", "w0"), ("w1", "w1"))),
-    Row(CostBasedParams, "tpot_filter", False, tpot_filter, ("w1", "w0")),
+    Row(CostBasedParams, "tpot_filter", True, tpot_filter, ("w0", "w1")),
     Row(CostBasedParams, "slo_filter", True, slo_filter, ("a", "b")),
     Row(CostBasedParams, "slo_margin_ms", 0.0, slo_margin, ("b", "a")),
     Row(CostBasedParams, "hotspot_factor", 4.5, hotspot(pending_a=10), ("b", "a")),

@@ -12,14 +12,21 @@ chunks mixed into its steps, or prefill steps that pause every decode, as SGLang
 scheduler runs them) is part of the measured time, so the fit absorbs the prefill load that
 comes with a given decode load on that worker: that is what a request placed there will see.
 
-The prior is the decode fit of the default engine profile (Llama2-70B on H100 TP8, Splitwise:
-29.57 + 0.198·bs + 2.20e-4·ctx ms, ../shared/data/README.md). Each status report of a worker
+The prior's shape is the decode fit of the default engine profile (Llama2-70B on H100 TP8,
+Splitwise: 29.57 + 0.198·bs + 2.20e-4·ctx ms, ../shared/data/README.md; `decode_coefficients`
+of the scheduler config). What is learned is one scale on it: each status report of a worker
 that runs something (`num_running_requests` >= 1, `recent_step_ms` > 0: the worker's mean
-step time, or the OpenAI agent's mean gap between tokens, over its last 3 s) is one sample:
-recursive least squares with forgetting (`forgetting_factor`), the features scaled to O(1)
-by the prior, the residual clipped at `outlier_sigmas` robust standard deviations, every
-coefficient kept in [0, 100 × prior] by projection. Deterministic: the same reports, the same
-model (the journal replays them).
+step time, or the OpenAI agent's mean gap between tokens, over its last 3 s) moves the log of
+the scale toward log(measured / prior) by (1 − `forgetting_factor`), the residual clipped at
+`outlier_sigmas` robust standard deviations, the scale kept in [1/`max_scale`, `max_scale`].
+A three-coefficient recursive least squares fit was tried first and rejected: on a
+prefill-first engine with long chat histories the token gaps carry prefill pauses that grow
+with the prompts, the fit gave them to the context term (10x its prior, the base at its floor)
+and predicted 87 ms where the engine gave 39, so the TPOT hold refused requests the engine
+could serve (bench/tune.py, the chat workload). One scale cannot be mis-attributed: an engine
+that is uniformly slower or faster than the prior (another model or GPU) is followed, and the
+prefill load mixed into the decodes raises it as much as it raises every request's TPOT.
+Deterministic: the same reports, the same model (the journal replays them).
 
 What the router does with it (services/core/scheduler.py): predicts the TPOT a worker gives
 now and with one more request (`WorkerLoad.tpot_ms`, `tpot_ms_per_request`), which the
@@ -59,17 +66,17 @@ class DecodeCoefficients(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     learning: bool = True
     forgetting_factor: float = 0.98  # per status report with load (5 a second): a time constant of ~10 s
-    prior_variance: float = 1.0  # of each scaled coefficient (1: the prior may be off by about its own size)
-    outlier_sigmas: float = 3.0
+    outlier_sigmas: float = 3.0  # a report further than this many robust std devs from the model is clipped
+    max_scale: float = 10.0  # the learned scale stays in [1 / this, this]
     error_ema_alpha: float = 0.05
 
     def validate(self) -> "DecodeModelParams":
         if not 0.9 < self.forgetting_factor <= 1.0:
             raise ValueError(f"decode model: forgetting_factor must be in (0.9, 1], got {self.forgetting_factor!r}")
-        if not 0 < self.prior_variance < math.inf:
-            raise ValueError(f"decode model: prior_variance must be finite and > 0, got {self.prior_variance!r}")
         if not 1.0 <= self.outlier_sigmas < math.inf:
             raise ValueError(f"decode model: outlier_sigmas must be finite and >= 1, got {self.outlier_sigmas!r}")
+        if not 1.0 < self.max_scale < math.inf:
+            raise ValueError(f"decode model: max_scale must be finite and > 1, got {self.max_scale!r}")
         if not 0 < self.error_ema_alpha <= 1:
             raise ValueError(f"decode model: error_ema_alpha must be in (0, 1], got {self.error_ema_alpha!r}")
         return self
@@ -78,24 +85,22 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 class DecodeModel:
     """One worker's decode-step model (module docstring)."""
 
-    __slots__ = ("prior", "params", "_ref", "_phi", "_p", "_sigma", "a", "b", "c", "num_observations",
-                 "mean_abs_pct_error")
+    __slots__ = ("prior", "params", "_log_scale", "_sigma", "a", "b", "c", "num_observations", "mean_abs_pct_error")
 
     def __init__(self, prior: DecodeCoefficients = DecodeCoefficients(),
                  params: DecodeModelParams = DecodeModelParams()) -> None:
         self.prior = prior.validate()
         self.params = params.validate()
-        # Scaled coefficients φ_i = θ_i / ref_i (the prior is φ = 1; a zero prior scales by a
-        # tenth of the base so that the coefficient can still be learned).
-        values = (prior.base_ms, prior.per_request_ms, prior.per_kilotoken_ms)
-        self._ref = tuple(v if v > 0 else 0.1 * prior.base_ms for v in values)
-        self._phi = [v / r for v, r in zip(values, self._ref)]
-        v = params.prior_variance
-        self._p = [[v, 0.0, 0.0], [0.0, v, 0.0], [0.0, 0.0, v]]
-        self._sigma = 0.1  # robust std of the relative residual
-        self.a, self.b, self.c = values
+        self._log_scale = 0.0
+        self._sigma = 0.1  # robust std of the log residual
+        self.a, self.b, self.c = prior.base_ms, prior.per_request_ms, prior.per_kilotoken_ms
         self.num_observations = 0
         self.mean_abs_pct_error = 0.0
+
+    @property
+    def scale(self) -> float:
+        """Measured / prior step time, as learned (1: the prior holds)."""
+        return math.exp(self._log_scale)
 
     def predict_ms(self, num_running: float, kv_tokens: float) -> float:
         """The step time at this load (>= the base cost)."""
@@ -113,31 +118,16 @@ class DecodeModel:
         self.num_observations += 1
         if not self.params.learning:
             return True
-        # Regression in relative terms: u = x·ref / predicted, residual = measured/predicted − 1.
-        x = (1.0, float(num_running), kv_tokens / _K_SCALE)
-        u = [xi * ri / predicted for xi, ri in zip(x, self._ref)]
-        eps = step_ms / predicted - 1.0
+        p = self.prior
+        prior_ms = p.base_ms + p.per_request_ms * num_running + p.per_kilotoken_ms * kv_tokens / _K_SCALE
+        residual = math.log(step_ms / prior_ms) - self._log_scale
         clip = self.params.outlier_sigmas * self._sigma
-        eps_c = max(-clip, min(clip, eps))
-        self._sigma = min(2.0, max(0.01, (1 - alpha) * self._sigma + alpha * _GAUSSIAN_STD_PER_MEAN_ABS * abs(eps_c)))
-        lam = self.params.forgetting_factor
-        p = self._p
-        pu = [sum(p[i][j] * u[j] for j in range(3)) for i in range(3)]
-        denom = lam + sum(u[i] * pu[i] for i in range(3))
-        k = [pi / denom for pi in pu]
-        phi = [self._phi[i] + k[i] * eps_c for i in range(3)]
-        self._p = [[(p[i][j] - k[i] * pu[j]) / lam for j in range(3)] for i in range(3)]
-        for i in range(3):  # anti-windup: no direction grows beyond its prior variance
-            if self._p[i][i] > self.params.prior_variance:
-                s = math.sqrt(self.params.prior_variance / self._p[i][i])
-                for j in range(3):
-                    self._p[i][j] *= s
-                    self._p[j][i] *= s
-        if not all(math.isfinite(v) for row in self._p for v in row) or min(self._p[i][i] for i in range(3)) <= 0:
-            v = self.params.prior_variance
-            self._p = [[v, 0.0, 0.0], [0.0, v, 0.0], [0.0, 0.0, v]]
-        self._phi = [min(_MAX_SCALE, max(0.0 if i else 0.01, phi[i])) for i in range(3)]
-        self.a, self.b, self.c = (f * r for f, r in zip(self._phi, self._ref))
+        residual = max(-clip, min(clip, residual))
+        self._sigma = min(2.0, max(0.01, (1 - alpha) * self._sigma + alpha * _GAUSSIAN_STD_PER_MEAN_ABS * abs(residual)))
+        bound = math.log(self.params.max_scale)
+        self._log_scale = max(-bound, min(bound, self._log_scale + (1 - self.params.forgetting_factor) * residual))
+        scale = math.exp(self._log_scale)
+        self.a, self.b, self.c = p.base_ms * scale, p.per_request_ms * scale, p.per_kilotoken_ms * scale
         return True
 
     @property

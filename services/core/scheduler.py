@@ -531,11 +531,12 @@ class Scheduler:
         used = max(0, info.num_kv_blocks - info.num_allocatable_kv_blocks) * info.block_size_tokens
         if inf is None:
             return info.num_running_requests, used
-        queued = len(batcher) if batcher is not None else 0
-        ours = len(inf.reservations) - queued if info.role == "pd_fusion" else len(inf.reservations)
-        hidden = ours - inf.num_visible
+        queued = batcher.items_view.values() if batcher is not None and info.role == "pd_fusion" else ()
+        # Reservations are made at admission: those still queued here are not on the worker.
+        hidden = len(inf.reservations) - len(queued) - inf.num_visible
+        hidden_kv = inf.hidden_hard_kv_tokens - sum(item.kv_tokens for item in queued)
         running = info.num_running_requests + (hidden if hidden > 0 else 0)
-        return running, used + inf.hidden_hard_kv_tokens
+        return running, used + (hidden_kv if hidden_kv > 0 else 0)
 
     def batcher(self, worker_id: str) -> Batcher:
         b = self.batchers.get(worker_id)
