@@ -246,3 +246,33 @@ def test_reading_only_the_journal_skips_other_lines_but_never_a_journal_line(tmp
     assert [e.payload.now_ns for e in envs] == [1, 2] and bad == 1
     _, everything, bad_all = read_export(str(path))
     assert len(everything) == 3 and isinstance(everything[1].payload, m.RequestFinished) and bad_all == 1
+
+
+async def test_a_run_where_the_tpot_hold_holds_and_refuses_replays_identically(flexlb_up, tmp_path):
+    """The shipped defaults under a burst: 80 requests at once on 2 workers at engine speed,
+    each stating a 40 ms TPOT target, which ~25 decodes a worker reach: the TPOT hold keeps the
+    rest at the router, serves what frees up in time and refuses (slo_unattainable) what cannot
+    start before its TTFT target. The decode model learned from the reports, and the journal
+    replays to the same decisions, holds and refusals included."""
+    _, state = flexlb_up("--workers", "2", "--time-scale", "1")
+    url = state["router_url"]
+    rng = random.Random(5)
+    bodies = [{"prompt": "".join(rng.choice("klmnopqrst ") for _ in range(400)) + f" {i}", "max_tokens": 60,
+               "slo_ttft_ms": 1200, "slo_tpot_ms": 40} for i in range(80)]
+    results = await run_concurrent_streams(url, bodies)
+    refused = [r for r in results if any(isinstance(e, dict) and e.get("code") == "slo_unattainable"
+                                         and "TPOT" in e.get("message", "") for e in r["errors"])
+               or (r["status"] == 429 and "slo_unattainable" in "".join(map(str, r["errors"])))]
+    served = [r for r in results if r["done"] and not r["errors"]]
+    assert refused and served and len(refused) + len(served) == len(results), (len(refused), len(served))
+    async with httpx.AsyncClient() as c:
+        workers = (await c.get(url + "/admin/workers")).json()["workers"]
+    assert all(w["decode_model"]["num_observations"] > 0 for w in workers), workers
+    await wait_quiet(url)
+    path = str(tmp_path / "tpot.jsonl.gz")
+    export(state, path)
+    rc, summary = replay_json(path)
+    print({"refused": len(refused), "served": len(served), **{k: summary[k] for k in ("events", "decisions", "matched")}})
+    assert rc == 0 and summary["errors"] == [] and summary["gaps"] == [], summary
+    assert summary["decisions"] >= 80 and summary["matched"] == summary["decisions"], summary
+    assert summary["first_divergence"] is None
