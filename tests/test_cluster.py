@@ -145,6 +145,14 @@ async def test_killed_router_restarts_rebuilds_its_worker_view_and_serves(spawn,
     victim = stack["workers"][0]
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
+
+    async def victim_knows_new_epoch():
+        # The new leader tells every live worker its epoch each liveness cycle (a worker it
+        # dispatched nothing to yet learns it that way); the refusal below needs that first.
+        raw = await js.get_last_msg(STATUS_STREAM.name, status_subject(victim))
+        return m.decode(raw.data).payload.fencing_epoch >= new_epoch
+
+    await wait_async(victim_knows_new_epoch, 30, f"worker {victim} to report fencing epoch {new_epoch}")
     stale = m.DispatchBatch(batch_id=_ids("stale"), router_id=stack["router_id"], worker_id=victim, epoch=old_epoch,
                             requests=[m.BatchRequest(request_id=_ids("zombie"), prompt_token_ids=[1, 2, 3], max_tokens=2,
                                                      decode_worker_id=victim, token_subject="flexlb.tok.nobody.x")])
