@@ -16,7 +16,8 @@ Reports are grouped by workload (the trace, or `chat`). The reports of one workl
 describe the same workload (rows, first row, prompt cap, chat parameters, SLO, engines, time
 scale): a mismatch is an error, not a silent merge. Runs of the same cell (configuration and
 engine mode) at the same load: the later file's runs replace the earlier file's (all its
-repeats). Reports from before engine modes (labels without `[MODE]`) ran every engine with
+repeats); with `--pool` they are kept as repeats of one another (a rerun made to measure the
+spread: the headline then uses the mean, with the range beside it). Reports from before engine modes (labels without `[MODE]`) ran every engine with
 the vLLM-like scheduler, and are read as `CONFIG[vllm]`.
 
 Output: per workload its runs table; then the matrix, a row per (engine mode, workload,
@@ -90,8 +91,9 @@ def normalized(result: dict[str, Any]) -> dict[str, Any]:
     return result | {"runs": runs, "headline": heads, "engine_modes": modes}
 
 
-def merge(results: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """The reports of one workload as one report, headlines recomputed at `target`."""
+def merge(results: list[dict[str, Any]], target: float, pool: bool = False) -> dict[str, Any]:
+    """The reports of one workload as one report, headlines recomputed at `target`; with
+    `pool`, runs of the same cell and load in several reports are repeats of one another."""
     results = [normalized(r) for r in results]
     base = dict(results[0])
     ident = identity(base)
@@ -110,7 +112,11 @@ def merge(results: list[dict[str, Any]], target: float) -> dict[str, Any]:
             if r.get("purpose") == "cdf" and (r["config"], r["multiplier"]) in points:
                 continue
             mine.setdefault((r["config"], r["multiplier"]), []).append(r)
-        points.update(mine)  # a later file's point replaces every repeat of the earlier one
+        if pool:
+            for key, runs in mine.items():
+                points.setdefault(key, []).extend(runs)
+        else:
+            points.update(mine)  # a later file's point replaces every repeat of the earlier one
         notes += [n for n in res.get("notes_run", []) if n not in notes]
         modes += [m for m in res["engine_modes"] if m not in modes]
         capacity_by_mode.update(res.get("capacity_by_mode") or {})
@@ -206,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="attainment plots per (mode, workload) and (with --cdf-rate) CDF plots; with several "
                          "workloads PREFIX_<workload>_...")
     ap.add_argument("--cdf-rate", type=float)
+    ap.add_argument("--pool", action="store_true",
+                    help="runs of one cell at one load in several reports are repeats (default: the later replaces)")
     ap.add_argument("--out", help="write the merged report(s) here (one workload: its report; several: a list)")
     args = ap.parse_args(argv)
     targets: dict[str, float] = {}
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"--workload-target names {unknown}, which no report holds; reports: {sorted(groups)}")
         for name, group in groups.items():
-            m = merge(group, targets.get(name, args.target))
+            m = merge(group, targets.get(name, args.target), pool=args.pool)
             notes += refresh_capacity(m)
             merged.append(m)
     except ReportMismatch as exc:

@@ -55,6 +55,18 @@ def test_a_later_files_point_replaces_every_repeat_of_the_earlier_one():
     assert sorted((r["multiplier"], r["attainment"]) for r in m["runs"]) == [(3, 0.95), (3, 0.99), (4, 0.7)]
 
 
+def test_pooled_reports_keep_every_run_of_a_point_as_repeats():
+    a = report([run("flexlb[vllm]", 3, 12.0, 0.96), run("flexlb[vllm]", 4, 16.0, 0.91)])
+    b = report([run("flexlb[vllm]", 3, 12.0, 0.92), run("flexlb[vllm]", 4, 16.0, 0.81)])
+    m = merge([a, b], 0.9, pool=True)
+    assert sorted((r["multiplier"], r["attainment"]) for r in m["runs"]) == [(3, 0.92), (3, 0.96), (4, 0.81), (4, 0.91)]
+    h = m["headline"]["flexlb[vllm]"]
+    # means 0.94 at 12 and 0.86 at 16: 14 req/s, the range from the per-load minimum and maximum
+    assert h["value"] == pytest.approx(14.0) and h["runs"] == 4
+    assert h["range"]["high"] == {"value": 16.0, "bound": "at_least"}
+    assert merge([a, b], 0.9)["headline"]["flexlb[vllm]"]["value"] == pytest.approx(12 + 0.02 / 0.11 * 4)
+
+
 def test_reports_of_different_workloads_are_refused():
     with pytest.raises(ReportMismatch, match="workload_rows"):
         merge([report([]), report([], rows=800)], 0.9)
