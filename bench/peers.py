@@ -758,9 +758,12 @@ class SimFleet(Fleet):
             port = bt.free_port()
             events: list[str] = []
             if kv_events:
-                pub, replay = f"tcp://127.0.0.1:{bt.free_port()}", f"tcp://127.0.0.1:{bt.free_port()}"
-                self.kv_endpoints.append((pub, replay))
-                events = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+                # The server binds its PUB socket only for `tcp://*:PORT` (vLLM's rule: any other
+                # address is connected to, for a proxy) and the agent's SUB connects: given
+                # 127.0.0.1 on both sides, both connect and no event ever arrives.
+                pub_port, replay = bt.free_port(), f"tcp://127.0.0.1:{bt.free_port()}"
+                self.kv_endpoints.append((f"tcp://127.0.0.1:{pub_port}", replay))
+                events = ["--kv-events-endpoint", f"tcp://*:{pub_port}", "--kv-events-replay-endpoint", replay]
             argv = self.engine_argv(base, i, role if pd else None, port, events)
             engines.append(Proc(f"worker-w{i}", argv, self.workdir / f"{self.tag}-w{i}.log", env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
@@ -930,7 +933,19 @@ class AdapterFleet(SimFleet, FlexlbFleet):
         engines = await SimFleet.after_replay(self, before)
         flexlb = await self.event_log_facts(None)
         keep = ("terminal_events", "failure_messages", "requests_per_worker", "events")
-        return engines | {"flexlb_" + k: flexlb[k] for k in keep}
+        # That the servers' KV events reach the router's prefix index (a run without them
+        # routes blind to the cache and says nothing else about it).
+        after = self.counters() or {}
+        published = sum(after[w].get("flexlb_sim_kv_event_batches_total", 0.0)
+                        - (before or {}).get(w, {}).get("flexlb_sim_kv_event_batches_total", 0.0) for w in after)
+        router = FlexlbFleet.router_counters(self) or {}
+        applied = sum(v for k, v in router.items() if k.startswith("flexlb_kv_events_total"))
+        if published > 0 and applied == 0:
+            print(f"    WARNING: the servers published {published:.0f} KV event batches and the router took none",
+                  file=sys.stderr, flush=True)
+        kv = {"kv_event_batches_published": int(published), "router_kv_events": {
+            k: v for k, v in router.items() if k.startswith("flexlb_kv_events_total")}}
+        return engines | {"flexlb_" + k: flexlb[k] for k in keep} | kv
 
 
 def _strip_ansi(s: str) -> str:
