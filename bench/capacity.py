@@ -197,6 +197,7 @@ class CapacityBound:
     rate_req_per_s: float  # the bound: K x 1000 / mean_work_ms
     recorded_rate_req_per_s: float | None  # N / span of the trace's timestamps (None: span 0)
     multiplier: float | None  # rate_req_per_s / recorded_rate_req_per_s
+    serve_fraction: float = 1.0  # the share of the requests a router must serve (the target); below 1, see capacity_bound
 
     @property
     def reuse(self) -> float:
@@ -291,14 +292,28 @@ def step_token_budget(limits: EngineLimits, longest_prompt_tokens: int = 0) -> i
 
 
 def capacity_bound(requests: Sequence[WorkloadRequest], costs: StepCosts, limits: EngineLimits, num_workers: int,
-                   recorded_span_s: float | None = None, prefix_block_tokens: int = 512) -> CapacityBound:
+                   recorded_span_s: float | None = None, prefix_block_tokens: int = 512,
+                   serve_fraction: float = 1.0) -> CapacityBound:
     """The bound (module docstring) of `requests` in arrival order on `num_workers` workers.
 
     `recorded_span_s`: last minus first timestamp of the slice (seconds), for the recorded
     rate N / span and the bound as a multiplier of it.
+
+    `serve_fraction` f < 1: the target asks only that a share f of the requests attain, so a
+    router may refuse the rest, at no engine cost, and it would refuse the costliest. The
+    bound is then K x 1000 x N / W_f, W_f = the sum of the ceil(f N) smallest per-request
+    lower bounds w_i = prefill_i + decode_i + base_i, where base_i is the request's share of
+    one additive step count (vllm: min(prefill_base, decode_base) x (n - c + m - 1) / T' +
+    max(0, prefill_base - decode_base) x (n - c) / T'; sglang: prefill_base x (n - c) / P' +
+    decode_base x (m - 1) / max_num_seqs). Every subset S of that size needs at least
+    Σ_S w_i (each step count is at least each of its additive terms), so this is still an
+    upper bound; c_i stays the hit against the whole workload (a refused request's prefix
+    counted as cached: optimistic, as a bound must be).
     """
     if not requests:
         raise ValueError("no requests")
+    if not 0 < serve_fraction <= 1:
+        raise ValueError(f"serve_fraction must be in (0, 1], got {serve_fraction}")
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     for r in requests:
@@ -323,6 +338,9 @@ def capacity_bound(requests: Sequence[WorkloadRequest], costs: StepCosts, limits
         base = costs.prefill_base_ms * prefill_steps + costs.decode_base_ms * dec.num_steps
     work = prefill + decode + base
     rate = num_workers * 1000.0 * n_req / work if work > 0 else math.inf
+    if serve_fraction < 1:
+        rate = num_workers * 1000.0 * n_req / w if (w := _cheapest_work(requests, hits, costs, limits, budget,
+                                                                          serve_fraction)) > 0 else math.inf
     recorded = n_req / recorded_span_s if recorded_span_s and recorded_span_s > 0 else None
     return CapacityBound(
         num_requests=n_req,
@@ -342,7 +360,26 @@ def capacity_bound(requests: Sequence[WorkloadRequest], costs: StepCosts, limits
         rate_req_per_s=rate,
         recorded_rate_req_per_s=recorded,
         multiplier=rate / recorded if recorded else None,
+        serve_fraction=serve_fraction,
     )
+
+
+def _cheapest_work(requests: Sequence[WorkloadRequest], hits: Sequence[int], costs: StepCosts, limits: EngineLimits,
+                   budget: int, serve_fraction: float) -> float:
+    """W_f of capacity_bound's docstring: the least engine time any ceil(f N) of the requests need."""
+    low, high = min(costs.prefill_base_ms, costs.decode_base_ms), max(0.0, costs.prefill_base_ms - costs.decode_base_ms)
+    per_request = []
+    for r, c in zip(requests, hits, strict=True):
+        n, k, computed = r.num_prompt_tokens, max(0, r.max_tokens - 1), r.num_prompt_tokens - c
+        w = (costs.prefill_per_token_ms * computed + costs.prefill_per_token_sq_ms * (n * n - c * c)
+             + costs.decode_per_seq_ms * k + costs.decode_per_context_token_ms * (k * n + k * (k + 1) / 2))
+        if limits.scheduler == "vllm":
+            w += low * (computed + k) / budget + high * computed / budget
+        else:
+            w += costs.prefill_base_ms * computed / budget + costs.decode_base_ms * k / limits.max_num_seqs
+        per_request.append(w)
+    per_request.sort()
+    return sum(per_request[:math.ceil(serve_fraction * len(per_request))])
 
 
 def zero_load_latency_ms(r: WorkloadRequest, num_cached_tokens: int, costs: StepCosts,

@@ -27,7 +27,8 @@ above the bound is flagged, and the exit status is 3), its ratio to the best pee
 to direct round-robin of the same (mode, workload), and, at the highest passing load, the
 prefix hit rate, TTFT and TPOT p50/p90/p99, misses by kind, requests per engine. The capacity
 bound is recomputed with the current formula (bench/capacity.py) when a report carries an
-older one and its workload can be loaded again. `--plot PREFIX`: attainment against load per
+older one or one for another target (the bound at a target t < 1 lets a router refuse the
+costliest 1 - t of the requests), and its workload can be loaded again. `--plot PREFIX`: attainment against load per
 (mode, workload) (bench/peers.py `plot`); the CDF plot is drawn from the per-request records
 (`--per-request` when the runs were made).
 """
@@ -98,7 +99,8 @@ def merge(results: list[dict[str, Any]], target: float, pool: bool = False) -> d
     base = dict(results[0])
     ident = identity(base)
     points: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    notes = list(base.get("notes_run", []))
+    # (a run's own above-the-bound notes are dropped: the bound is re-checked below, at the target)
+    notes = [n for n in base.get("notes_run", []) if "ABOVE the capacity bound" not in n]
     modes: list[str] = []
     capacity_by_mode: dict[str, Any] = {}
     lifetimes: dict[str, float] = {}
@@ -117,7 +119,7 @@ def merge(results: list[dict[str, Any]], target: float, pool: bool = False) -> d
                 points.setdefault(key, []).extend(runs)
         else:
             points.update(mine)  # a later file's point replaces every repeat of the earlier one
-        notes += [n for n in res.get("notes_run", []) if n not in notes]
+        notes += [n for n in res.get("notes_run", []) if n not in notes and "ABOVE the capacity bound" not in n]
         modes += [m for m in res["engine_modes"] if m not in modes]
         capacity_by_mode.update(res.get("capacity_by_mode") or {})
         lifetimes.update(res["workload"].get("slice_lifetimes_by_mode") or {})
@@ -144,8 +146,11 @@ def refresh_capacity(result: dict[str, Any]) -> list[str]:
     """Recompute, with the current bench/capacity.py, the bound of every engine mode whose
     figure is missing or from an older formula, when the workload loads again; the notes say
     what was recomputed or could not be."""
+    # The bound at the report's target: a router need serve only that share of the requests.
+    fraction = min(1.0, float(result["flags"].get("target", 1.0)))
     stale = [m for m in result["engine_modes"]
-             if (result["capacity_by_mode"].get(m) or {}).get("formula_version", 1) < CAPACITY_FORMULA_VERSION]
+             if (result["capacity_by_mode"].get(m) or {}).get("formula_version", 1) < CAPACITY_FORMULA_VERSION
+             or (result["capacity_by_mode"].get(m) or {}).get("serve_fraction", 1.0) != fraction]
     if not stale:
         return []
     w, f, engine = result["workload"], result["flags"], result.get("engine", {})
@@ -165,7 +170,8 @@ def refresh_capacity(result: dict[str, Any]) -> list[str]:
         limits = {k: engine[k] for k in keys if engine.get(k) is not None}
         for mode in stale:
             cap, lifetimes = workload_capacity(rows, costs, EngineLimits(
-                scheduler=mode, chunked_prefill=engine.get("chunked_prefill", True), **limits), f["workers"])
+                scheduler=mode, chunked_prefill=engine.get("chunked_prefill", True), **limits), f["workers"],
+                serve_fraction=fraction)
             result["capacity_by_mode"][mode] = cap.as_dict() | {"formula_version": CAPACITY_FORMULA_VERSION,
                                                                 "recomputed_by": "bench/peers_report.py"}
             result["workload"]["slice_lifetimes_by_mode"][mode] = round(lifetimes, 2)
@@ -173,7 +179,7 @@ def refresh_capacity(result: dict[str, Any]) -> list[str]:
         return [f"{result['trace']}: the capacity bound of {', '.join(stale)} is from an older formula and could not "
                 f"be recomputed ({exc.__class__.__name__}: {exc})"]
     return [f"{result['trace']}: capacity bound of {', '.join(stale)} recomputed with the current formula "
-            f"(bench/capacity.py)"]
+            f"(bench/capacity.py), serving {fraction:.0%} of the requests (the target)"]
 
 
 def cdf_sets(result: dict[str, Any], rate: float) -> dict[str, dict[str, list[float]]]:

@@ -79,6 +79,39 @@ def test_prefill_first_pays_a_prefill_base_and_a_decode_base():
     assert b.scheduler == "sglang"
 
 
+def test_a_target_below_one_bounds_serving_only_the_cheapest_share():
+    # req(8, 3): 11.254 as above. req(32, 3): prefill 0.5 × 32 + 0.001 × 32² = 17.024; decode
+    # 2 × 1 + 0.01 × (2 × 32 + 3) = 2.67; its share of the steps (32 + 2) / 16 at base 8 = 17
+    # -> 36.694. At 50 % a router may refuse the costly one: 2 requests per 11.254 ms.
+    both = [req(8, 3), req(32, 3)]
+    half = capacity_bound(both, COSTS, LIMITS, 1, prefix_block_tokens=8, serve_fraction=0.5)
+    assert half.rate_req_per_s == pytest.approx(1000 * 2 / 11.254) and half.serve_fraction == 0.5
+    # (every request served: the bound of issue 24's formula, 2 requests per 47.948 ms)
+    assert bound(both).rate_req_per_s == pytest.approx(1000 * 2 / 47.948)
+    # prefill-first: req(8, 3) pays 8 × 8 / 16 + 10 × 2 / 4 = 9 of base: 15.254 (as above)
+    sg = capacity_bound(both, COSTS, SGLANG, 1, prefix_block_tokens=8, serve_fraction=0.5)
+    assert sg.rate_req_per_s == pytest.approx(1000 * 2 / 15.254)
+    with pytest.raises(ValueError, match="serve_fraction"):
+        capacity_bound(both, COSTS, LIMITS, 1, serve_fraction=0.0)
+
+
+@pytest.mark.parametrize("limits", [LIMITS, SGLANG])
+def test_the_bound_at_a_target_is_above_what_any_share_of_that_size_needs(limits):
+    rnd = random.Random(7)
+    for _ in range(30):
+        reqs = [req(rnd.randint(1, 60), rnd.randint(1, 12), ids=tuple(rnd.randint(0, 3) for _ in range(2)))
+                for _ in range(rnd.randint(2, 9))]
+        f = rnd.choice([0.3, 0.5, 0.55, 0.9])
+        k = math.ceil(f * len(reqs))
+        at_f = capacity_bound(reqs, COSTS, limits, 1, prefix_block_tokens=8, serve_fraction=f)
+        assert at_f.rate_req_per_s >= bound(reqs, limits=limits).rate_req_per_s * (1 - 1e-9)
+        for _ in range(10):
+            share = [reqs[i] for i in sorted(rnd.sample(range(len(reqs)), k))]  # in arrival order
+            # serving `share` alone needs at least its own bound's work; the bound at f must allow it
+            need_ms = k * 1000 / bound(share, limits=limits).rate_req_per_s
+            assert len(reqs) * 1000 / at_f.rate_req_per_s <= need_ms * (1 + 1e-9)
+
+
 def test_a_costlier_prefill_base_is_paid_by_every_step_that_computes_a_chunk():
     # prefill base 12 > decode base 10: 0.625 steps at 10, plus the 0.5 that carry prompt tokens at 12 - 10
     costs = StepCosts(prefill_base_ms=12.0, prefill_per_token_ms=0.5, prefill_per_token_sq_ms=0.001,

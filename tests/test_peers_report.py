@@ -229,6 +229,12 @@ def test_an_older_reports_bound_is_recomputed_with_the_current_formula():
     cap = m["capacity_by_mode"]["vllm"]
     assert cap["formula_version"] == 2 and cap["rate_req_per_s"] != 18.4 and cap["scheduler"] == "vllm"
     assert m["workload"]["slice_lifetimes_by_mode"]["vllm"] > 0
+    # the bound is taken at the report's target: a router need serve only that share
+    assert cap["serve_fraction"] == 0.9
+    low = merge([old], 0.55)
+    refresh_capacity(low)
+    assert low["capacity_by_mode"]["vllm"]["serve_fraction"] == 0.55
+    assert low["capacity_by_mode"]["vllm"]["rate_req_per_s"] > cap["rate_req_per_s"]
 
 
 def test_a_tiny_peers_run_of_the_chat_workload_on_both_engine_modes(tmp_path):
