@@ -169,9 +169,11 @@ def refresh_capacity(result: dict[str, Any]) -> list[str]:
                 "max_prefill_tokens")
         limits = {k: engine[k] for k in keys if engine.get(k) is not None}
         for mode in stale:
-            cap, lifetimes = workload_capacity(rows, costs, EngineLimits(
-                scheduler=mode, chunked_prefill=engine.get("chunked_prefill", True), **limits), f["workers"],
-                serve_fraction=fraction)
+            mode_limits = EngineLimits(scheduler=mode, chunked_prefill=engine.get("chunked_prefill", True), **limits)
+            # the slice's length in lifetimes at the every-request bound (as bench/peers.py); the bound at the target
+            cap, lifetimes = workload_capacity(rows, costs, mode_limits, f["workers"])
+            if fraction < 1:
+                cap = workload_capacity(rows, costs, mode_limits, f["workers"], serve_fraction=fraction)[0]
             result["capacity_by_mode"][mode] = cap.as_dict() | {"formula_version": CAPACITY_FORMULA_VERSION,
                                                                 "recomputed_by": "bench/peers_report.py"}
             result["workload"]["slice_lifetimes_by_mode"][mode] = round(lifetimes, 2)
