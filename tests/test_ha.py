@@ -322,7 +322,8 @@ async def test_a_leader_cut_off_from_redis_past_its_lease_stops_dispatching_and_
 
 
 async def _get(url: str) -> dict:
-    async with httpx.AsyncClient(timeout=10) as c:
+    # generous: on a loaded 2-core CI machine a /healthz once took over 10 s
+    async with httpx.AsyncClient(timeout=30) as c:
         return (await c.get(url)).json()
 
 
