@@ -339,8 +339,8 @@ def capacity_bound(requests: Sequence[WorkloadRequest], costs: StepCosts, limits
     work = prefill + decode + base
     rate = num_workers * 1000.0 * n_req / work if work > 0 else math.inf
     if serve_fraction < 1:
-        rate = num_workers * 1000.0 * n_req / w if (w := _cheapest_work(requests, hits, costs, limits, budget,
-                                                                          serve_fraction)) > 0 else math.inf
+        cheapest = _cheapest_work(requests, hits, costs, limits, budget, serve_fraction)
+        rate = num_workers * 1000.0 * n_req / cheapest if cheapest > 0 else math.inf
     recorded = n_req / recorded_span_s if recorded_span_s and recorded_span_s > 0 else None
     return CapacityBound(
         num_requests=n_req,
@@ -409,9 +409,11 @@ def mean_zero_load_e2e_ms(requests: Sequence[WorkloadRequest], costs: StepCosts,
 def slice_lifetimes(requests: Sequence[WorkloadRequest], bound: CapacityBound, costs: StepCosts,
                     limits: EngineLimits) -> float:
     """How many mean request lifetimes (`mean_zero_load_e2e_ms`) the slice lasts when its N
-    requests arrive at the bound: (N / bound) / lifetime. Below MIN_SLICE_LIFETIMES a run near
+    requests arrive at the bound for serving every one of them (N x mean work / K, whatever
+    the bound's `serve_fraction`): (N / bound) / lifetime. Below MIN_SLICE_LIFETIMES a run near
     the bound is a burst, not a sustained load (module docstring)."""
-    return (len(requests) / bound.rate_req_per_s * 1000.0) / mean_zero_load_e2e_ms(requests, costs, limits)
+    slice_ms = bound.num_requests * bound.mean_work_ms / bound.num_workers
+    return slice_ms / mean_zero_load_e2e_ms(requests, costs, limits)
 
 
 def zero_load_slo_fraction(requests: Sequence[WorkloadRequest], costs: StepCosts, limits: EngineLimits,

@@ -894,6 +894,7 @@ class SimFleet(Fleet):
             "vllm_prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
             "requests_per_worker": {w: int(delta(w, "flexlb_sim_requests_total")) for w in workers},
             "preemptions": int(sum(delta(w, "flexlb_sim_preemptions_total") for w in workers)),
+            "kv_event_batches_published": int(sum(delta(w, "flexlb_sim_kv_event_batches_total") for w in workers)),
             "router_counters": self.router_metrics(),
             "router_log": self.router_log_findings(),
         }
@@ -935,17 +936,12 @@ class AdapterFleet(SimFleet, FlexlbFleet):
         keep = ("terminal_events", "failure_messages", "requests_per_worker", "events")
         # That the servers' KV events reach the router's prefix index (a run without them
         # routes blind to the cache and says nothing else about it).
-        after = self.counters() or {}
-        published = sum(after[w].get("flexlb_sim_kv_event_batches_total", 0.0)
-                        - (before or {}).get(w, {}).get("flexlb_sim_kv_event_batches_total", 0.0) for w in after)
-        router = FlexlbFleet.router_counters(self) or {}
-        applied = sum(v for k, v in router.items() if k.startswith("flexlb_kv_events_total"))
-        if published > 0 and applied == 0:
-            print(f"    WARNING: the servers published {published:.0f} KV event batches and the router took none",
+        kv = {k: v for k, v in (self.router_counters() or {}).items() if k.startswith("flexlb_kv_events_total")}
+        published = engines.get("kv_event_batches_published", 0)
+        if published > 0 and not sum(kv.values()):
+            print(f"    WARNING: the servers published {published} KV event batches and the router took none",
                   file=sys.stderr, flush=True)
-        kv = {"kv_event_batches_published": int(published), "router_kv_events": {
-            k: v for k, v in router.items() if k.startswith("flexlb_kv_events_total")}}
-        return engines | {"flexlb_" + k: flexlb[k] for k in keep} | kv
+        return engines | {"flexlb_" + k: flexlb[k] for k in keep} | {"router_kv_events": kv}
 
 
 def _strip_ansi(s: str) -> str:
@@ -1635,7 +1631,7 @@ def workload_capacity(rows: list[Row], costs: StepCosts, limits: EngineLimits,
                       workers: int, serve_fraction: float = 1.0) -> tuple[CapacityBound, float]:
     """The capacity bound of `rows` under one engine mode (when only `serve_fraction` of the
     requests must be served: the target), and how many request lifetimes the slice lasts when
-    it arrives at that bound (bench/capacity.py)."""
+    it arrives at the bound for serving all of them (bench/capacity.py)."""
     requests, prefix_block_tokens = workload_requests(rows)
     cap = capacity_bound(requests, costs, limits, workers, recorded_span_s=rows[-1].ts_ms / 1000.0,
                          prefix_block_tokens=prefix_block_tokens, serve_fraction=serve_fraction)
@@ -1881,11 +1877,9 @@ def main(argv: list[str] | None = None) -> int:
     caps: dict[str, CapacityBound] = {}
     lifetimes: dict[str, float] = {}
     for mode in modes:
-        # the slice's length in lifetimes at the bound for every request; the bound a headline
-        # is checked against at the target (a router may refuse the costliest 1 - target)
-        caps[mode], lifetimes[mode] = workload_capacity(rows, costs, limits[mode], args.workers)
-        if args.target < 1:
-            caps[mode] = workload_capacity(rows, costs, limits[mode], args.workers, serve_fraction=args.target)[0]
+        # a headline is checked against the bound at the target (a router may refuse the costliest 1 - target)
+        caps[mode], lifetimes[mode] = workload_capacity(rows, costs, limits[mode], args.workers,
+                                                        serve_fraction=min(1.0, args.target))
     facts["slice_lifetimes_by_mode"] = {m: round(v, 2) for m, v in lifetimes.items()}
     requests, prefix_block_tokens = workload_requests(rows)
     first = limits[modes[0]]  # alone on an idle engine both schedulers run the same steps
@@ -1896,7 +1890,9 @@ def main(argv: list[str] | None = None) -> int:
     feasible = facts["zero_load_slo_fraction_infinite_cache"]
     mean_e2e0_s = mean_zero_load_e2e_ms(requests, costs, first) / 1000.0
     facts["mean_zero_load_e2e_s"] = round(mean_e2e0_s, 3)
-    facts["span_at_bound_s"] = {m: round(len(rows) / c.rate_req_per_s, 2) for m, c in caps.items()}
+    # (the slice's length at the bound for serving every request, as slice_lifetimes)
+    facts["span_at_bound_s"] = {m: round(c.num_requests * c.mean_work_ms / c.num_workers / 1000, 2)
+                                for m, c in caps.items()}
     for mode in modes:
         # Near the bound a slice shorter than MIN_SLICE_LIFETIMES request lifetimes is a burst that
         # drains after the last arrival and passes loads no fleet sustains (bench/capacity.py).
@@ -1907,8 +1903,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"burst, not a sustained load, and passes too easily; its headlines are marked as a burst "
                          f"slice (--rows auto replays a sustained one)")
             print(f"warning: {notes[-1]}", file=sys.stderr, flush=True)
-        print(f"capacity bound ({mode}): {caps[mode].rate_req_per_s:.3g} req/s (×{caps[mode].multiplier:.3g} the "
-              f"recorded rate); the slice lasts {lifetimes[mode]:.1f} request lifetimes at it", file=sys.stderr,
+        print(f"capacity bound ({mode}, serving {caps[mode].serve_fraction:.0%}): {caps[mode].rate_req_per_s:.3g} req/s "
+              f"(×{caps[mode].multiplier:.3g} the recorded rate); the slice lasts {lifetimes[mode]:.1f} request "
+              f"lifetimes at the bound for every request", file=sys.stderr,
               flush=True)
     print(f"{feasible:.1%} of the requests could meet the SLO alone on an idle engine", file=sys.stderr, flush=True)
     if args.loads_of_bound:

@@ -17,8 +17,9 @@ describe the same workload (rows, first row, prompt cap, chat parameters, SLO, e
 scale): a mismatch is an error, not a silent merge. Runs of the same cell (configuration and
 engine mode) at the same load: the later file's runs replace the earlier file's (all its
 repeats); with `--pool` they are kept as repeats of one another (a rerun made to measure the
-spread: the headline then uses the mean, with the range beside it). Reports from before engine modes (labels without `[MODE]`) ran every engine with
-the vLLM-like scheduler, and are read as `CONFIG[vllm]`.
+spread: the headline then uses the mean, with the range beside it). Reports from before
+engine modes (labels without `[MODE]`) ran every engine with the vLLM-like scheduler, and are
+read as `CONFIG[vllm]`.
 
 Output: per workload its runs table; then the matrix, a row per (engine mode, workload,
 configuration): the headline (mean attainment per load; with repeats, the headlines of the
@@ -28,8 +29,8 @@ to direct round-robin of the same (mode, workload), and, at the highest passing 
 prefix hit rate, TTFT and TPOT p50/p90/p99, misses by kind, requests per engine. The capacity
 bound is recomputed with the current formula (bench/capacity.py) when a report carries an
 older one or one for another target (the bound at a target t < 1 lets a router refuse the
-costliest 1 - t of the requests), and its workload can be loaded again. `--plot PREFIX`: attainment against load per
-(mode, workload) (bench/peers.py `plot`); the CDF plot is drawn from the per-request records
+costliest 1 - t of the requests), and its workload can be loaded again. `--plot PREFIX`:
+attainment against load per (mode, workload) (bench/peers.py `plot`); the CDF plot is drawn from the per-request records
 (`--per-request` when the runs were made).
 """
 
@@ -144,13 +145,13 @@ def merge(results: list[dict[str, Any]], target: float, pool: bool = False) -> d
 
 def refresh_capacity(result: dict[str, Any]) -> list[str]:
     """Recompute, with the current bench/capacity.py, the bound of every engine mode whose
-    figure is missing or from an older formula, when the workload loads again; the notes say
-    what was recomputed or could not be."""
+    figure is missing, from an older formula or for another target, when the workload loads
+    again; the notes say what was recomputed or could not be."""
     # The bound at the report's target: a router need serve only that share of the requests.
     fraction = min(1.0, float(result["flags"].get("target", 1.0)))
-    stale = [m for m in result["engine_modes"]
-             if (result["capacity_by_mode"].get(m) or {}).get("formula_version", 1) < CAPACITY_FORMULA_VERSION
-             or (result["capacity_by_mode"].get(m) or {}).get("serve_fraction", 1.0) != fraction]
+    caps = {m: result["capacity_by_mode"].get(m) or {} for m in result["engine_modes"]}
+    stale = [m for m, cap in caps.items() if cap.get("formula_version", 1) < CAPACITY_FORMULA_VERSION
+             or cap.get("serve_fraction", 1.0) != fraction]
     if not stale:
         return []
     w, f, engine = result["workload"], result["flags"], result.get("engine", {})
@@ -169,11 +170,9 @@ def refresh_capacity(result: dict[str, Any]) -> list[str]:
                 "max_prefill_tokens")
         limits = {k: engine[k] for k in keys if engine.get(k) is not None}
         for mode in stale:
-            mode_limits = EngineLimits(scheduler=mode, chunked_prefill=engine.get("chunked_prefill", True), **limits)
-            # the slice's length in lifetimes at the every-request bound (as bench/peers.py); the bound at the target
-            cap, lifetimes = workload_capacity(rows, costs, mode_limits, f["workers"])
-            if fraction < 1:
-                cap = workload_capacity(rows, costs, mode_limits, f["workers"], serve_fraction=fraction)[0]
+            cap, lifetimes = workload_capacity(rows, costs, EngineLimits(
+                scheduler=mode, chunked_prefill=engine.get("chunked_prefill", True), **limits), f["workers"],
+                serve_fraction=fraction)
             result["capacity_by_mode"][mode] = cap.as_dict() | {"formula_version": CAPACITY_FORMULA_VERSION,
                                                                 "recomputed_by": "bench/peers_report.py"}
             result["workload"]["slice_lifetimes_by_mode"][mode] = round(lifetimes, 2)
