@@ -92,6 +92,25 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     # token its running requests see now; 0 when it ran no step in that window.
     recent_step_ms: float = 0.0
     heartbeat_interval_ms: int = 200
+    # Why the worker is not ready, in one line (state "not_ready"): "engine server
+    # http://10.0.0.5:8000 unreachable: connection refused", ...; "" when ready.
+    not_ready_reason: str = ""
+    # What the worker learns from its engine (None: a worker before this field; read it as
+    # EngineSignals()): /admin/workers shows it per worker.
+    signals: EngineSignals | None = None
+
+
+class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
+    """Which signals a worker has from its engine. FlexLB's own engines (sim, torch) have every
+    one natively; the openai agent has what its server gives (workers/openai_agent.py)."""
+
+    protocol: str = "native"  # native (sim, torch) | openai (/v1/completions, /v1/chat/completions) | sglang (/generate)
+    # Load and KV usage: native | vllm | sglang (the server's Prometheus /metrics) | none (no
+    # /metrics: the agent's own in-flight counts and measured token gaps)
+    metrics: str = "native"
+    liveness: str = "native"  # native | metrics | health | models: which endpoint says the server is up
+    token_ids: bool | None = True  # the output stream carries token ids; False: text only; None: not seen yet
+    kv_events: bool = True  # exact KV-cache events reach the router (else it learns prefixes from decisions)
 
 
 class WorkerLivenessChanged(_Event, tag="worker.liveness_changed"):
@@ -217,6 +236,15 @@ class TokensGenerated(_Event, tag="tokens.generated"):
     token_ids: list[int]
     text: str
     finish_reason: str | None = None  # "length" | "stop" on the last chunk
+    # Output tokens this chunk stands for when `token_ids` is empty because the engine server
+    # streams text without ids (the openai agent counts them from the server's chunks and
+    # usage); 0: len(token_ids). `start_index` counts in the same tokens.
+    num_tokens: int = 0
+
+    @property
+    def num_chunk_tokens(self) -> int:
+        """How far this chunk moves the request's output index."""
+        return len(self.token_ids) or self.num_tokens
 
 
 class TokensBatch(_Event, tag="tokens.batch"):
@@ -322,6 +350,21 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ignore_eos: bool = False
 
 
+class ChatForward(msgspec.Struct, frozen=True, kw_only=True):
+    """A chat completion as the client sent it, for an engine that renders chat itself: the
+    openai agent forwards it to its server's `/v1/chat/completions`, so tool calls, reasoning
+    parsers and the server's own rendering stay the server's. The request's
+    `prompt_token_ids` are the router's rendering (what it routed on); engines that run ids
+    (sim, torch, SGLang's /generate) run those and ignore this."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One request inside a DispatchBatch command."""
 
@@ -336,6 +379,10 @@ class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     # this subject; "" (a router before it, or a request a standby forwarded): one
     # TokensGenerated per chunk on token_subject.
     token_batch_subject: str = ""
+    # OpenAI `stop` strings: the router ends the request at the first one in its output text
+    # (and cuts the text there); an engine server is given them too, so it stops early.
+    stop: list[str] = []
+    chat: ChatForward | None = None  # a chat completion (ChatForward); None: a completion
 
 
 class DispatchBatch(_Event, tag="cmd.dispatch_batch"):

@@ -443,7 +443,7 @@ class CompletionsFront:
                         break
                     handle.num_buffered -= 1
                     parts.append(item.text)
-                    num_tokens += len(item.token_ids)
+                    num_tokens += item.num_chunk_tokens
         except TimeoutError:
             await service.cancel(handle, "router request timeout")
             await _send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", handle.request_id)

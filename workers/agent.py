@@ -128,6 +128,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a stream may go without a byte before it is failed (upstream_error).
     engine_url: str = ""
     engine_model: str = ""
+    # openai: how the agent talks to the server: openai (/v1/completions with token ids, and
+    # /v1/chat/completions for chat) | sglang (SGLang's native /generate with input_ids).
+    engine_protocol: str = "openai"
     upstream_max_concurrency: int = 256
     upstream_stall_timeout_s: float = 60.0
     # openai + vLLM's KV events (`vllm serve --kv-events-config`): the ZMQ PUB endpoint to
@@ -156,6 +159,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if self.role != "pd_fusion":
                 raise ValueError("engine openai serves colocated (pd_fusion) only: PD through a server's own KV "
                                  "connector (vLLM kv_transfer_params) is not supported")
+            if self.engine_protocol not in ("openai", "sglang"):
+                raise ValueError(f"engine_protocol must be openai or sglang, got {self.engine_protocol!r}")
             if self.upstream_max_concurrency <= 0 or self.upstream_stall_timeout_s <= 0:
                 raise ValueError("upstream_max_concurrency and upstream_stall_timeout_s must be > 0")
             if self.kv_events_replay_endpoint and not self.kv_events_endpoint:

@@ -106,7 +106,7 @@ class Relay:
             handle.first_token_ns = time.time_ns()
             self.s.metrics.ttft.observe((handle.first_token_ns - handle.arrival_ns) / 1e9)
             self.s.records.note(handle.request_id, handle.first_token_ns, "first_token", worker_id=chunk.worker_id)
-        handle.next_index += len(chunk.token_ids)
+        handle.next_index += chunk.num_chunk_tokens
         handle.num_buffered += 1
         handle.queue.put_nowait(chunk)
         if chunk.finish_reason is not None:
