@@ -105,7 +105,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Appended to the final message for continue_final_message; the rendering is cut there.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
-_ENVIRONMENT: Any = None  # the shared jinja2 environment, built on first compile
+# The shared jinja2 environment, built on first compile. Two threads racing here (or on a
+# ChatTemplates' compiled cache) build the same thing twice and keep one: harmless.
+_ENVIRONMENT: Any = None
 
 
 def _environment() -> Any:
