@@ -240,6 +240,9 @@ class TokensGenerated(_Event, tag="tokens.generated"):
     # streams text without ids (the openai agent counts them from the server's chunks and
     # usage); 0: len(token_ids). `start_index` counts in the same tokens.
     num_tokens: int = 0
+    # On the last chunk: the prompt tokens the engine found in its prefix cache (the client's
+    # usage.prompt_tokens_details.cached_tokens comes from it); None: not known.
+    num_cached_tokens: int | None = None
 
     @property
     def num_chunk_tokens(self) -> int:
@@ -442,6 +445,8 @@ class SubmitRequest(_Event, tag="cmd.submit_request"):
     slo_tpot_ms: float | None = None
     timeout_s: float | None = None
     sampling: Sampling | None = None
+    stop: list[str] = []  # as BatchRequest.stop
+    chat: ChatForward | None = None  # as BatchRequest.chat
 
 
 class SubmitReply(_Event, tag="cmd.submit_reply"):

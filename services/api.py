@@ -1,5 +1,6 @@
-"""The router's HTTP API: OpenAI-compatible completions (raw ASGI, CompletionsFront), and
-health, metrics and admin (FastAPI).
+"""The router's HTTP API: OpenAI-compatible completions and chat completions (raw ASGI,
+CompletionsFront; their parsing and shapes in services/chat.py), and health, metrics and
+admin (FastAPI).
 
 Every error is `{"error": {"code", "message", "retryable"}}` with the design's HTTP status;
 bodies are parsed with msgspec (not FastAPI's validation) so that every bad input maps to a
@@ -13,8 +14,8 @@ hashes and dispatches those ids, so they must be the model's. Before tokenizing,
 longer than `max_prompt_tokens x max_chars_per_token` characters (the most one token of
 that tokenizer can stand for; 1 for bytes) is refused `too_large` at once; where the file
 proves no such bound, only `max_body_bytes` bounds the work. An HF tokenizer runs in a
-thread (it releases the GIL), so a long prompt does not stall the event loop. The router
-never decodes ids: output text comes from the workers.
+thread (it releases the GIL), so a long prompt does not stall the event loop, and so does a
+chat template's rendering. The router never decodes ids: output text comes from the workers.
 """
 
 from __future__ import annotations
@@ -32,9 +33,22 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import messages as m
-from schemas.api import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from schemas.api import CompletionRequest
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
+from services.chat import (
+    BadRequest,
+    ChatShape,
+    CompletionShape,
+    StopMatcher,
+    check_max_tokens,
+    check_options,
+    parse_chat,
+    resolve_chat_templates,
+    sampling_of,
+    stop_strings,
+    usage_of,
+)
 from services.core.scheduler import Rejected
 from services.shell.router import RequestHandle, RouterService, error_for
 
@@ -48,13 +62,6 @@ def _error(code: str, message: str, request_id: str | None = None) -> Response:
     status, body = error_for(code, message)
     headers = {"X-Request-Id": request_id} if request_id else None
     return Response(body, status_code=status, media_type="application/json", headers=headers)
-
-
-class BadRequest(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 async def _read_body(receive, declared: bytes | None, limit: int) -> bytes:
@@ -90,10 +97,9 @@ def parse_completion(body: bytes, settings,
         raise BadRequest("invalid_request", f"invalid JSON: {exc}") from None
     if req.model is not None and req.model != settings.model_name:
         raise BadRequest("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
-    if isinstance(req.max_tokens, bool) or req.max_tokens < 1:
-        raise BadRequest("invalid_request", f"max_tokens must be >= 1, got {req.max_tokens}")
-    if req.max_tokens > settings.max_output_tokens:
-        raise BadRequest("invalid_request", f"max_tokens {req.max_tokens} exceeds the limit of {settings.max_output_tokens}")
+    check_max_tokens(req.max_tokens, settings)
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("invalid_request", "stream_options: only with stream true")
     if isinstance(req.prompt, str):
         bound = tokenizer.max_chars_per_token  # cheap bound before tokenizing (module docstring)
         if bound is not None and len(req.prompt) > settings.max_prompt_tokens * bound:
@@ -108,33 +114,8 @@ def parse_completion(body: bytes, settings,
         raise BadRequest("invalid_request", "prompt is empty")
     if len(tokens) > settings.max_prompt_tokens:
         raise BadRequest("too_large", f"prompt of {len(tokens)} tokens exceeds the limit of {settings.max_prompt_tokens}")
-    if req.request_id is not None:
-        try:
-            validate_token("request_id", req.request_id)
-        except ValueError as exc:
-            raise BadRequest("invalid_request", str(exc)) from None
-    if req.priority is not None and not 1 <= req.priority <= 100:
-        raise BadRequest("invalid_request", f"priority must be in 1..100, got {req.priority}")
-    if req.timeout_s is not None and not (0 < req.timeout_s <= settings.request_timeout_s):
-        raise BadRequest("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
-    for name in ("slo_ttft_ms", "slo_tpot_ms"):
-        value = getattr(req, name)
-        if value is not None and not (value > 0 and value < 1e9):
-            raise BadRequest("invalid_request", f"{name} must be a positive number of ms, got {value}")
+    check_options(req, settings)
     return req, tokens
-
-
-def sampling_of(req: CompletionRequest) -> m.Sampling | None:
-    """The request's sampling for the engine; None: greedy (every field at its default)."""
-    given = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)) if v is not None}
-    if req.ignore_eos:
-        given["ignore_eos"] = True
-    if not given:
-        return None
-    try:
-        return msgspec.convert(given, m.Sampling)
-    except msgspec.ValidationError as exc:
-        raise BadRequest("invalid_request", f"sampling: {exc}") from None
 
 
 def _header_ms(raw: str | None, name: str) -> float | None:
@@ -147,13 +128,6 @@ def _header_ms(raw: str | None, name: str) -> float | None:
     if not (value > 0 and value < 1e9):
         raise BadRequest("invalid_request", f"header {name} must be positive, got {raw!r}")
     return value
-
-
-def _chunk_json(request_id: str, created: int, model: str, text: str, finish_reason: str | None) -> bytes:
-    return _ENC.encode(CompletionResponse(
-        id=request_id, object="text_completion", created=created, model=model,
-        choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-    ))
 
 
 def _bad_worker_id(worker_id: str) -> Response | None:
@@ -271,7 +245,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
             return _error("not_found", f"no live or recent request {request_id} (the last {len(service.records.records)} are kept)")
         return record
 
-    return CompletionsFront(service, tokenizer, app)
+    return CompletionsFront(service, tokenizer, app, resolve_chat_templates(settings, tokenizer))
 
 
 class ClientGone(Exception):
@@ -297,7 +271,8 @@ async def _send_error(send, code: str, message: str, request_id: str | None = No
 
 
 class CompletionsFront:
-    """`POST /v1/completions` on the raw ASGI path; every other request goes to FastAPI.
+    """`POST /v1/completions` and `POST /v1/chat/completions` on the raw ASGI path; every
+    other request goes to FastAPI.
 
     The completion path is the router's hot path: FastAPI's and Starlette's request,
     response and middleware objects were a third of its CPU per request (bench/README.md,
@@ -305,14 +280,19 @@ class CompletionsFront:
     sent as ASGI messages; one deadline timer per request bounds the wait for its outcome
     (the request's timeout plus 2 s for the worker's timed_out report to arrive first). A
     streaming client that disconnects cancels its request: a watcher on `receive` tells the
-    stream. Behaviour, codes and headers are the FastAPI route's, which this replaced.
+    stream. Both endpoints share the path; what differs is the parsing and the shapes
+    (services/chat.py).
     """
 
-    def __init__(self, service: RouterService, tokenizer: ByteTokenizer | HFTokenizer, app: FastAPI) -> None:
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, service: RouterService, tokenizer: ByteTokenizer | HFTokenizer, app: FastAPI,
+                 chat_templates=None) -> None:
         self.service, self.settings, self.tokenizer, self.app = service, service.settings, tokenizer, app
+        self.chat_templates = chat_templates
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
             await self.app(scope, receive, send)
             return
         started = False
@@ -326,15 +306,24 @@ class CompletionsFront:
             if scope["method"] != "POST":
                 await _send_error(tracked_send, "invalid_request", "Method Not Allowed")
                 return
-            await self.completions(scope, receive, tracked_send)
+            await self.completions(scope, receive, tracked_send, chat=scope["path"] == "/v1/chat/completions")
         except ClientGone:
             return
         except Exception as exc:
-            log.exception("unhandled error on /v1/completions")
+            log.exception("unhandled error on %s", scope["path"])
             if not started:
                 await _send_error(send, "internal", f"internal error: {exc.__class__.__name__}")
 
-    async def completions(self, scope, receive, send) -> None:
+    def _parse(self, body: bytes, chat: bool):
+        """-> (request, prompt ids, max_tokens, stop strings, sampling, ChatForward or None, include_usage)."""
+        if chat:
+            p = parse_chat(body, self.settings, self.tokenizer, self.chat_templates)
+            return p.req, p.tokens, p.max_tokens, p.stop, p.sampling, p.chat, p.include_usage
+        req, tokens = parse_completion(body, self.settings, self.tokenizer)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return req, tokens, req.max_tokens, stop_strings(req.stop), sampling_of(req), None, include_usage
+
+    async def completions(self, scope, receive, send, chat: bool = False) -> None:
         service, settings = self.service, self.settings
         request_id = length = slo_ttft_raw = slo_tpot_raw = None
         for name, value in scope["headers"]:
@@ -348,16 +337,15 @@ class CompletionsFront:
                 slo_tpot_raw = value.decode("latin-1")
         try:
             body = await _read_body(receive, length, settings.max_body_bytes)
-            if self.tokenizer.is_costly:
-                req, tokens = await asyncio.to_thread(parse_completion, body, settings, self.tokenizer)
+            if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
+                req, tokens, max_tokens, stop, sampling, forward, include_usage = await asyncio.to_thread(self._parse, body, chat)
             else:
-                req, tokens = parse_completion(body, settings, self.tokenizer)
+                req, tokens, max_tokens, stop, sampling, forward, include_usage = self._parse(body, chat)
             request_id = req.request_id or request_id
             if request_id is not None:
                 validate_token("request_id", request_id)
             slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(slo_ttft_raw, "x-flexlb-slo-ttft-ms")
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
-            sampling = sampling_of(req)
         except (BadRequest, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
@@ -366,24 +354,27 @@ class CompletionsFront:
             await _send_error(send, code, message, request_id)
             return
         request_id = request_id or service.new_request_id()
-        outcome = await service.submit(request_id, tokens, req.max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
-                                       sampling=sampling)
+        outcome = await service.submit(request_id, tokens, max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
+                                       sampling=sampling, stop=stop, chat=forward)
         if isinstance(outcome, Rejected):
             await _send_error(send, outcome.code, outcome.message, request_id)
             return
+        shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), self.settings.model_name, include_usage)
         if req.stream:
-            await self.stream(outcome, receive, send)
+            await self.stream(outcome, receive, send, shape)
         else:
-            await self.collect(outcome, send)
+            await self.collect(outcome, send, shape)
 
     def _deadline(self, handle: RequestHandle) -> float:
         """The router's own deadline (loop time): the request's, plus a little for the
         worker's timed_out report to arrive first (the worker enforces the same deadline)."""
         return asyncio.get_running_loop().time() + handle.timeout_s + 2.0
 
-    async def stream(self, handle: RequestHandle, receive, send) -> None:
-        service, created, model = self.service, int(time.time()), self.settings.model_name
+    async def stream(self, handle: RequestHandle, receive, send, shape) -> None:
+        service = self.service
         rid = handle.request_id
+        stops = StopMatcher(handle.stop) if handle.stop else None
+        num_tokens, cached = 0, None
 
         async def watch_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -396,19 +387,40 @@ class CompletionsFront:
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [_SSE_TYPE, (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
+            first = shape.first()
             try:
                 async with asyncio.timeout_at(self._deadline(handle)):
                     while not finished:
                         # Every chunk already queued goes out in one write: an engine step's
                         # tokens often arrive together, and each ASGI send is a transport write.
-                        out: list[bytes] = []
+                        out: list[bytes] = [first] if first else []
+                        first = b""
                         item = await queue.get()
                         while True:
                             if item is _GONE:
                                 return  # finally: cancel the work
                             if isinstance(item, m.TokensGenerated):
                                 handle.num_buffered -= 1
-                                out.append(b"data: " + _chunk_json(rid, created, model, item.text, item.finish_reason) + b"\n\n")
+                                num_tokens += item.num_chunk_tokens
+                                text, reason = item.text, item.finish_reason
+                                if reason is not None and item.num_cached_tokens is not None:
+                                    cached = item.num_cached_tokens
+                                if stops is not None:
+                                    text, hit = stops.feed(text)
+                                    if hit:
+                                        reason = "stop"
+                                        await service.cancel(handle, "stop string")  # nothing if it already ended
+                                    elif reason is not None:
+                                        text += stops.flush()
+                                if text or reason is not None or not shape.skips_empty:
+                                    out.append(shape.chunk(text, reason))
+                                if reason is not None and (stops is not None or shape.include_usage):
+                                    # The end is known: with a stop string the Terminal may never come.
+                                    if shape.include_usage:
+                                        out.append(shape.usage_chunk(usage_of(len(handle.prompt_token_ids), num_tokens, cached)))
+                                    out.append(b"data: [DONE]\n\n")
+                                    finished = True
+                                    break
                             else:
                                 if item.outcome != "finished":
                                     _, body = error_for(item.code or "worker_failed", item.message)
@@ -431,10 +443,11 @@ class CompletionsFront:
                 # The client went away (or the send failed): stop the work.
                 await service.cancel(handle, "client disconnected")
 
-    async def collect(self, handle: RequestHandle, send) -> None:
-        service, created, model = self.service, int(time.time()), self.settings.model_name
+    async def collect(self, handle: RequestHandle, send, shape) -> None:
+        service = self.service
         parts: list[str] = []
-        num_tokens = 0
+        num_tokens, cached, reason = 0, None, None
+        stops = StopMatcher(handle.stop) if handle.stop else None
         try:
             async with asyncio.timeout_at(self._deadline(handle)):
                 while True:
@@ -442,19 +455,30 @@ class CompletionsFront:
                     if not isinstance(item, m.TokensGenerated):
                         break
                     handle.num_buffered -= 1
-                    parts.append(item.text)
                     num_tokens += item.num_chunk_tokens
+                    text, reason = item.text, item.finish_reason
+                    if reason is not None and item.num_cached_tokens is not None:
+                        cached = item.num_cached_tokens
+                    if stops is not None:
+                        text, hit = stops.feed(text)
+                        if hit:
+                            parts.append(text)
+                            reason = "stop"
+                            await service.cancel(handle, "stop string")
+                            break
+                        if reason is not None:
+                            text += stops.flush()
+                    parts.append(text)
         except TimeoutError:
             await service.cancel(handle, "router request timeout")
             await _send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", handle.request_id)
             return
-        if item.outcome != "finished":
+        if isinstance(item, m.TokensGenerated):  # stopped at a stop string
+            pass
+        elif item.outcome != "finished":
             await _send_error(send, item.code or "worker_failed", item.message, handle.request_id)
             return
-        n_prompt = len(handle.prompt_token_ids)
-        body = _ENC.encode(CompletionResponse(
-            id=handle.request_id, created=created, model=model,
-            choices=[CompletionChoice(text="".join(parts), finish_reason=item.finish_reason)],
-            usage=Usage(prompt_tokens=n_prompt, completion_tokens=num_tokens, total_tokens=n_prompt + num_tokens),
-        ))
+        else:
+            reason = item.finish_reason
+        body = shape.body("".join(parts), reason, usage_of(len(handle.prompt_token_ids), num_tokens, cached))
         await _send_json(send, 200, body, handle.request_id)

@@ -53,6 +53,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--tokenizer-add-special-tokens",
                    help="true (default) | false: with --tokenizer, add its special tokens (BOS) to a text prompt, "
                         "as vLLM and SGLang do")
+    p.add_argument("--chat-template", help="a Jinja chat template file (.jinja, or .json with chat_template) for "
+                   "/v1/chat/completions; default: the --tokenizer directory's, else a built-in one for the byte tokenizer")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
     p.add_argument("--log-level", help="debug | info | warning | error")
 

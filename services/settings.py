@@ -104,6 +104,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # With tokenizer: add its special tokens (BOS) to a text prompt, as vLLM's /v1/completions
     # and SGLang do for text (they run our ids as given, so the BOS must be ours).
     tokenizer_add_special_tokens: bool = True
+    # Chat completions: a Jinja chat template file (.jinja, or .json with "chat_template") that
+    # replaces the tokenizer directory's; "": the tokenizer's, else (byte tokenizer) the built-in
+    # one (services/chat.py, schemas/chat_template.py).
+    chat_template: str = ""
     max_output_tokens: int = 8192  # larger max_tokens: invalid_request
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: too_large
     max_queue_per_worker: int = 1024  # batcher queue bound per prefill worker: queue_full

@@ -85,7 +85,8 @@ async def test_non_stream_completion_is_openai_shaped_with_usage(flexlb_up):
     assert body["model"] == models["data"][0]["id"]
     assert body["choices"][0]["text"] == expected_text(body["id"], 12)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len("Hello, world".encode()), "completion_tokens": 12, "total_tokens": 24}
+    assert body["usage"] == {"prompt_tokens": len("Hello, world".encode()), "completion_tokens": 12, "total_tokens": 24,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 BAD_BODIES = [

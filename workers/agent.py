@@ -774,6 +774,7 @@ class WorkerAgent:
             self._queue_tokens(meta, m.TokensGenerated(
                 request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
                 text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
+                num_cached_tokens=fin.num_cached_tokens if fin else None,
             ))
         await self._flush_tokens()  # the step's tokens: one message per router (before their requests' terminal events)
         for done in step.batches_prefilled:

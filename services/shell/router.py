@@ -147,9 +147,10 @@ class RouterService:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
                      slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
-                     sampling: m.Sampling | None = None) -> RequestHandle | Rejected:
+                     sampling: m.Sampling | None = None, stop: list[str] | None = None,
+                     chat: m.ChatForward | None = None) -> RequestHandle | Rejected:
         return await self.intake.submit(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                        timeout_s, sampling)
+                                        timeout_s, sampling, stop=stop or [], chat=chat)
 
     async def reject(self, request_id: str, code: str, message: str) -> Rejected:
         return await self.intake.reject(request_id, code, message)

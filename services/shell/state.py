@@ -162,6 +162,8 @@ class RequestHandle:
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
     dispatched: bool = False  # standby: the leader's batch.dispatched listed it
     sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
+    stop: list[str] = field(default_factory=list)  # OpenAI stop strings (the API cuts the text at the first)
+    chat: m.ChatForward | None = None  # a chat completion as the client sent it (BatchRequest.chat)
     ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index (relay)
     resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
     slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total

@@ -1,0 +1,349 @@
+"""OpenAI request parsing and response shapes of the router's API: `/v1/chat/completions` and
+`/v1/completions` (services/api.py moves the bytes; this module decides what they say).
+
+Chat completions. A request's `messages` are rendered with the model's chat template
+(schemas/chat_template.py, exactly as transformers' `apply_chat_template` renders them),
+resolved at start as the engines resolve it: `--chat-template FILE`, else the tokenizer's
+directory (`--tokenizer`): its `chat_template.jinja`, `chat_template.json`, or
+`tokenizer_config.json`'s `chat_template`. With the default byte-level tokenizer and no
+template, the built-in one (`DEFAULT_CHAT_TEMPLATE`), so `flexlb up` serves chat out of the
+box; a Hugging Face tokenizer without a template answers chat requests 400, naming the
+settings that would give one (as vLLM does: no guessed template). The rendered text is
+encoded without special tokens (the template writes them, as `apply_chat_template(...,
+tokenize=True)` does), and the router routes on those ids: a conversation's next turn
+starts with the previous turn's rendering, so it hits the prefix cache that turn filled.
+The request also travels as it came (`ChatForward`: messages, tools, tool_choice, the
+template switches): an engine that renders chat itself (the openai agent's server) gets it
+as chat; FlexLB's own engines run the ids.
+
+Fields (schemas/api.py `ChatCompletionRequest`): `max_completion_tokens`, else `max_tokens`,
+else `max_output_tokens` (the router's limit: like vLLM, a request without one may run to
+the limit); `stop` (a string or up to 16 strings); `seed`, `temperature` (absent: greedy, as
+on /v1/completions), `top_p`; `stream`, `stream_options.include_usage`; `tools` (to the
+template, and to the server), `tool_choice`, `parallel_tool_calls` (to the server);
+`add_generation_prompt` (default true), `continue_final_message`, `chat_template_kwargs`
+(vLLM's extensions, to the template). Refused 400 `invalid_request`, naming the field: any
+unknown field; `n` > 1; `logprobs` / `top_logprobs`; non-zero penalties; `logit_bias`; a
+`response_format` other than text; `stream_options` without `stream`; a message part that
+is not text (images, audio: FlexLB's engines are text-only); `continue_final_message` with
+`add_generation_prompt`. A template error (its `raise_exception`, a missing variable in a
+strict template) is 400 with the template's message.
+
+Stop strings, on both endpoints: the output text is cut before the first occurrence of any
+`stop` string and the request ends there with finish_reason "stop" (the router cancels the
+rest of its work; the worker's report of it counts as cancelled). Text that could be the
+start of a stop string is held back until it is known not to be, so a stop string split
+across chunks is still never sent. An engine server is given the strings too, and usually
+stops first.
+
+Response shapes: `chat.completion` (`message: {role: assistant, content}`) and
+`chat.completion.chunk` (the first chunk's delta `{role: assistant, content: ""}`, then
+`delta.content` chunks, the last with `finish_reason`; with `include_usage` one more chunk
+with `choices: []` and `usage`; then `data: [DONE]`). Usage counts output tokens as the
+engine reported them (up to the stop, where one cut the text) and carries
+`prompt_tokens_details.cached_tokens` when the engine said how many prompt tokens it found
+cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from schemas import messages as m
+from schemas.api import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    CompletionChoice,
+    CompletionResponse,
+    PromptTokensDetails,
+    UsageWithDetails,
+)
+from schemas.chat_template import ChatTemplateError, ChatTemplates, load_chat_templates
+from schemas.subjects import validate_token
+from schemas.tokens import ByteTokenizer, HFTokenizer
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+
+_CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+_ENC = msgspec.json.Encoder()
+
+
+class BadRequest(Exception):
+    """A request refused before admission: `code` (schemas/errors.py) and the message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_options(req, settings) -> None:
+    """The FlexLB fields both endpoints share (request_id, priority, timeout_s, SLO targets)."""
+    if req.request_id is not None:
+        try:
+            validate_token("request_id", req.request_id)
+        except ValueError as exc:
+            raise BadRequest("invalid_request", str(exc)) from None
+    if req.priority is not None and not 1 <= req.priority <= 100:
+        raise BadRequest("invalid_request", f"priority must be in 1..100, got {req.priority}")
+    if req.timeout_s is not None and not (0 < req.timeout_s <= settings.request_timeout_s):
+        raise BadRequest("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(req, name)
+        if value is not None and not (value > 0 and value < 1e9):
+            raise BadRequest("invalid_request", f"{name} must be a positive number of ms, got {value}")
+
+
+def check_max_tokens(value, settings, name: str = "max_tokens") -> int:
+    if isinstance(value, bool) or value < 1:
+        raise BadRequest("invalid_request", f"{name} must be >= 1, got {value}")
+    if value > settings.max_output_tokens:
+        raise BadRequest("invalid_request", f"{name} {value} exceeds the limit of {settings.max_output_tokens}")
+    return value
+
+
+def stop_strings(value: str | list[str] | None) -> list[str]:
+    """OpenAI's `stop`: a string or a list of them -> the list (validated)."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest("invalid_request", f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise BadRequest("invalid_request", f"stop: every string must have 1..{MAX_STOP_CHARS} characters")
+    return list(dict.fromkeys(stops))
+
+
+def sampling_of(req) -> m.Sampling | None:
+    """The request's sampling for the engine; None: greedy (every field at its default)."""
+    given = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)) if v is not None}
+    if req.ignore_eos:
+        given["ignore_eos"] = True
+    if not given:
+        return None
+    try:
+        return msgspec.convert(given, m.Sampling)
+    except msgspec.ValidationError as exc:
+        raise BadRequest("invalid_request", f"sampling: {exc}") from None
+
+
+@dataclass
+class ParsedChat:
+    req: ChatCompletionRequest
+    tokens: list[int]  # the rendered conversation's ids: what the router routes on and FlexLB's engines run
+    max_tokens: int
+    stop: list[str]
+    chat: m.ChatForward
+    sampling: m.Sampling | None
+    include_usage: bool
+
+
+def _refuse_unhonoured(req: ChatCompletionRequest) -> None:
+    """Known OpenAI fields at a value FlexLB would not honour: refused, naming the field."""
+    if req.n != 1:
+        raise BadRequest("invalid_request", f"n: only one choice per request is supported, got {req.n}")
+    if req.logprobs or req.top_logprobs is not None:
+        raise BadRequest("invalid_request", "logprobs / top_logprobs: not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise BadRequest("invalid_request", f"{name}: not supported (only 0)")
+    if req.logit_bias:
+        raise BadRequest("invalid_request", "logit_bias: not supported")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise BadRequest("invalid_request", f"response_format: only type text is supported, got {req.response_format.get('type')!r}")
+    if req.stream_options is not None:
+        if not req.stream:
+            raise BadRequest("invalid_request", "stream_options: only with stream true")
+        if req.stream_options.continuous_usage_stats:
+            raise BadRequest("invalid_request", "stream_options.continuous_usage_stats: not supported")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequest("invalid_request", "continue_final_message and add_generation_prompt cannot both be true "
+                                            "(set add_generation_prompt false to continue the last message)")
+
+
+def _check_messages(messages: list) -> None:
+    if not messages:
+        raise BadRequest("invalid_request", "messages: at least one message is needed")
+    for i, msg in enumerate(messages):
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise BadRequest("invalid_request", f"messages[{i}].role: a non-empty string is needed")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise BadRequest("invalid_request", f"messages[{i}].content: a string or a list of content parts")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest("invalid_request", f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+
+
+def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
+               templates: ChatTemplates | None) -> ParsedChat:
+    """Decode, validate and render a chat completion body; BadRequest with a design code."""
+    if not body:
+        raise BadRequest("invalid_request", "empty body; expected a JSON object with messages")
+    try:
+        req = _CHAT_DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest("invalid_request", f"invalid body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest("invalid_request", f"invalid JSON: {exc}") from None
+    if req.model is not None and req.model != settings.model_name:
+        raise BadRequest("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+    _refuse_unhonoured(req)
+    _check_messages(req.messages)
+    check_options(req, settings)
+    if req.max_completion_tokens is not None:
+        max_tokens = check_max_tokens(req.max_completion_tokens, settings, "max_completion_tokens")
+    elif req.max_tokens is not None:
+        max_tokens = check_max_tokens(req.max_tokens, settings)
+    else:
+        max_tokens = settings.max_output_tokens
+    stop = stop_strings(req.stop)
+    sampling = sampling_of(req)
+    if templates is None:
+        raise BadRequest("invalid_request", f"no chat template for this router's tokenizer ({tokenizer.name}): start it "
+                                            "with --chat-template FILE, or a --tokenizer directory that has one")
+    try:
+        text = templates.render(req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                                continue_final_message=req.continue_final_message,
+                                chat_template_kwargs=req.chat_template_kwargs)
+    except ChatTemplateError as exc:
+        raise BadRequest("invalid_request", f"chat template: {exc}") from None
+    bound = tokenizer.max_chars_per_token
+    if bound is not None and len(text) > settings.max_prompt_tokens * bound:
+        raise BadRequest("too_large", f"the rendered conversation of {len(text)} characters exceeds the limit of "
+                                      f"{settings.max_prompt_tokens} tokens")
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    if not tokens:
+        raise BadRequest("invalid_request", "the rendered conversation is empty")
+    if len(tokens) > settings.max_prompt_tokens:
+        raise BadRequest("too_large", f"the rendered conversation of {len(tokens)} tokens exceeds the limit of "
+                                      f"{settings.max_prompt_tokens}")
+    chat = m.ChatForward(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
+                         add_generation_prompt=req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message,
+                         chat_template_kwargs=req.chat_template_kwargs)
+    return ParsedChat(req, tokens, max_tokens, stop, chat, sampling,
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+class StopMatcher:
+    """Cuts a stream's text before the first stop string (module docstring): `feed` returns
+    the text that may go out now and whether a stop string was met; `flush` the held tail
+    at the end of the stream."""
+
+    __slots__ = ("stops", "hold", "pending")
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max(len(s) for s in stops) - 1  # the longest tail that can be a stop string's start
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self.pending + text if self.pending else text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[:min(hits)], True
+        keep = 0
+        for k in range(min(self.hold, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = k
+                break
+        self.pending = buf[len(buf) - keep:] if keep else ""
+        return (buf[:len(buf) - keep] if keep else buf), False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def resolve_chat_templates(settings, tokenizer: ByteTokenizer | HFTokenizer) -> ChatTemplates | None:
+    """The router's chat templates (module docstring): `settings.chat_template`, else the
+    tokenizer's directory's, else the built-in one for the byte tokenizer; None: chat
+    requests are refused. A template file that cannot be read is a ValueError at start."""
+    model_dir = settings.tokenizer if isinstance(tokenizer, HFTokenizer) else ""
+    try:
+        templates = load_chat_templates(settings.chat_template, model_dir)
+    except ChatTemplateError as exc:
+        raise ValueError(f"chat_template: {exc}") from None
+    if templates is None and isinstance(tokenizer, ByteTokenizer):
+        templates = ChatTemplates.builtin()
+    return templates
+
+
+def usage_of(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None) -> UsageWithDetails:
+    return UsageWithDetails(
+        prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
+        total_tokens=num_prompt_tokens + num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens is not None else None,
+    )
+
+
+class CompletionShape:
+    """`text_completion` bodies and chunks (/v1/completions)."""
+
+    skips_empty = False  # every engine chunk goes out, as before (a chunk's text may be "")
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False) -> None:
+        self.request_id, self.created, self.model, self.include_usage = request_id, created, model, include_usage
+
+    def first(self) -> bytes:
+        return b""
+
+    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+        return b"data: " + _ENC.encode(CompletionResponse(
+            id=self.request_id, object="text_completion", created=self.created, model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)])) + b"\n\n"
+
+    def usage_chunk(self, usage: UsageWithDetails) -> bytes:
+        return b"data: " + _ENC.encode(CompletionResponse(
+            id=self.request_id, object="text_completion", created=self.created, model=self.model, choices=[],
+            usage=usage)) + b"\n\n"
+
+    def body(self, text: str, finish_reason: str | None, usage: UsageWithDetails) -> bytes:
+        return _ENC.encode(CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage))
+
+
+class ChatShape:
+    """`chat.completion` bodies and `chat.completion.chunk` chunks (/v1/chat/completions)."""
+
+    skips_empty = True  # a chunk with no text (a character's bytes held back) and no end: nothing to send
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False) -> None:
+        self.request_id, self.created, self.model, self.include_usage = request_id, created, model, include_usage
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageWithDetails | None = None) -> bytes:
+        return b"data: " + _ENC.encode(ChatCompletionChunk(
+            id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model,
+            choices=choices, usage=usage)) + b"\n\n"
+
+    def first(self) -> bytes:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+
+    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text) if text else ChatDelta(),
+                                            finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage: UsageWithDetails) -> bytes:
+        return self._chunk([], usage)
+
+    def body(self, text: str, finish_reason: str | None, usage: UsageWithDetails) -> bytes:
+        return _ENC.encode(ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model,
+            choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=finish_reason)], usage=usage))

@@ -1,0 +1,208 @@
+"""`POST /v1/chat/completions`: parsing and refusals (no network), stop strings, and the
+official OpenAI client against `flexlb up` on the sim engine, the torch engine, and the
+openai agent in front of `flexlb sim-server` (real NATS, Redis and processes)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from openai import BadRequestError, OpenAI
+
+from schemas.chat_template import ChatTemplates
+from schemas.tokens import BYTE_TOKENIZER
+from services.chat import BadRequest, ChatShape, StopMatcher, parse_chat
+from services.settings import RouterSettings
+from tests.stack import expected_text
+
+SETTINGS = RouterSettings()
+TEMPLATES = ChatTemplates.builtin()
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def parse(body: dict):
+    return parse_chat(json.dumps(body).encode(), SETTINGS, BYTE_TOKENIZER, TEMPLATES)
+
+
+# --------------------------------------------------------------------------- parsing
+def test_a_conversation_is_rendered_with_the_template_and_routed_on_its_byte_ids():
+    msgs = [SYSTEM, {"role": "user", "content": "Hi"}]
+    p = parse({"messages": msgs, "max_completion_tokens": 7, "stop": "x"})
+    rendered = TEMPLATES.render(msgs, add_generation_prompt=True)
+    assert p.tokens == list(rendered.encode()) and rendered.endswith("<|assistant|>\n")
+    assert p.max_tokens == 7 and p.stop == ["x"]
+    assert p.chat.messages == msgs and p.chat.add_generation_prompt is True
+    # Text content parts are the same conversation as a string content.
+    parts = parse({"messages": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    assert parts.tokens == p.tokens and parts.max_tokens == SETTINGS.max_output_tokens
+
+
+REFUSED = [
+    ("unknown-field", {"frobnicate": 1}, "frobnicate"),
+    ("n-2", {"n": 2}, "n:"),
+    ("logprobs", {"logprobs": True}, "logprobs"),
+    ("penalty", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("json-mode", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("both-continue-and-generation-prompt", {"continue_final_message": True}, "continue_final_message"),
+    ("image-part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ("no-messages", {"messages": []}, "messages"),
+    ("role-missing", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("max-tokens-zero", {"max_tokens": 0}, "max_tokens"),
+    ("too-many-stops", {"stop": [str(i) for i in range(17)]}, "stop"),
+    ("template-kwargs-override", {"chat_template_kwargs": {"messages": []}}, "messages"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_what_flexlb_would_not_honour_is_refused_naming_the_field(extra, needle):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(BadRequest) as err:
+        parse(body)
+    assert err.value.code == "invalid_request" and needle in err.value.message
+
+
+def test_a_template_error_is_a_400_with_the_templates_message():
+    strict = ChatTemplates(templates={"default": "{% if messages[0].role != 'user' %}"
+                                                 "{{ raise_exception('Conversations must start with a user turn') }}"
+                                                 "{% endif %}{{ messages[0].content }}"},
+                           special_tokens={}, origin="test")
+    with pytest.raises(BadRequest) as err:
+        parse_chat(json.dumps({"messages": [SYSTEM]}).encode(), SETTINGS, BYTE_TOKENIZER, strict)
+    assert "Conversations must start with a user turn" in err.value.message
+    with pytest.raises(BadRequest) as err:
+        parse_chat(json.dumps({"messages": [SYSTEM]}).encode(), SETTINGS, BYTE_TOKENIZER, None)
+    assert "--chat-template" in err.value.message
+
+
+@pytest.mark.parametrize("chunks,stops,out,hit", [
+    (["hello wor", "ld"], ["world"], "hello ", True),  # split across chunks: never sent
+    (["abc", "def"], ["xyz"], "abcdef", False),
+    (["ab", "c"], ["bcd"], "a", False),  # "bc" held: could still become "bcd"
+    (["a<", "/s", ">tail"], ["</s>", "tail"], "a", True),  # the earliest stop wins
+])
+def test_stop_strings_cut_the_text_before_the_first_and_hold_a_possible_start(chunks, stops, out, hit):
+    matcher, sent, met = StopMatcher(stops), [], False
+    for c in chunks:
+        text, met = matcher.feed(c)
+        sent.append(text)
+        if met:
+            break
+    assert "".join(sent) == out and met is hit
+    if not hit:
+        assert "".join(sent) + matcher.flush() == "".join(chunks)
+
+
+def test_the_first_chunk_says_the_role_and_a_chunk_without_text_carries_no_content():
+    shape = ChatShape("chatcmpl-1", 7, "m")
+    first = json.loads(shape.first()[6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    end = json.loads(shape.chunk("", "length")[6:])
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "length" and "usage" not in end
+
+
+# --------------------------------------------------------------------------- end to end
+def client_of(state) -> OpenAI:
+    return OpenAI(base_url=state["router_url"] + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def conversation(turn_reply: str | None = None) -> list[dict]:
+    msgs = [SYSTEM, {"role": "user", "content": "Name three colours, please."}]
+    if turn_reply is not None:
+        msgs += [{"role": "assistant", "content": turn_reply}, {"role": "user", "content": "And three more?"}]
+    return msgs
+
+
+def check_multi_turn_with_the_openai_client(state, model: str, expect_text) -> None:
+    """Turn 1 not streamed, turn 2 streamed with include_usage: content, role, finish reason
+    and usage right (`expect_text(id, n)`: the engine's text for that request, or None)."""
+    client = client_of(state)
+    msgs = conversation()
+    one = client.chat.completions.create(model=model, messages=msgs, max_tokens=12)
+    rendered = TEMPLATES.render(msgs, add_generation_prompt=True)
+    choice = one.choices[0]
+    assert one.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and one.usage.completion_tokens == 12
+    assert one.usage.prompt_tokens == len(rendered.encode()) and one.usage.total_tokens == one.usage.prompt_tokens + 12
+    if expect_text is not None:
+        assert choice.message.content == expect_text(one.id, 12)
+    msgs2 = conversation(choice.message.content)
+    chunks = list(client.chat.completions.create(model=model, messages=msgs2, max_tokens=9, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    assert chunks[-1].usage.prompt_tokens == len(TEMPLATES.render(msgs2, add_generation_prompt=True).encode())
+    assert all(c.usage is None for c in chunks[:-1])
+    if expect_text is not None:
+        assert content == expect_text(chunks[0].id, 9)
+    else:
+        assert content  # the model's own text
+
+
+def test_the_openai_client_chats_with_flexlb_up_on_the_sim_engine(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--workers", "2")
+    check_multi_turn_with_the_openai_client(state, "flexlb-sim", expected_text)
+    client = client_of(state)
+    # Streamed without usage: no usage chunk; a stop string cuts the text (request id known: its text too).
+    text = expected_text("chat-stop-1", 30)
+    stop = text[10:13]
+    cut = text[:text.index(stop)]
+    chunks = list(client.chat.completions.create(model="flexlb-sim", messages=conversation(), max_tokens=30, stream=True,
+                                                 stop=[stop], extra_body={"request_id": "chat-stop-1"}))
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    whole = client.chat.completions.create(model="flexlb-sim", messages=conversation(), max_tokens=30, stop=stop,
+                                           extra_body={"request_id": "chat-stop-2"})
+    text2 = expected_text("chat-stop-2", 30)
+    expected = text2[:text2.index(stop)] if stop in text2 else text2
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].finish_reason == ("stop" if stop in text2 else "length")
+    # Refusals come back as the client's BadRequestError, naming the field.
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(model="flexlb-sim", messages=conversation(), n=2)
+    assert "n:" in str(err.value)
+
+
+def test_turn_two_hits_the_prefix_cache_turn_one_filled(flexlb_up):
+    """Multi-turn prefix reuse on the sim engine: turn 2's cached tokens >= turn 1's rendered
+    prompt, rounded down to whole blocks (16 tokens)."""
+    _, state = flexlb_up("--time-scale", "0.01", "--workers", "2")
+    client = client_of(state)
+    long_system = {"role": "system", "content": "You answer questions about colours. " * 8}
+    msgs = [long_system, {"role": "user", "content": "Name three colours, please."}]
+    one = client.chat.completions.create(model="flexlb-sim", messages=msgs, max_tokens=8)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    msgs += [{"role": "assistant", "content": one.choices[0].message.content},
+             {"role": "user", "content": "And three more?"}]
+    two = client.chat.completions.create(model="flexlb-sim", messages=msgs, max_tokens=8)
+    block = 16
+    assert one.usage.prompt_tokens > 4 * block
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens // block * block
+
+
+@pytest.mark.timeout(600)
+def test_the_openai_client_chats_with_flexlb_up_on_the_torch_engine(flexlb_up):
+    pytest.importorskip("torch")
+    _, state = flexlb_up("--engine", "torch", "--workers", "1")
+    check_multi_turn_with_the_openai_client(state, "flexlb-sim", None)
+    # Greedy: the same conversation gives the same text streamed or not.
+    client = client_of(state)
+    whole = client.chat.completions.create(model="flexlb-sim", messages=conversation(), max_tokens=6)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="flexlb-sim", messages=conversation(), max_tokens=6, stream=True) if c.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_usage_chunk_json_is_openai_shaped():
+    shape = ChatShape("chatcmpl-2", 7, "m", include_usage=True)
+    from services.chat import usage_of
+
+    body = msgspec.json.decode(shape.usage_chunk(usage_of(10, 3, 4))[6:])
+    assert body["choices"] == [] and body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                                       "prompt_tokens_details": {"cached_tokens": 4}}
