@@ -64,6 +64,17 @@ def test_what_flexlb_would_not_honour_is_refused_naming_the_field(extra, needle)
     assert err.value.code == "invalid_request" and needle in err.value.message
 
 
+def test_tool_call_arguments_reach_the_template_as_objects_as_vllm_renders_them():
+    tpl = ChatTemplates(templates={"default": "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                                              "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"},
+                        special_tokens={}, origin="test")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    p = parse_chat(json.dumps({"messages": msgs}).encode(), SETTINGS, BYTE_TOKENIZER, tpl)
+    assert bytes(p.tokens).decode() == '{"city": "Paris"}'
+    assert p.chat.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # forwarded as sent
+
+
 def test_a_template_error_is_a_400_with_the_templates_message():
     strict = ChatTemplates(templates={"default": "{% if messages[0].role != 'user' %}"
                                                  "{{ raise_exception('Conversations must start with a user turn') }}"
