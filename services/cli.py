@@ -68,6 +68,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
     else:
         p.add_argument("--engine-url", help="openai: the server's base URL, e.g. http://127.0.0.1:8001")
     p.add_argument("--engine-model", help="openai: the served model name (default: the server's first /v1/models)")
+    p.add_argument("--engine-protocol", choices=["openai", "sglang"],
+                   help="openai: how the agent drives the server: openai (default; /v1/completions, and "
+                        "/v1/chat/completions for chat: vLLM, SGLang, any OpenAI-compatible server) | sglang "
+                        "(SGLang's native /generate with input_ids)")
     p.add_argument("--upstream-max-concurrency", type=int, help="openai: most requests open to the server (default 256)")
     p.add_argument("--upstream-stall-timeout-s", type=float,
                    help="openai: a stream silent this long fails with upstream_error (default 60)")
@@ -159,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "protocol, workers/http_front.py)")
     sim.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or its directory): text prompts, /tokenize and "
                                          "output text use it, as the router's --tokenizer (default: byte-level)")
+    sim.add_argument("--bare-openai", action="store_true",
+                     help="look like an OpenAI-compatible server with neither Prometheus /metrics (404) nor token "
+                          "ids in its streams (return_token_ids ignored): TGI, llama.cpp, vLLM < 0.10.2")
+    sim.add_argument("--incremental-streaming-output", action="store_true",
+                     help="/generate streams each chunk's output_ids and text, not the whole output so far (SGLang's "
+                          "flag of that name)")
     _add_worker_flags(sim)
     sim.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
@@ -298,7 +308,8 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
     from workers.http_front import serve
 
     tokenizer = load_tokenizer(args.tokenizer)  # a bad file: ValueError, exit 2 (main)
-    serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer)
+    serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer,
+          bare_openai=args.bare_openai, incremental_streaming_output=args.incremental_streaming_output)
     return 0
 
 

@@ -204,18 +204,19 @@ def test_stream_chunks_become_token_chunks_for_the_routers_batch_in_order():
     chunks = agent.token_batches["flexlb.tok.rt"]
     assert [(c.start_index, c.token_ids, c.text, c.finish_reason) for c in chunks] == [
         (0, [97, 98], "ab", None), (2, [99], "c", "length")]
-    assert (relay.index, relay.finish, relay.usage["prompt_tokens_details"]["cached_tokens"]) == (3, "length", 1)
+    assert (relay.index, relay.finish, relay.num_cached_tokens(), relay.num_output_tokens()) == (3, "length", 1, 3)
+    assert agent.stream_token_ids is True
     assert agent.sent_tokens["r1"][1] == chunks  # kept for a resend
     assert agent.first_token_ns["r1"] == relay.first_ns > 0
 
 
 @pytest.mark.parametrize("payload,fragment", [
     (b'{"error": {"message": "CUDA out of memory", "code": 500}}', "failed the request"),
-    (b'{"choices": [{"text": "x", "finish_reason": null}]}', "no token ids"),
     (b'{"choices": [{"text": "", "token_ids": [], "finish_reason": "abort"}]}', "ended the request: abort"),
     (b'{"choices": [{"text": "x", "token_ids": [1], "fini', "undecodable"),
     (b'{"choices": {"not": "a list"}}', "undecodable"),
-], ids=["error-chunk", "no-token-ids", "abort", "cut-json", "wrong-shape"])
+    (b'{"choices": [{"text": "", "finish_reason": "content_filter"}]}', "ended the request: content_filter"),
+], ids=["error-chunk", "abort", "cut-json", "wrong-shape", "unknown-finish"])
 def test_a_bad_stream_chunk_ends_the_request_with_upstream_error(payload, fragment):
     from workers.upstream_http import UpstreamFailure
 

@@ -481,7 +481,7 @@ class WorkerAgent:
             from workers.metrics import StatusCollector, serve
 
             metrics_server, _ = serve(cfg.metrics_host, cfg.metrics_port, StatusCollector(
-                lambda: self.last_status, lambda: (len(self.acked.pending), self.acked.num_lost)))
+                lambda: self.last_status, lambda: (len(self.acked.pending), self.acked.num_lost), self))
         await self._ensure_streams()
         await self._prepare()
         await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)

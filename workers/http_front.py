@@ -40,8 +40,12 @@ Endpoints
   `sampling_params.max_new_tokens` (default 128, as SGLang), `stream`. Non-streaming:
   `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "length",
   "length"}, "prompt_tokens", "completion_tokens", "cached_tokens"}}`. Streaming: SSE of
-  `{"text": cumulative text, "meta_info": {...}, "index": 0}` (finish_reason null until the
-  last), then `data: [DONE]`, as SGLang does.
+  `{"text", "output_ids", "meta_info": {...}, "index": 0}` (finish_reason null until the
+  last; completion_tokens the count so far), then `data: [DONE]`, as SGLang does: text and
+  output_ids are the whole output so far (SGLang's default), or that chunk's with
+  `--incremental-streaming-output` (SGLang's flag of that name).
+- `POST /abort_request` (SGLang): `{"rid"}` -> 200; the request leaves the engine (its
+  stream ends without a finish), as a client disconnect does.
 - Unknown body fields (`model`, `temperature`, `slo_ttft_ms`, `stream_options`, sglang-
   router's `echo: false`, `skip_special_tokens`, `return_hidden_states`, `bootstrap_*`, ...)
   are accepted and ignored. Refused with 400 because they would change the answer: `n` > 1,
@@ -80,7 +84,8 @@ Endpoints
   `num_tokens` is the KV held by requests, `num_used_kv_blocks × block_size_tokens` (their
   computed prompt and generated tokens, rounded up to blocks; SGLang's also adds the prompts
   of its waiting queue, which the engine's public contract does not expose).
-- `GET /metrics` (Prometheus text, built by hand: no global registry). vLLM's names, label
+- `GET /metrics` (Prometheus text, built by hand: no global registry; the same at `GET
+  /_sim/metrics`, which `--bare-openai` keeps). vLLM's names, label
   `model_name`: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (used / total blocks, 0..1; cached-but-free blocks count as
   free, as in vLLM), `vllm:cache_config_info{block_size, num_gpu_blocks}` (value 1), `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
@@ -105,6 +110,12 @@ token-id prompt itself. vllm-router checks `GET /health` at start, then every
 `--health-check-interval-secs` (default 60, both routers); cache_aware calls
 `/v1/completions/render` as above. Neither calls `/health_generate`, `/metrics` or
 `/v1/models` on its own.
+
+`--bare-openai`: the server looks like an OpenAI-compatible one with neither Prometheus
+metrics nor token ids (TGI, llama.cpp, vLLM < 0.10.2): `GET /metrics` is 404 (its counters
+stay at `/_sim/metrics`, for tests), and `return_token_ids` is ignored (no `token_ids` in
+choices, no `prompt_token_ids`). Everything else is served as usual (/health, /v1/models,
+usage with include_usage).
 
 KV events, vLLM's (`--kv-events-endpoint tcp://*:5557`, optionally `--kv-events-replay-endpoint
 tcp://*:5558` and `--kv-events-topic`; needs pyzmq): the server publishes its prefix cache's
@@ -737,9 +748,10 @@ class OpenAIFormat:
 class SGLangFormat:
     """`/generate` bodies and chunks (SGLang shape: cumulative text in streams)."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, incremental: bool = False) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.incremental = incremental  # --incremental-streaming-output: each chunk's ids and text only
 
     def _meta(self, out: Output, finished: FinishedOut | None) -> dict[str, Any]:
         n = len(out.token_ids)
@@ -751,7 +763,11 @@ class SGLangFormat:
         }
 
     def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
-        return sse({"text": out.text, "meta_info": self._meta(out, delta.finished), "index": 0})
+        if self.incremental:
+            return sse({"text": text, "output_ids": delta.token_ids, "meta_info": self._meta(out, delta.finished),
+                        "index": 0})
+        return sse({"text": out.text, "output_ids": out.token_ids, "meta_info": self._meta(out, delta.finished),
+                    "index": 0})
 
     def body(self, out: Output, finished: FinishedOut) -> bytes:
         return _json_encode({"text": out.text, "output_ids": out.token_ids, "meta_info": self._meta(out, finished)})
@@ -811,11 +827,18 @@ async def send_error(send: Send, code: str, message: str, headers: list[tuple[by
 class SimHttpApp:
     """The ASGI application: routes, lifespan (starts and stops the step loop), disconnects."""
 
-    def __init__(self, front: SimFront) -> None:
+    def __init__(self, front: SimFront, bare_openai: bool = False, incremental_streaming_output: bool = False) -> None:
         self.front = front
+        # Looks like an OpenAI-compatible server with no Prometheus /metrics and no token ids
+        # in its streams (TGI, llama.cpp, vLLM < 0.10.2): module docstring, --bare-openai.
+        self.bare_openai = bare_openai
+        # SGLang's --incremental-streaming-output: /generate streams each chunk's output_ids and
+        # text, not the whole output so far.
+        self.incremental_streaming_output = incremental_streaming_output
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/generate"): self.generate,
+            ("POST", "/abort_request"): self.abort_request,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/v1/completions/render"): self.render,
             ("GET", "/health"): self.health,
@@ -827,8 +850,11 @@ class SimHttpApp:
             ("GET", "/v1/models"): self.models,
             ("GET", "/get_load"): self.get_load,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/_sim/metrics"): self.metrics,
             ("GET", "/_sim/bootstrap"): self.bootstrap,
         }
+        if bare_openai:
+            del self.routes[("GET", "/metrics")]
         self._paths = {path for _, path in self.routes}
         self._unknown_paths_logged: set[str] = set()
         self._log_requests = log.isEnabledFor(logging.DEBUG)  # --log-level debug: one line per request
@@ -890,7 +916,7 @@ class SimHttpApp:
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         request_id = request_id_of(scope, body) or self.front.new_request_id()
         fmt = OpenAIFormat(request_id, self.front.model_name, len(prompt), include_usage,
-                           return_token_ids=bool_field(body, "return_token_ids"))
+                           return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
         await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
 
     async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -908,8 +934,21 @@ class SimHttpApp:
         max_tokens = int_field(params, "max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
         stream = bool_field(body, "stream")
         request_id = request_id_of(scope, body) or self.front.new_request_id()
-        await self._run(receive, send, request_id, prompt, max_tokens, stream, SGLangFormat(request_id, len(prompt)),
-                        self._bootstrap(body))
+        fmt = SGLangFormat(request_id, len(prompt), incremental=self.incremental_streaming_output)
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
+
+    async def abort_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's `POST /abort_request {"rid"}`: the request leaves the engine (its stream
+        ends without a finish: the client asked for it); 200 whether or not it was running."""
+        body = parse_json_object(await read_body(receive))
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise HttpError("invalid_request", "rid (a request id) is required")
+        req = self.front._open.get(rid)
+        if self.front.abandon(rid):
+            log.debug("request %s: aborted by POST /abort_request", rid)
+            req.deltas.put_nowait(_CLIENT_GONE)
+        await send_bytes(send, 200, b"")
 
     async def _prompt(self, value: Any, field: str, body: dict[str, Any] | None = None) -> list[int]:
         """`prompt_token_ids` by the front's tokenizer, with the body's `add_special_tokens`
@@ -1078,11 +1117,13 @@ class SimHttpApp:
 
 
 def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info",
-          tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> None:
+          tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER, bare_openai: bool = False,
+          incremental_streaming_output: bool = False) -> None:
     """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
     import uvicorn
 
-    app = SimHttpApp(SimFront(cfg, model_name, tokenizer))
+    app = SimHttpApp(SimFront(cfg, model_name, tokenizer), bare_openai=bare_openai,
+                     incremental_streaming_output=incremental_streaming_output)
     uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
     # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",

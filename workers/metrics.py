@@ -6,7 +6,10 @@ collector reads the last status report, an immutable struct the heartbeat loop r
 a scrape never walks the agent's live dictionaries from another thread. The router exports
 its view of every worker too (flexlb_worker_*{worker=...}); these are the worker's own
 counters, which the router does not have: steps, stale and undecodable commands, overflows,
-terminal events still unacked or given up.
+terminal events still unacked or given up; and, read from the agent itself (an int attribute,
+atomic to read from this thread), counters that only some agents keep (AGENT_COUNTERS: an
+agent without the attribute exports none of it), e.g. the openai agent's chat prompt
+mismatches.
 """
 
 from __future__ import annotations
@@ -34,13 +37,22 @@ COUNTERS = {
     "flexlb_worker_undecodable_messages": ("Messages that did not decode (dead-lettered)", "num_undecodable_messages"),
     "flexlb_worker_stream_overflows": ("Requests stopped: their tokens did not fit the outbound buffer", "num_stream_overflows"),
 }
+# Counters read from the agent (metric -> (help, agent attribute)); exported with _total.
+AGENT_COUNTERS = {
+    "flexlb_worker_chat_prompt_mismatches": (
+        "Chat requests whose prompt the engine server rendered to other token ids than the router (openai agent: "
+        "give the router the model's tokenizer directory or --chat-template)", "num_chat_prompt_mismatches"),
+    "flexlb_worker_upstream_failures": ("Requests failed at or on the way to the engine server (openai agent)",
+                                        "num_upstream_failures"),
+}
 
 
 class StatusCollector:
     def __init__(self, last_status: Callable[[], m.WorkerStatusReported | None],
-                 acked: Callable[[], tuple[int, int]]) -> None:
+                 acked: Callable[[], tuple[int, int]], agent: object = None) -> None:
         self.last_status = last_status
         self.acked = acked  # (unacked now, lost so far) terminal events
+        self.agent = agent  # AGENT_COUNTERS' attributes are read from it (None: none exported)
 
     def collect(self):
         st = self.last_status()
@@ -65,6 +77,12 @@ class StatusCollector:
                                 labels=labels)
         c.add_metric(values, float(lost))
         yield c
+        for name, (doc, attr) in AGENT_COUNTERS.items():
+            value = getattr(self.agent, attr, None)
+            if isinstance(value, int):
+                c = CounterMetricFamily(name, doc, labels=labels)
+                c.add_metric(values, float(value))
+                yield c
 
 
 def serve(host: str, port: int, collector: StatusCollector):

@@ -1,4 +1,5 @@
-"""The worker agent in front of an OpenAI-compatible server (vLLM, SGLang): `--engine openai`.
+"""The worker agent in front of an OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, ...):
+`--engine openai`.
 
 The bus side is the agent's own (workers/agent.py, unchanged): it pulls `DispatchBatch`
 from its JetStream consumer, dedupes, honours fencing epochs, withdrawals, cancel,
@@ -6,45 +7,95 @@ deadlines and drain, and publishes lifecycle, token, status and KV events. What 
 where a request runs: on the server at `engine_url`, over HTTP.
 
 Execution. A batch is queued in the agent, then released to the server whole: every
-member's `POST {engine_url}/v1/completions` starts at once (the server batches them
-itself), when `upstream_max_concurrency` leaves room for all of them (a batch larger than
-the limit goes alone, when nothing else is open). The body: the prompt as token ids,
-`max_tokens`, `stream: true`, `stream_options.include_usage`, `return_token_ids: true`
-(vLLM >= 0.10.2: every chunk carries its token ids), the sampling of the request
-(`temperature` 0 when it sets none: FlexLB's default is greedy, vLLM's is 1.0), `top_p`,
-`seed`, `ignore_eos`, and `X-Request-Id: <request id>`. The streams are read by
-workers/upstream_http.py (keep-alive connections, httptools, each event handed over from the
-read callback), not httpx: httpx's streaming was most of the agent's CPU per token
-(bench/README.md, "adapter_cost.py"). Tokens are relayed with the server's text as they
-arrive, through the agent's outbox (workers/agent.py): the chunks its streams bring within
-TOKEN_FLUSH_S (1 ms) of the first unsent one go to a router in one TokensBatch, and a
-request's last chunk is out before its end is reported. Released: `BatchStarted`; every member's first token (or end):
-`PrefillCompleted` with the batch's measured prefill, the longest first-token latency of its
-members from the release (the agent's own queue is excluded; the server's is not, so a
-server that queues inflates it: keep `upstream_max_concurrency` near the server's
-`--max-num-seqs`), which the router's predictor learns from. Cached prompt tokens: the KV
-event view's count at release when events are on, else 0 until the server's usage says.
+member's POST starts at once (the server batches them itself), when
+`upstream_max_concurrency` leaves room for all of them (a batch larger than the limit goes
+alone, when nothing else is open). `engine_protocol` says which POST:
+- `openai` (default), a completion: `POST {engine_url}/v1/completions` with the prompt as
+  token ids, `max_tokens`, `stream: true`, `stream_options.include_usage`,
+  `return_token_ids: true` (vLLM >= 0.10.2: every chunk carries its token ids), the sampling
+  of the request (`temperature` 0 when it sets none: FlexLB's default is greedy, vLLM's is
+  1.0), `top_p`, `seed`, `ignore_eos`, `stop` (when the request has stop strings), and
+  `X-Request-Id: <request id>`.
+- `openai`, a chat request (`BatchRequest.chat`): `POST {engine_url}/v1/chat/completions`
+  with the client's `messages`, `tools` / `tool_choice` / `chat_template_kwargs` when given,
+  `add_generation_prompt: false` / `continue_final_message: true` only when they differ
+  from the servers' defaults (so a strict server sees a plain OpenAI body), and the rest as
+  for a completion: the server renders the chat itself, so its tool-call and reasoning
+  parsers stay its own. The router routed on its own rendering (`prompt_token_ids`); vLLM
+  says its rendering in the first chunk (`prompt_token_ids`, with return_token_ids), and a
+  different one is counted (`flexlb_worker_chat_prompt_mismatches_total`, the worker's
+  /metrics) and logged once per model with the fix (the router needs the model's tokenizer
+  directory or the server's --chat-template): the router's prefix index and predictions
+  are off for such requests, not their output. Read from each chunk: `delta.content` (the
+  text; the role chunk has none), `token_ids`, `finish_reason` ("tool_calls" ends the turn
+  normally: relayed as "stop").
+- `sglang`: SGLang's native `POST {engine_url}/generate` with `input_ids` (the router's
+  ids, chat requests too: SGLang's /generate renders nothing), `sampling_params`
+  (`max_new_tokens`, `temperature`, `top_p`, `sampling_seed`, `ignore_eos`, `stop`),
+  `stream: true`, `rid` = the request id. SGLang streams `output_ids` and `text` whole so far
+  (its default) or per chunk (`--incremental-streaming-output`); each chunk says which: its
+  `meta_info.completion_tokens` is the count so far, and a chunk after the first with that
+  many ids or more is cumulative (the new tokens are the tail past those relayed; text
+  likewise), else incremental (the first chunk reads the same either way). `meta_info`
+  gives the count, `cached_tokens` (RequestFinished.num_cached_tokens) and `finish_reason`
+  ({"type": "length" | "stop" | "abort"}: abort fails the request, upstream_error). A
+  cancel closes the stream (SGLang aborts a request whose client went) and also POSTs
+  `/abort_request {"rid"}`, best effort.
+The streams are read by workers/upstream_http.py (keep-alive connections, httptools, each
+event handed over from the read callback), not httpx: httpx's streaming was most of the
+agent's CPU per token (bench/README.md, "adapter_cost.py"). Tokens are relayed with the
+server's text as they arrive, through the agent's outbox (workers/agent.py): the chunks its
+streams bring within TOKEN_FLUSH_S (1 ms) of the first unsent one go to a router in one
+TokensBatch, and a request's last chunk is out before its end is reported. Released:
+`BatchStarted`; every member's first token (or end): `PrefillCompleted` with the batch's
+measured prefill, the longest first-token latency of its members from the release (the
+agent's own queue is excluded; the server's is not, so a server that queues inflates it:
+keep `upstream_max_concurrency` near the server's `--max-num-seqs`), which the router's
+predictor learns from. Cached prompt tokens: the KV event view's count at release when
+events are on, else 0 until the server's usage says.
+
+Streams without token ids (vLLM < 0.10.2, SGLang's OpenAI endpoints, TGI, llama.cpp: a
+server that ignores return_token_ids): the text is relayed and its tokens counted, as
+`TokensGenerated(token_ids=[], num_tokens=n)`: n = the server's running count in the chunk
+where it gives one (a `usage` in every chunk: vLLM's and SGLang's continuous usage stats),
+else 1 for each chunk with output (text, reasoning or a tool call). The last chunk is held
+until the stream ends, so that the server's final `usage.completion_tokens` (it comes after
+the last chunk) can make the count whole: the last chunk stands for what the chunks before
+it did not count, and RequestFinished.num_output_tokens is the server's count.
+`continuous_usage_stats` is not asked for (a strict server would refuse the field).
 
 Failures, each with a code, never a hang: the server refuses (429, 503) ->
 `upstream_refused`; 400 -> `invalid_request`; 413 -> `too_large`; another status, an
-error chunk, a cut connection, a stream that ends without a finish reason or with vLLM's
-`abort`, a chunk without token ids, or no byte for `upstream_stall_timeout_s` ->
-`upstream_error`. All retryable except the client's own mistakes. A cancel (or a deadline,
-or a withdrawal) closes the upstream request: the server sees the client go and aborts it.
+error chunk, a cut connection, a stream that ends without a finish reason, with vLLM's
+`abort` or another unknown finish reason, SGLang's `abort`, a /generate chunk without
+output_ids, or no byte for `upstream_stall_timeout_s` -> `upstream_error`. All retryable
+except the client's own mistakes. A cancel (or a deadline, or a withdrawal) closes the
+upstream request: the server sees the client go and aborts it.
 
-Status. `GET {engine_url}/metrics` at every heartbeat: vLLM's `vllm:num_requests_running`,
-`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`
-(`num_gpu_blocks`, `block_size`), `vllm:prefix_cache_queries_total` / `hits_total`, or
-SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`. Running
-= the server's; queued = the agent's unreleased batches + the server's waiting requests;
-free blocks = (1 - usage) x blocks; `recent_step_ms` = the mean gap between tokens of the
-streams of the last 3 s (the server's time per output token). The agent is `not_ready`
-until the server first answers, and again after `UNREACHABLE_AFTER_POLLS` polls in a row
-fail: then everything it holds fails with `upstream_error` (queued ones with
-`upstream_refused`), so the router re-routes new work at once and no request waits on a dead
-server (the agent's heartbeats keep coming, so its liveness is unchanged). At start, the
-server's block size and block count (cache_config_info) and max_model_len (/v1/models)
-replace the configured ones before the worker registers.
+Status. At every heartbeat the agent asks whether the server is up, and how loaded:
+1. `GET {engine_url}/metrics`, Prometheus text: vLLM's `vllm:num_requests_running`,
+   `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`
+   (`num_gpu_blocks`, `block_size`), `vllm:prefix_cache_queries_total` / `hits_total`, or
+   SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`
+   (liveness "metrics", metrics "vllm" | "sglang");
+2. else (a status other than 200, or none of those names) `GET /health` 200 (liveness
+   "health", metrics "none"), else `GET /v1/models` 200 (and for sglang `/get_model_info`;
+   liveness "models"). Found without metrics, /metrics is asked again every
+   METRICS_REPROBE_POLLS polls only, and the endpoint that answered last is asked first.
+No connection (or no answer within METRICS_TIMEOUT_S) fails the poll at once. Running =
+the server's (with metrics "none": the agent's open streams); queued = the agent's
+unreleased batches + the server's waiting requests; free blocks = (1 - usage) x blocks (all
+of them without metrics); `recent_step_ms` = the mean gap between tokens of the streams of
+the last 3 s (the server's time per output token). Every status carries `signals`
+(EngineSignals: protocol, metrics, liveness, token_ids: None until the first stream with
+output says, kv_events) and, while not ready, `not_ready_reason`: one line naming the
+server's URL, the endpoint and how it failed. The agent is `not_ready` until the server
+first answers, and again after `UNREACHABLE_AFTER_POLLS` polls in a row fail: then
+everything it holds fails with `upstream_error` (queued ones with `upstream_refused`), so
+the router re-routes new work at once and no request waits on a dead server (the agent's
+heartbeats keep coming, so its liveness is unchanged). At start, the server's block size
+and block count (cache_config_info) and max_model_len (/v1/models) replace the configured
+ones before the worker registers.
 
 KV events (`kv_events_endpoint`): vLLM's ZMQ publisher, through workers/vllm_kv_zmq.py,
 translated into FlexLB's `KvBlocksStored` / `KvBlocksRemoved` / `KvAllCleared` with our own
@@ -54,8 +105,10 @@ request is answered from that view. A gap the replay socket cannot fill clears t
 the agent knows no blocks: run the router with `prefix_index approximate` (`flexlb up
 --engine openai` does so by itself).
 
-Not done: PD through the server's KV connector (vLLM `kv_transfer_params`, SGLang bootstrap),
-chat completions, logprobs; text prompts are tokenized at the router (`--tokenizer`).
+Not done: PD through the server's KV connector (vLLM `kv_transfer_params`, SGLang
+bootstrap), logprobs; a chat stream's tool calls and reasoning are counted as output but
+not relayed (a token chunk carries text only: the router's answer has the content alone);
+text prompts are tokenized at the router (`--tokenizer`).
 
 Imports: `schemas` and `workers` only.
 """
@@ -81,8 +134,11 @@ from workers.upstream_http import UpstreamClient, UpstreamFailure, refusal_of  #
 
 log = logging.getLogger("flexlb.worker.openai")
 
-UNREACHABLE_AFTER_POLLS = 3  # metric polls failed in a row before the server counts as gone
-METRICS_TIMEOUT_S = 2.0
+UNREACHABLE_AFTER_POLLS = 3  # liveness polls failed in a row before the server counts as gone
+METRICS_TIMEOUT_S = 2.0  # of each GET of a poll (/metrics, /health, /v1/models, ...)
+# A server found without Prometheus metrics is asked for /metrics again every this many polls
+# (10 s at the default 200 ms heartbeat), in case they appear (a restart with them on).
+METRICS_REPROBE_POLLS = 50
 STREAM_GAPS_WINDOW_S = 3.0
 # Token chunks that arrive within this of the first unsent one go to the router in one
 # message (TokensBatch): an engine step's chunks reach the agent over its many streams a
@@ -93,21 +149,56 @@ _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
 
-class _Choice(msgspec.Struct):
-    """What the agent reads of a streamed completion chunk's choice (the rest is ignored)."""
+class _Delta(msgspec.Struct):
+    """A chat chunk's delta: what the agent reads of it."""
 
-    text: str | None = None
+    content: str | None = None  # the text (None in the role chunk and in tool-call / reasoning chunks)
+    # Counted as output (a chunk with any of them stands for tokens) but not relayed as text:
+    # the token chunk has no field for them (module docstring, Not done).
+    reasoning_content: str | None = None  # vLLM < 0.11, SGLang
+    reasoning: str | None = None  # vLLM >= 0.11
+    tool_calls: list | None = None
+
+
+class _Choice(msgspec.Struct):
+    """What the agent reads of a streamed completion or chat chunk's choice (the rest is ignored)."""
+
+    text: str | None = None  # /v1/completions
+    delta: _Delta | None = None  # /v1/chat/completions
     token_ids: list[int] | None = None  # vLLM >= 0.10.2 with return_token_ids: this chunk's
     finish_reason: str | None = None
 
 
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] = []
-    usage: dict | None = None  # with stream_options.include_usage: the last chunk's
+    usage: dict | None = None  # with stream_options.include_usage: the last chunk's (every chunk's with continuous usage)
     error: object = None  # an error chunk (vLLM: {"error": {...}})
+    # vLLM's chat stream with return_token_ids: the server's own rendering of the messages, in
+    # the first chunk (ChatCompletionStreamResponse.prompt_token_ids).
+    prompt_token_ids: list[int] | None = None
+
+
+class _SGLangMeta(msgspec.Struct):
+    finish_reason: object = None  # {"type": "length" | "stop" | "abort", ...} on the last chunk; null before
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None  # output tokens so far
+    cached_tokens: int | None = None
+
+
+class _SGLangChunk(msgspec.Struct):
+    """One event of SGLang's streamed /generate (module docstring, SGLang)."""
+
+    text: str | None = None  # cumulative (SGLang's default) or this chunk's (--incremental-streaming-output)
+    output_ids: list[int] | None = None  # likewise
+    meta_info: _SGLangMeta | None = None
+    error: object = None
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_decode_sglang_chunk = msgspec.json.Decoder(_SGLangChunk).decode
+# A stream's finish reasons that end a request normally, and what they end it as ("tool_calls":
+# the model called a tool, a normal end of its turn).
+FINISH_REASONS = {"length": "length", "stop": "stop", "tool_calls": "stop"}
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -203,15 +294,29 @@ class OpenAIAgent(WorkerAgent):
         self.streams: dict[str, asyncio.Task] = {}  # request id -> its stream, while open
         self.batch_of: dict[str, OpenBatch] = {}  # request id -> its batch (queued or open)
         self.wake = asyncio.Event()
+        self.protocol = config.engine_protocol  # "openai" | "sglang" (module docstring)
         self.server = ServerStatus()
         self.server_ok = False
         self.num_failed_polls = 0
+        self.num_polls = 0
         self.num_upstream_failures = 0
+        # Which endpoint says the server is up: "" (not yet known), "metrics" (Prometheus text
+        # with vLLM's or SGLang's names), "health" (GET /health 200), "models" (GET /v1/models,
+        # or SGLang's /get_model_info, 200). The fallbacks of a server without /metrics.
+        self.liveness = ""
+        # Why the server counts as down (WorkerStatusReported.not_ready_reason while it is).
+        self.server_not_ready_reason = f"engine server {self.base_url} not polled yet"
+        # Whether the server's streams carry token ids: None until the first one says.
+        self.stream_token_ids: bool | None = None
+        # Chat requests whose prompt the server rendered to other token ids than the router did
+        # (vLLM says its own with return_token_ids): flexlb_worker_chat_prompt_mismatches_total.
+        self.num_chat_prompt_mismatches = 0
+        self.models_warned_of_mismatch: set[str] = set()  # one warning per model, not per request
         self.token_gaps: deque[tuple[float, float]] = deque()  # (monotonic s, ms per token) of the last 3 s
         self.token_gaps_sum_ms = 0.0  # the sum of those ms
         self.kv_view: dict[int, None] = {}  # our block hashes the server holds (KV events)
         self.kv_feed = None
-        self._background: set[asyncio.Task] = set()  # PrefillCompleted publications on their way
+        self._background: set[asyncio.Task] = set()  # PrefillCompleted publications, aborts on their way
         # Requests let go of whose terminal event is being published: still reported as held
         # until it is out, or the router's calibration settles them as lost meanwhile.
         self.ending: set[str] = set()
@@ -283,29 +388,73 @@ class OpenAIAgent(WorkerAgent):
                 log.exception("publishing token chunks failed")
 
     # ------------------------------------------------------------------ status
-    async def _poll(self) -> None:
+    async def _check_server(self) -> ServerStatus:
+        """One liveness check (module docstring, Status): the server's status from its
+        /metrics, or an empty one when the server is up without them; UpstreamFailure saying
+        which endpoint failed and how."""
+        failures: list[str] = []
+        if self.liveness in ("", "metrics") or self.num_polls % METRICS_REPROBE_POLLS == 0:
+            status, body = await self._get("/metrics")
+            if status == 200:
+                st = server_status(parse_prometheus(body.decode(errors="replace"), STATUS_METRICS))
+                if st.flavour:
+                    self.liveness = "metrics"
+                    return st
+                failures.append("GET /metrics: no vLLM or SGLang metrics in it")
+            else:
+                failures.append(f"GET /metrics answered {status}")
+        fallbacks = [("/health", "health"), ("/v1/models", "models")]
+        if self.protocol == "sglang":
+            fallbacks.append(("/get_model_info", "models"))
+        fallbacks.sort(key=lambda f: f[1] != self.liveness)  # the one that answered last time first
+        for path, liveness in fallbacks:
+            status, _ = await self._get(path)
+            if status == 200:
+                self.liveness = liveness
+                return ServerStatus()
+            failures.append(f"GET {path} answered {status}")
+        raise UpstreamFailure("upstream_error", "; ".join(failures))
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        """GET for a poll; no connection (or no answer in time) raises, naming the endpoint:
+        the other endpoints would fail the same way."""
         try:
-            status, body = await self.upstream.get("/metrics", METRICS_TIMEOUT_S)
-            if status != 200:
-                raise UpstreamFailure("upstream_error", f"GET /metrics answered {status}")
-            self.server = server_status(parse_prometheus(body.decode(errors="replace"), STATUS_METRICS))
+            return await self.upstream.get(path, METRICS_TIMEOUT_S)
+        except UpstreamFailure as exc:
+            raise UpstreamFailure(exc.code, f"GET {path}: {exc.message}") from None
+
+    async def _poll(self) -> None:
+        self.num_polls += 1
+        try:
+            self.server = await self._check_server()
         except UpstreamFailure as exc:
             self.num_failed_polls += 1
+            reason = f"engine server {self.base_url}: {exc.message}"
             if not self.server_ok and self.queued:  # never came up: what was sent here meanwhile fails now
                 await self._fail_held(f"the engine server {self.base_url} does not answer ({exc})")
             if self.server_ok and self.num_failed_polls >= UNREACHABLE_AFTER_POLLS:
                 self.server_ok = False
+                self.server_not_ready_reason = reason
                 log.error("engine server %s: %d polls failed (%s); not ready, failing what it holds",
                           self.base_url, self.num_failed_polls, exc)
                 await self._fail_held(f"the engine server {self.base_url} stopped answering ({exc})")
             elif self.num_failed_polls == 1:
-                log.warning("engine server %s: GET /metrics failed: %s", self.base_url, exc)
+                log.warning("engine server %s: liveness poll failed: %s", self.base_url, exc)
+            if not self.server_ok:
+                self.server_not_ready_reason = reason
             return
         if not self.server_ok:
-            log.info("engine server %s answers: ready", self.base_url)
+            log.info("engine server %s answers (liveness: %s, metrics: %s): ready", self.base_url, self.liveness,
+                     self.server.flavour or "none")
         self.server_ok = True
+        self.server_not_ready_reason = ""
         self.num_failed_polls = 0
         self.wake.set()
+
+    def signals(self) -> m.EngineSignals:
+        return m.EngineSignals(protocol=self.protocol, metrics=self.server.flavour or "none",
+                               liveness=self.liveness or "metrics", token_ids=self.stream_token_ids,
+                               kv_events=bool(self.cfg.kv_events_endpoint))
 
     async def _status_loop(self) -> None:
         interval = self.cfg.heartbeat_interval_ms / 1000
@@ -345,6 +494,8 @@ class OpenAIAgent(WorkerAgent):
             fencing_epoch=self.max_epoch,
             num_stream_overflows=self.num_stream_overflows, time_scale=1.0, last_step_ms=step_ms,
             recent_step_ms=step_ms, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            not_ready_reason=self.server_not_ready_reason if not self.server_ok else
+            getattr(self, "not_ready_reason", "") if self.state != "ready" else "", signals=self.signals(),
         )
 
     # ------------------------------------------------------------------ commands
@@ -437,9 +588,7 @@ class OpenAIAgent(WorkerAgent):
             return
         self.batch_members.pop(batch.batch_id, None)
         if batch.first_ms:  # else every member ended before its first token: no prefill to report
-            task = asyncio.get_running_loop().create_task(self._prefill_completed(batch))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._prefill_completed(batch))
 
     async def _prefill_completed(self, batch: OpenBatch) -> None:
         members = [r for r in batch.requests if r.request_id in batch.first_ms]
@@ -452,20 +601,77 @@ class OpenAIAgent(WorkerAgent):
         ))
 
     # ------------------------------------------------------------------ one request
-    def _body(self, r: m.BatchRequest) -> dict:
+    def _sampling(self, r: m.BatchRequest) -> dict:
+        """The request's sampling in OpenAI's names (SGLang's sampling_params share them but the seed)."""
         s = r.sampling or m.Sampling()
-        body = {
-            "model": self.cfg.engine_model, "prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True,
-            "temperature": s.temperature if s.temperature is not None else 0.0,
-        }
+        out = {"temperature": s.temperature if s.temperature is not None else 0.0}
         if s.top_p is not None:
-            body["top_p"] = s.top_p
+            out["top_p"] = s.top_p
         if s.seed is not None:
-            body["seed"] = s.seed
+            out["seed"] = s.seed
         if s.ignore_eos:
-            body["ignore_eos"] = True
-        return body
+            out["ignore_eos"] = True
+        if r.stop:
+            out["stop"] = list(r.stop)
+        return out
+
+    def _request(self, r: m.BatchRequest) -> tuple[str, dict]:
+        """(path, JSON body) of one request's upstream POST (module docstring, Execution)."""
+        if self.protocol == "sglang":
+            params = {"max_new_tokens": r.max_tokens, **self._sampling(r)}
+            if "seed" in params:
+                params["sampling_seed"] = params.pop("seed")
+            return "/generate", {"input_ids": r.prompt_token_ids, "sampling_params": params, "stream": True,
+                                 "rid": r.request_id}
+        common = {"model": self.cfg.engine_model, "max_tokens": r.max_tokens, "stream": True,
+                  "stream_options": {"include_usage": True}, "return_token_ids": True, **self._sampling(r)}
+        chat = r.chat
+        if chat is None:
+            return "/v1/completions", {"prompt": r.prompt_token_ids, **common}
+        body = {"messages": chat.messages, **common}
+        if chat.tools is not None:
+            body["tools"] = chat.tools
+        if chat.tool_choice is not None:
+            body["tool_choice"] = chat.tool_choice
+        # vLLM's and SGLang's extensions, sent only when they differ from their defaults (a
+        # stricter server then sees a plain OpenAI body).
+        if not chat.add_generation_prompt:
+            body["add_generation_prompt"] = False
+        if chat.continue_final_message:
+            body["continue_final_message"] = True
+        if chat.chat_template_kwargs:
+            body["chat_template_kwargs"] = chat.chat_template_kwargs
+        return "/v1/chat/completions", body
+
+    def note_prompt_rendering(self, r: m.BatchRequest, server_ids: list[int]) -> None:
+        """The server said how it rendered a chat request's messages: count a rendering other
+        than the router's (what it routed on: its prefix index and predictions are then off,
+        and vLLM's KV events describe other blocks), and say once per model how to fix it."""
+        if server_ids == r.prompt_token_ids:
+            return
+        self.num_chat_prompt_mismatches += 1
+        model = self.cfg.engine_model
+        if model in self.models_warned_of_mismatch:
+            return
+        self.models_warned_of_mismatch.add(model)
+        n = next((i for i, (a, b) in enumerate(zip(server_ids, r.prompt_token_ids)) if a != b),
+                 min(len(server_ids), len(r.prompt_token_ids)))
+        log.warning("model %r: the router's chat template rendering differs from the engine server's (%s): request %s "
+                    "has %d prompt tokens at the router, %d at the server, the first difference at token %d. Routing "
+                    "and prefix caching then work on the wrong tokens: give the router the model's tokenizer directory "
+                    "(--tokenizer, with its tokenizer_config.json chat template) or the server's template file "
+                    "(--chat-template). Counted in flexlb_worker_chat_prompt_mismatches_total; logged once per model.",
+                    model, self.base_url, r.request_id, len(r.prompt_token_ids), len(server_ids), n)
+
+    async def _abort_upstream(self, request_id: str) -> None:
+        """SGLang: besides closing the stream, ask the server to abort the request (best effort:
+        a server that has no /abort_request, or is gone, is logged at debug level)."""
+        try:
+            status, _ = await self.upstream.post("/abort_request", _encode_json({"rid": request_id}), METRICS_TIMEOUT_S)
+            if status != 200:
+                log.debug("engine server %s: POST /abort_request for %s answered %d", self.base_url, request_id, status)
+        except UpstreamFailure as exc:
+            log.debug("engine server %s: POST /abort_request for %s failed: %s", self.base_url, request_id, exc)
 
     async def _stream(self, batch: OpenBatch, r: m.BatchRequest) -> None:
         rid = r.request_id
@@ -473,14 +679,16 @@ class OpenAIAgent(WorkerAgent):
         if meta is None:  # ended by the router between its release and now
             self.streams.pop(rid, None)
             return
-        relay = StreamRelay(self, batch, r, meta)
+        relay = (SGLangRelay if self.protocol == "sglang" else StreamRelay)(self, batch, r, meta)
+        path, body = self._request(r)
         try:
-            await self.upstream.stream("/v1/completions", _encode_json(self._body(r)), rid, relay.on_data,
-                                       self.cfg.upstream_stall_timeout_s)
+            await self.upstream.stream(path, _encode_json(body), rid, relay.on_data, self.cfg.upstream_stall_timeout_s)
             if relay.finish is None:
                 raise UpstreamFailure("upstream_error",
                                       f"the stream ended after {relay.index} tokens without a finish reason")
         except asyncio.CancelledError:
+            if self.protocol == "sglang":
+                self._in_background(self._abort_upstream(rid))
             raise  # cancelled by the router, a deadline or a failure: whoever cancelled reports it
         except UpstreamFailure as exc:
             failure = exc
@@ -497,20 +705,25 @@ class OpenAIAgent(WorkerAgent):
             self.ending.discard(rid)
             return
         try:
+            relay.end()  # its last chunk, when it was held for the server's count
             await self._flush_tokens()  # its last chunk before its end
             self.batch_of.pop(rid, None)
             self._first_or_end(batch, rid, None)
             self._forget(rid)
             self.num_requests_finished += 1
-            details = (relay.usage or {}).get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            cached = relay.num_cached_tokens()
             await self._event(m.RequestFinished(
                 request_id=rid, worker_id=self.cfg.worker_id, finish_reason=relay.finish,
-                num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=relay.index,
-                num_cached_tokens=cached if isinstance(cached, int) else batch.cached.get(rid, 0),
+                num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=relay.num_output_tokens(),
+                num_cached_tokens=cached if cached is not None else batch.cached.get(rid, 0),
                 first_token_ns=relay.first_ns))
         finally:
             self.ending.discard(rid)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------ KV events
     async def _kv_loop(self) -> None:
@@ -537,60 +750,196 @@ class OpenAIAgent(WorkerAgent):
 
 
 
-class StreamRelay:
+class _Relay:
     """One request's stream: each server-sent event's data (UpstreamClient calls on_data from
     the event loop's read callback, no task switch) -> a token chunk in the agent's outbox.
-    Raises UpstreamFailure for what ends the request (module docstring, Failures)."""
+    Raises UpstreamFailure for what ends the request (module docstring, Failures). The
+    protocols' parsers (StreamRelay, SGLangRelay) share the rest here."""
 
-    __slots__ = ("agent", "batch", "meta", "request_id", "index", "finish", "usage", "first_ns", "last_s")
+    __slots__ = ("agent", "batch", "meta", "request", "request_id", "index", "finish", "first_ns", "last_s",
+                 "held", "without_ids", "server_num_output_tokens", "server_num_cached_tokens")
 
     def __init__(self, agent: OpenAIAgent, batch: OpenBatch, r: m.BatchRequest, meta: ReqMeta) -> None:
         self.agent = agent
         self.batch = batch
         self.meta = meta
+        self.request = r
         self.request_id = r.request_id
-        self.index = 0  # output tokens relayed so far
+        self.index = 0  # output tokens relayed so far (counted, where the stream has no ids)
         self.finish: str | None = None
-        self.usage: dict | None = None
         self.first_ns = 0
         self.last_s = 0.0
+        # A stream without token ids: its last chunk, held until the stream ends, so that the
+        # server's usage (after it) can give the request's true count (end()).
+        self.held: m.TokensGenerated | None = None
+        self.without_ids = False  # a chunk came without token ids (its tokens were counted)
+        self.server_num_output_tokens: int | None = None  # the server's count (usage, meta_info)
+        self.server_num_cached_tokens: int | None = None
 
-    def on_data(self, payload: bytes) -> None:
-        agent, rid = self.agent, self.request_id
-        if agent.meta.get(rid) is not self.meta:
+    def _check_owner(self) -> None:
+        if self.agent.meta.get(self.request_id) is not self.meta:
             # It left the agent (cancelled, failed, superseded) while its bytes were on the
             # way: close the stream (the server aborts it); whoever ended it reported it.
             raise UpstreamFailure("cancelled", "the request left the agent")
+
+    def _emit(self, ids: list[int], num_tokens: int, text: str, reason: str | None) -> None:
+        """A chunk of `num_tokens` tokens (`ids`, or none when the stream has no ids) to the
+        outbox; a last chunk without ids is held (end())."""
+        agent, rid = self.agent, self.request_id
+        if num_tokens:
+            now_s = time.monotonic()
+            if self.index == 0:
+                self.first_ns = time.time_ns()
+                agent.first_token_ns[rid] = self.first_ns
+                agent._first_or_end(self.batch, rid, (time.monotonic_ns() - self.batch.released_ns) / 1e6)
+            else:
+                agent.note_token_gap(now_s, (now_s - self.last_s) * 1000 / num_tokens)
+            self.last_s = now_s
+        chunk = m.TokensGenerated(request_id=rid, worker_id=agent.cfg.worker_id, start_index=self.index,
+                                  token_ids=ids, text=text, finish_reason=reason, num_tokens=0 if ids else num_tokens)
+        self.index += num_tokens
+        if reason is not None:
+            self.finish = reason
+            if self.without_ids:
+                self.held = chunk
+                return
+        agent._queue_tokens(self.meta, chunk)
+
+    def end(self) -> None:
+        """The stream is over: its held last chunk goes out, standing for the tokens the server
+        counted that the chunks before it did not (its usage comes after the last chunk)."""
+        chunk, self.held = self.held, None
+        if chunk is None:
+            return
+        counted = self.server_num_output_tokens
+        if counted is not None and counted != self.index:
+            n = max(counted - chunk.start_index, 0)
+            self.index = chunk.start_index + n
+            chunk = msgspec.structs.replace(chunk, num_tokens=n)
+        self.agent._queue_tokens(self.meta, chunk)
+
+    def num_output_tokens(self) -> int:
+        """The request's output count: the server's where the stream has no ids, else the ids relayed."""
+        if self.without_ids and self.server_num_output_tokens is not None:
+            return self.server_num_output_tokens
+        return self.index
+
+    def num_cached_tokens(self) -> int | None:
+        return self.server_num_cached_tokens
+
+
+class StreamRelay(_Relay):
+    """OpenAI's streamed /v1/completions and /v1/chat/completions chunks (module docstring)."""
+
+    __slots__ = ()
+
+    def on_data(self, payload: bytes) -> None:
+        self._check_owner()
         try:
             chunk = _decode_chunk(payload)
         except msgspec.DecodeError:
             raise UpstreamFailure("upstream_error", f"undecodable stream chunk: {payload[:200]!r}") from None
         if chunk.error is not None:
             raise UpstreamFailure("upstream_error", f"the engine server failed the request: {chunk.error}")
-        if chunk.usage:
-            self.usage = chunk.usage
+        agent = self.agent
+        usage = chunk.usage
+        if usage:
+            self._note_usage(usage)
+        if chunk.prompt_token_ids is not None and self.request.chat is not None:
+            agent.note_prompt_rendering(self.request, chunk.prompt_token_ids)
         for choice in chunk.choices:
             ids = choice.token_ids
             reason = choice.finish_reason
-            if ids is None:
-                if choice.text or reason is None:
-                    raise UpstreamFailure("upstream_error", "the server's stream carries no token ids "
-                                                            "(vLLM: return_token_ids needs vLLM >= 0.10.2)")
-                ids = []
-            if reason is not None and reason not in ("length", "stop"):
-                raise UpstreamFailure("upstream_error", f"the engine server ended the request: {reason}")
-            if not ids and reason is None:
+            delta = choice.delta
+            text = (delta.content if delta is not None else choice.text) or ""
+            if reason is not None:
+                mapped = FINISH_REASONS.get(reason)
+                if mapped is None:
+                    raise UpstreamFailure("upstream_error", f"the engine server ended the request: {reason}")
+                reason = mapped
+            if ids is not None:
+                if agent.stream_token_ids is not True:
+                    agent.stream_token_ids = True
+                if ids or reason is not None:
+                    self._emit(ids, len(ids), text, reason)
                 continue
-            now_s = time.monotonic()
-            if ids and self.index == 0:
-                self.first_ns = time.time_ns()
-                agent.first_token_ns[rid] = self.first_ns
-                agent._first_or_end(self.batch, rid, (time.monotonic_ns() - self.batch.released_ns) / 1e6)
-            elif ids:
-                agent.note_token_gap(now_s, (now_s - self.last_s) * 1000 / len(ids))
-            self.last_s = now_s
-            agent._queue_tokens(self.meta, m.TokensGenerated(
-                request_id=rid, worker_id=agent.cfg.worker_id, start_index=self.index, token_ids=ids,
-                text=choice.text or "", finish_reason=reason))
-            self.index += len(ids)
-            self.finish = reason or self.finish
+            # No token ids (a server without return_token_ids): count the tokens this chunk
+            # stands for: the server's running count where it gives one per chunk, else one
+            # per chunk with output (text, reasoning or a tool call).
+            has_output = bool(text) or (delta is not None and bool(delta.reasoning_content or delta.reasoning
+                                                                    or delta.tool_calls))
+            if not has_output and reason is None:
+                continue  # a role chunk, or nothing new
+            if has_output and agent.stream_token_ids is None:
+                agent.stream_token_ids = False
+            self.without_ids = True
+            running = usage.get("completion_tokens") if usage else None
+            if type(running) is int:
+                n = max(running - self.index, 0)
+            else:
+                n = 1 if has_output else 0
+            self._emit([], n, text, reason)
+
+    def _note_usage(self, usage: dict) -> None:
+        completion = usage.get("completion_tokens")
+        if type(completion) is int:
+            self.server_num_output_tokens = completion
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(cached) is int:
+            self.server_num_cached_tokens = cached
+
+
+class SGLangRelay(_Relay):
+    """SGLang's streamed /generate (module docstring, SGLang): `output_ids` and `text` are
+    cumulative by default and this chunk's with `--incremental-streaming-output`; which, is
+    read from each chunk (`meta_info.completion_tokens` is the count so far: a chunk with that
+    many ids or more, after the first, is cumulative, and its new tokens are the tail)."""
+
+    __slots__ = ("text_len", "is_cumulative")
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.text_len = 0  # characters of the cumulative text relayed
+        self.is_cumulative: bool | None = None  # None: not yet told (the first chunk reads the same either way)
+
+    def on_data(self, payload: bytes) -> None:
+        self._check_owner()
+        try:
+            chunk = _decode_sglang_chunk(payload)
+        except msgspec.DecodeError:
+            raise UpstreamFailure("upstream_error", f"undecodable stream chunk: {payload[:200]!r}") from None
+        if chunk.error is not None:
+            raise UpstreamFailure("upstream_error", f"the engine server failed the request: {chunk.error}")
+        meta = chunk.meta_info or _SGLangMeta()
+        reason = None
+        if meta.finish_reason is not None:
+            kind = meta.finish_reason.get("type") if isinstance(meta.finish_reason, dict) else meta.finish_reason
+            reason = FINISH_REASONS.get(kind) if isinstance(kind, str) else None
+            if reason is None:  # "abort" (or what we do not know): the server ended it
+                raise UpstreamFailure("upstream_error", f"the engine server ended the request: {meta.finish_reason}")
+        if type(meta.completion_tokens) is int:
+            self.server_num_output_tokens = meta.completion_tokens
+        if type(meta.cached_tokens) is int:
+            self.server_num_cached_tokens = meta.cached_tokens
+        ids = chunk.output_ids
+        if ids is None:
+            raise UpstreamFailure("upstream_error", "the server's /generate stream carries no output_ids")
+        if self.agent.stream_token_ids is not True:
+            self.agent.stream_token_ids = True
+        total = meta.completion_tokens
+        if self.index > 0:
+            if type(total) is int:
+                self.is_cumulative = len(ids) >= total
+            elif self.is_cumulative is None:
+                self.is_cumulative = len(ids) > self.index  # no count: the longer reading
+        new_ids = ids[self.index:] if self.is_cumulative else ids
+        text = chunk.text or ""
+        if self.is_cumulative or (self.index == 0 and self.is_cumulative is None):
+            # Cumulative text (or the first chunk, where both readings agree): the new tail.
+            new_text = text[self.text_len:]
+            self.text_len = max(self.text_len, len(text))
+        else:
+            new_text = text
+        if new_ids or reason is not None:
+            self._emit(new_ids, len(new_ids), new_text, reason)

@@ -8,8 +8,10 @@ asyncio.Protocol, and each server-sent event's data goes to the caller's callbac
 synchronously, from the event loop's read callback: no task switch and no await per chunk.
 
 `UpstreamClient(base_url, max_idle_connections)` holds keep-alive connections to one server.
-`await client.get(path, timeout_s)` -> (status, body): the agent's /metrics polls and
-/v1/models (httpx's GET per heartbeat was the agent's largest cost after the streams).
+`await client.get(path, timeout_s)` -> (status, body): the agent's liveness polls (/metrics,
+/health, /v1/models) (httpx's GET per heartbeat was the agent's largest cost after the
+streams); `await client.post(path, body, timeout_s)` likewise, for a POST that is not a
+stream (SGLang's /abort_request).
 `await client.stream(path, body, request_id, on_data, stall_timeout_s)` POSTs `body` (JSON
 bytes, `X-Request-Id: request_id`) and returns when the response is over: at `data: [DONE]`
 or at the end of the body. `on_data(payload)` gets each event's data (its `data:` lines,
@@ -348,6 +350,17 @@ class UpstreamClient:
             return await asyncio.wait_for(self._exchange(request, None, timeout_s), timeout_s)
         except asyncio.TimeoutError:
             raise UpstreamFailure("upstream_error", f"GET {path}: no answer from the engine server within "
+                                                    f"{timeout_s:g} s") from None
+
+    async def post(self, path: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        """POST `body` (JSON) to `path`, not a stream: (status, body), whatever the status;
+        failures as get()'s (SGLang's /abort_request)."""
+        request = (f"POST {self.path_prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        try:
+            return await asyncio.wait_for(self._exchange(request, None, timeout_s), timeout_s)
+        except asyncio.TimeoutError:
+            raise UpstreamFailure("upstream_error", f"POST {path}: no answer from the engine server within "
                                                     f"{timeout_s:g} s") from None
 
     async def _exchange(self, request: bytes, on_data: Callable[[bytes], None] | None, stall_timeout_s: float):
