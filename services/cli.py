@@ -2,16 +2,20 @@
 
 Flags override `FLEXLB_*` environment variables, which override defaults; every value is
 validated at start and a bad one exits with status 2 and a message naming it.
+`up`, `router` and `worker` stop on SIGTERM or SIGINT at any moment (starting, waiting for
+NATS or Redis, serving) within 5 s and exit 0: a stop on request is not a failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
+import time
 
 from services.settings import RouterSettings, SettingsError, known_env_vars, load
 
@@ -240,21 +244,135 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+ROUTER_STOP_S = 4.5  # SIGTERM / SIGINT -> exit within this, whatever it was doing (in-flight streams get 1 s)
+WAIT_LOG_INTERVAL_S = 10.0  # while waiting for NATS or Redis at start, one line saying so this often
+log = logging.getLogger("flexlb.cli")
+
+
 def run_router(settings: RouterSettings) -> int:
+    """One router process. It waits for NATS and Redis to answer before it starts (logging
+    "waiting for NATS at URL: why (retrying)" every WAIT_LOG_INTERVAL_S), then serves.
+    SIGTERM or SIGINT at any moment (waiting, starting, serving) stops it within
+    ROUTER_STOP_S: exit 0; 1 if its stop had to be cut short; 3 if start-up failed."""
     import uvicorn
+    import uvloop
 
     from services.api import create_app
     from services.shell.router import RouterService
 
     _logging(settings.log_level)
-    app = create_app(RouterService(settings))
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-        lifespan="on", timeout_graceful_shutdown=5,
-        loop="uvloop", http="httptools",  # dependencies: a third less CPU per request than asyncio + h11
-    )
-    uvicorn.Server(config).run(sockets=_listen_sockets(settings) if settings.reuse_port else None)
-    return 0
+    sockets = _listen_sockets(settings) if settings.reuse_port else None
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield  # main() below owns SIGINT / SIGTERM (uvicorn's would wait out a start-up, then re-raise them)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if not await _unless_stopped(stop, _wait_for_bus_and_store(settings)):
+            return 0  # (it said what it was waiting for)
+        server = Server(uvicorn.Config(
+            create_app(RouterService(settings)), host=settings.host, port=settings.port, log_level=settings.log_level,
+            access_log=False, lifespan="on", timeout_graceful_shutdown=1,
+            loop="uvloop", http="httptools",  # dependencies: a third less CPU per request than asyncio + h11
+        ))
+        serving = asyncio.create_task(server.serve(sockets=sockets), name="uvicorn")
+        stopping = asyncio.create_task(stop.wait(), name="stop")
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():  # start-up failed (SystemExit 3 from uvicorn), or it stopped by itself
+            stopping.cancel()
+            serving.result()
+            return 0
+        if not server.started:  # still in start-up (the router's own connect and stream set-up): cut it
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # not a start-up failure: we cut it
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            log.warning("router %s: stopped during start-up", settings.router_id)
+            return 0
+        server.should_exit = True  # uvicorn: stop listening, 1 s for open requests, then the router's own stop
+        done, _ = await asyncio.wait({serving}, timeout=ROUTER_STOP_S)
+        if not done:
+            server.force_exit = True
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            log.error("router %s: stop not finished after %.1f s; exiting anyway", settings.router_id, ROUTER_STOP_S)
+            return 1
+        serving.result()
+        return 0
+
+    return uvloop.run(main())
+
+
+async def _unless_stopped(stop: asyncio.Event, coro) -> bool:
+    """Run `coro` until it ends (True) or `stop` is set first (False: it is cancelled)."""
+    work = asyncio.ensure_future(coro)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for t in (work, stopped):
+        if not t.done():
+            t.cancel()
+    await asyncio.gather(work, stopped, return_exceptions=True)
+    if work.done() and not work.cancelled():
+        work.result()  # its own failure raises
+        return True
+    return False
+
+
+async def _wait_for_bus_and_store(settings: RouterSettings) -> None:
+    """Until one NATS server of `nats_url` and the Redis of the settings (or, with sentinels,
+    its primary) answer; each failed try is retried after 0.5 s and said every WAIT_LOG_INTERVAL_S."""
+    from urllib.parse import urlsplit
+
+    from schemas.subjects import nats_servers
+    from services.shell.router import redis_client
+
+    async def nats_answers() -> None:
+        """One server of the list greets a new connection with its INFO line (as NATS does)."""
+        last: Exception | None = None
+        for server in nats_servers(settings.nats_url):
+            url = urlsplit(server if "://" in server else "nats://" + server)
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port or 4222), 2.0)
+                try:
+                    greeting = await asyncio.wait_for(reader.readline(), 2.0)
+                finally:
+                    writer.close()
+                if greeting.startswith(b"INFO"):
+                    return
+                last = ConnectionError(f"{url.hostname}:{url.port} does not speak NATS (said {greeting[:40]!r})")
+            except (OSError, asyncio.TimeoutError) as exc:  # not listening, refused, silent: the next server, or retry
+                last = exc
+        raise last or ConnectionError("no NATS server named")
+
+    async def redis_answers() -> None:
+        client = redis_client(settings)
+        try:
+            await asyncio.wait_for(client.ping(), 3.0)
+        finally:
+            await client.aclose()
+
+    redis_where = f"the sentinels {settings.redis_sentinels}" if settings.redis_sentinels else settings.redis_url
+    for what, probe in ((f"NATS at {settings.nats_url}", nats_answers), (f"Redis at {redis_where}", redis_answers)):
+        last_log = None
+        while True:
+            try:
+                await probe()
+                break
+            except asyncio.CancelledError:
+                log.warning("router %s: stopped while waiting for %s", settings.router_id, what)
+                raise
+            except Exception as exc:  # any failure to answer is waited out, and said
+                now = time.monotonic()
+                if last_log is None or now - last_log >= WAIT_LOG_INTERVAL_S:
+                    last_log = now
+                    log.warning("waiting for %s: %s (retrying)", what, f"{exc.__class__.__name__}: {exc}".rstrip(": "))
+            await asyncio.sleep(0.5)
+        if last_log is not None:
+            log.info("%s answers", what)
 
 
 def _listen_sockets(settings: RouterSettings) -> list:
@@ -463,8 +581,15 @@ def run_whatif(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_before_start(signum, frame) -> None:
+    raise SystemExit(0)  # told to stop before its own handlers are in place: nothing is running yet
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("router", "worker", "up"):  # a stop on request exits 0 from the first moment on
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _stop_before_start)
     try:
         if args.command == "router":
             return run_router(router_settings(args))

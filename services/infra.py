@@ -6,7 +6,9 @@ a binary is taken from PATH, else from the scripts directory of this Python envi
 package (which ships `redis-server`). If none is found the error says which extra to install.
 Servers run in their own session, so a terminal's Ctrl-C reaches only `flexlb up`, which
 stops the router and workers first (they publish their final reports) and the servers
-last. Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
+last. On Linux every server started from the main thread is also told to end with its
+parent (`die_with_parent`: the kernel sends it SIGTERM when the process that started it
+dies, even by SIGKILL), so a killed `flexlb up` or test session leaves no server behind. Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
 rebuilds what it needs from worker status reports.
 """
 
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +102,42 @@ class ManagedServer:
 
 
 def _popen(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent())
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(nice: int = 0):
+    """A `preexec_fn` for a child that must not outlive this process: on Linux it asks the
+    kernel for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG; kept across exec, so
+    it holds for nats-server and redis-server too), and lowers the child's priority by
+    `nice`. None when there is nothing to do. PDEATHSIG fires when the parent *thread* that
+    forked the child ends, so it is set only for children started from the main thread (a
+    worker thread that exits would take its children with it). libc's prctl is looked up
+    here, in the parent: between fork and exec the child only calls it."""
+    prctl = None
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+        import ctypes
+
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # no usable libc (static interpreter): children may outlive us
+            prctl = None
+    if prctl is None and not nice:
+        return None
+    parent_pid = os.getpid()
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent_pid:  # the parent died before the call: no signal will come
+                os.kill(os.getpid(), signal.SIGTERM)
+        if nice:
+            os.nice(nice)
+
+    return preexec
 
 
 def nats_argv(port: int, data_dir: str, name: str | None = None, cluster_port: int | None = None,
@@ -118,9 +157,19 @@ def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0) 
     port = port or free_port()
     os.makedirs(data_dir, exist_ok=True)
     argv = nats_argv(port, data_dir)
-    proc = _popen(argv)
-    wait_port(port, timeout_s, proc)
-    return ManagedServer("nats-server", port, proc, f"nats://127.0.0.1:{port}", argv)
+    server = ManagedServer("nats-server", port, _popen(argv), f"nats://127.0.0.1:{port}", argv)
+    _wait_listening(server, timeout_s)
+    return server
+
+
+def _wait_listening(server: ManagedServer, timeout_s: float) -> None:
+    """Until `server` listens; if it does not, or the wait is interrupted (a signal), it is
+    killed: a server nobody holds would run on."""
+    try:
+        wait_port(server.port, timeout_s, server.proc)
+    except BaseException:
+        server.kill()
+        raise
 
 
 def free_ports(n: int) -> list[int]:
@@ -210,9 +259,9 @@ def wait_jetstream(urls: list[str], timeout_s: float) -> None:
 def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
     port = port or free_port()
     argv = redis_argv(port)
-    proc = _popen(argv)
-    wait_port(port, timeout_s, proc)
-    return ManagedServer("redis-server", port, proc, f"redis://127.0.0.1:{port}/0", argv)
+    server = ManagedServer("redis-server", port, _popen(argv), f"redis://127.0.0.1:{port}/0", argv)
+    _wait_listening(server, timeout_s)
+    return server
 
 
 SENTINEL_MASTER = "flexlb"  # the master name `flexlb up --redis-sentinel` monitors

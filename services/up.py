@@ -39,6 +39,7 @@ from services.infra import (
     SENTINEL_MASTER,
     InfraError,
     ManagedServer,
+    die_with_parent,
     start_nats,
     start_nats_cluster,
     start_redis,
@@ -47,6 +48,10 @@ from services.infra import (
 from services.settings import RouterSettings
 
 READY_TIMEOUT_S = 90.0
+WAIT_SAY_MIN_S = 2.0  # while waiting for readiness: a changed reason is printed at most this often
+WAIT_SAY_EVERY_S = 10.0  # ... and an unchanged one again after this
+CHILDREN_STOP_S = 4.5  # stopping: routers and workers get this long (together) after SIGTERM, then SIGKILL
+SERVERS_STOP_S = 0.5  # then each server gets at least this long after SIGTERM, then SIGKILL
 
 
 def _replica_port(host: str, wanted: int) -> int:
@@ -68,28 +73,106 @@ LAST_UP_STATE = os.environ.get("FLEXLB_UP_STATE") or os.path.join(
     os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state"), "flexlb", "up.json")
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached `flexlb up`: raised from the signal handler wherever it
+    waits (a BaseException, so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _child(argv: list[str], env: dict[str, str], nice: int = 0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env,
-                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    """A `flexlb` child in a session of its own (a terminal's Ctrl-C reaches only `flexlb up`,
+    which stops the children itself) that ends with us (infra.die_with_parent)."""
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env, start_new_session=True,
+                            preexec_fn=die_with_parent(nice))
 
 
-def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
+def _get_json(url: str, token: str = "") -> tuple[int, dict]:
+    """GET a router URL: (HTTP status, JSON body); OSError if it does not answer."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        try:
+            return exc.code, json.loads(body or b"{}")
+        except ValueError:
+            return exc.code, {"error": {"message": body.decode(errors="replace")[:200]}}
+
+
+def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str) -> str | None:
+    """None when the router at `url` is ready; else why not, in one line: its /readyz reason
+    (which names the workers that are not live and why), and the workers of this fleet it
+    has not heard of at all (from /admin/workers)."""
+    try:
+        status, body = _get_json(url + "/readyz")
+    except (OSError, ValueError) as exc:  # not listening yet (starting), or an answer that is not JSON
+        return f"the router does not answer yet ({getattr(exc, 'reason', exc)})"
+    if status == 200:
+        return None
+    reason = str((body.get("error") or {}).get("message") or f"HTTP {status}")
+    if worker_ids:
+        try:
+            status, body = _get_json(url + "/admin/workers", admin_token)
+        except (OSError, ValueError):  # the readyz reason alone is still worth printing
+            status, body = 0, {}
+        if status == 200:
+            known = {w.get("id") for w in body.get("workers", [])}
+            unknown = [w for w in worker_ids if w not in known]
+            if unknown:
+                reason += "; not registered yet: " + ", ".join(unknown)
+    return reason
+
+
+def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float, worker_ids: list[str] = (),
+                admin_token: str = "", say=None) -> None:
+    """Until the router at `url` is ready. Why it is not is printed when it changes (at most
+    every WAIT_SAY_MIN_S, the first time after that long) and again every WAIT_SAY_EVERY_S;
+    `say(reason)` is told each new one. InfraError if a child exits or `timeout_s` passes."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    said, said_at = None, started
+    reason = "no answer yet"
     while time.monotonic() < deadline:
         for name, p in procs.items():
             if p.poll() is not None:
-                raise InfraError(f"{name} exited with status {p.returncode} during start-up")
+                raise InfraError(f"{name} (pid {p.pid}) exited with status {p.returncode} during start-up")
+        reason = _not_ready_reason(url, list(worker_ids), admin_token)
+        if reason is None:
+            return
+        if say is not None:
+            say(reason)
+        now = time.monotonic()
+        if (reason != said and now - said_at >= WAIT_SAY_MIN_S) or now - said_at >= WAIT_SAY_EVERY_S:
+            print(f"flexlb up: waiting for {url} to be ready: {reason}", file=sys.stderr, flush=True)
+            said, said_at = reason, now
+        time.sleep(0.25)
+    raise InfraError(f"router at {url} not ready after {timeout_s:.0f} s: {reason}")
+
+
+def _stop_all(children: dict[str, subprocess.Popen], servers: list[ManagedServer]) -> None:
+    """SIGTERM to every router and worker (routers first), CHILDREN_STOP_S for all of them
+    together, SIGKILL to what is left; then the servers likewise, in reverse start order."""
+    order = sorted(children, key=lambda n: not n.startswith("router"))
+    for name in order:
+        p = children[name]
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + CHILDREN_STOP_S
+    for name in order:
+        p = children[name]
         try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:
-                if resp.status == 200:
-                    return "ready"
-        except urllib.error.HTTPError as exc:
-            last = exc.read().decode(errors="replace")
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise InfraError(f"router not ready after {timeout_s}s: {last}")
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"flexlb up: {name} (pid {p.pid}) still running {CHILDREN_STOP_S} s after SIGTERM: killed",
+                  file=sys.stderr, flush=True)
+            p.kill()
+            p.wait(5)
+    for s in reversed(servers):
+        s.stop(SERVERS_STOP_S)
 
 
 def run_up(args, settings: RouterSettings) -> int:
@@ -126,11 +209,20 @@ def run_up(args, settings: RouterSettings) -> int:
         raise ValueError("--workers must be >= 1")
     servers: list[ManagedServer] = []
     children: dict[str, subprocess.Popen] = {}
-    stopping = False
+    stop_signal: int | None = None
+    waiting_for = "starting"  # what start-up is doing now, said if it is interrupted
+    is_up = False
 
     def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
+        nonlocal stop_signal
+        if stop_signal is not None:  # already stopping (bounded: _stop_all)
+            return
+        stop_signal = signum
+        raise Interrupted(signum)  # out of whatever wait it is in
+
+    def waiting(reason: str) -> None:
+        nonlocal waiting_for
+        waiting_for = reason
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -141,11 +233,13 @@ def run_up(args, settings: RouterSettings) -> int:
             data_dir = args.data_dir or tempfile.mkdtemp(prefix="flexlb-nats-")
             if args.nats_cluster > 1:
                 ports = [args.nats_port + i for i in range(args.nats_cluster)] if args.nats_port else None
+                waiting(f"a cluster of {args.nats_cluster} nats-server processes to start")
                 servers.extend(start_nats_cluster(data_dir, args.nats_cluster, ports))
                 nats_url = ",".join(s.url for s in servers)
                 if "FLEXLB_NATS_REPLICAS" not in os.environ:
                     replicas_env["FLEXLB_NATS_REPLICAS"] = str(min(3, args.nats_cluster))
             else:
+                waiting("nats-server to start")
                 servers.append(start_nats(data_dir, args.nats_port))
                 nats_url = servers[-1].url
         redis_url = os.environ.get("FLEXLB_REDIS_URL")
@@ -153,12 +247,14 @@ def run_up(args, settings: RouterSettings) -> int:
         if not redis_url:
             if args.redis_sentinel:
                 root = os.path.join(args.data_dir, "sentinel") if args.data_dir else tempfile.mkdtemp(prefix="flexlb-sentinel-")
+                waiting("Redis with Sentinel to start")
                 started = start_redis_sentinel(root)
                 servers.extend(started)
                 redis_url = started[0].url  # the first primary; routers follow the sentinels, not this
                 sentinel_env = {"FLEXLB_REDIS_SENTINELS": ",".join(s.url for s in started[2:]),
                                 "FLEXLB_REDIS_MASTER_NAME": SENTINEL_MASTER}
             else:
+                waiting("redis-server to start")
                 servers.append(start_redis(args.redis_port))
                 redis_url = servers[-1].url
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
@@ -233,10 +329,15 @@ def run_up(args, settings: RouterSettings) -> int:
             else:
                 router_urls.append(f"http://{settings.host}:{port}")
             if i == 0:  # the first router takes the lease; the others start as standbys
-                _wait_ready(http_worker_urls[0] if http_worker_urls else router_urls[0], children, READY_TIMEOUT_S)
+                url = http_worker_urls[0] if http_worker_urls else router_urls[0]
+                waiting(f"the router at {url} to be ready")
+                _wait_ready(url, children, READY_TIMEOUT_S, [w for w, _ in fleet], settings.admin_token,
+                            lambda why, url=url: waiting(f"the router at {url} to be ready: {why}"))
         router_url = router_urls[0]
         for url in router_urls[1:] + http_worker_urls[1:]:
-            _wait_ready(url, children, READY_TIMEOUT_S)
+            waiting(f"the standby router at {url} to be ready")
+            _wait_ready(url, children, READY_TIMEOUT_S, say=lambda why, url=url: waiting(
+                f"the standby router at {url} to be ready: {why}"))
         state = {
             "router_url": router_url,
             "router_urls": router_urls,
@@ -270,31 +371,24 @@ def run_up(args, settings: RouterSettings) -> int:
         print(f"  admin: {router_url}/admin/workers  {router_url}/admin/ledger   nats: {nats_url}   redis: {redis_url}",
               flush=True)
         print("  flight recorder: flexlb events export --out run.jsonl.gz && flexlb replay run.jsonl.gz", flush=True)
+        is_up = True
         reported: set[str] = set()
-        while not stopping:
+        while True:  # until a signal (Interrupted)
             for name, p in children.items():
                 if p.poll() is not None and name not in reported:
                     reported.add(name)
                     print(f"flexlb up: {name} (pid {p.pid}) exited with status {p.returncode}", file=sys.stderr, flush=True)
             time.sleep(0.2)
+    except Interrupted as exc:
+        if is_up:
+            print(f"flexlb up: {exc}: stopping", file=sys.stderr, flush=True)
+        else:
+            print(f"flexlb up: interrupted by {exc} during start-up (waiting for {waiting_for}); "
+                  "stopping what it started", file=sys.stderr, flush=True)
         return 0
     except InfraError as exc:
         print(f"flexlb up: {exc}", file=sys.stderr)
         return 1
     finally:
-        order = ["router"] + [n for n in children if n != "router"]
-        for name in order:
-            p = children.get(name)
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for name in order:
-            p = children.get(name)
-            if p is None:
-                continue
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        for s in reversed(servers):
-            s.stop()
+        stop_signal = stop_signal or signal.SIGTERM  # from here on a signal no longer interrupts: the stop is bounded
+        _stop_all(children, servers)

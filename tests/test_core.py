@@ -127,7 +127,7 @@ def test_a_suspect_worker_still_gets_work_a_dead_one_does_not():
     assert "a" not in s.inflight
     d = s.admit(req("b"), 1000 * MS)
     assert isinstance(d, Rejected) and d.code == "no_worker"
-    assert s.view.readiness() == (False, "no live worker for role pd_fusion")
+    assert s.view.readiness() == (False, "no live worker for role pd_fusion: w0 dead (no status for 2 liveness cycles)")
 
 
 def test_an_expired_worker_is_removed_from_every_structure():

@@ -22,7 +22,9 @@ Loops (one asyncio task each):
 Undecodable commands are counted (also in the heartbeat), dead-lettered to
 `flexlb.dlq.<worker>` with the reason, and acked so they do not block the queue.
 On SIGTERM the worker fails what it still holds (`worker_failed`, retryable) so no
-request hangs, reports `stopping`, and exits.
+request hangs, reports `stopping`, and exits (final reports bounded by SHUTDOWN_TIMEOUT_S).
+Start-up waits for NATS as long as it takes, logging "waiting for NATS at URL: why
+(retrying)" every WAIT_LOG_INTERVAL_S, but a SIGTERM meanwhile stops it at once.
 
 Imports: `schemas` and the engines only (never `services`).
 """
@@ -79,6 +81,7 @@ SENT_TOKENS_MAX = 2048  # requests whose token chunks are kept for a resend (the
 WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
 RECENT_STEPS_WINDOW_S = 3.0  # the window of WorkerStatusReported.recent_step_ms (3 s: a 1 s window sheds on single long steps)
 SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
+WAIT_LOG_INTERVAL_S = 10.0  # while start-up waits for NATS, one "waiting for NATS" line this often
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -244,6 +247,7 @@ class WorkerAgent:
         self.withdrawn: OrderedDict[str, str] = OrderedDict()
         self.work = asyncio.Event()
         self.state = "ready"
+        self.not_ready_reason = ""  # one line, with a state other than ready: why (WorkerStatusReported)
         self.num_batches_executed = 0
         self.num_requests_finished = 0
         self.num_undecodable = 0
@@ -272,6 +276,7 @@ class WorkerAgent:
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
         self.nc = None
         self.js = None
+        self._waiting_for = "starting"  # what start-up waits for now (said if it is stopped meanwhile)
 
     # ------------------------------------------------------------------ what an engine kind overrides
     # (workers/openai_agent.py: the same agent in front of an HTTP server instead of an engine)
@@ -457,19 +462,69 @@ class WorkerAgent:
             fencing_epoch=self.max_epoch,
             num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
             last_step_ms=self.last_step_ms, recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
+            not_ready_reason=self.not_ready_reason if self.state != "ready" else "",
         )
 
     # ------------------------------------------------------------------ run
     async def run(self, stop: asyncio.Event) -> None:
+        """Start, serve until `stop` is set, stop. Start-up (NATS, streams, the engine's
+        preparation) waits as long as it must, saying what for, but gives way to `stop` at
+        once: a worker told to stop before it registered closes what it opened and returns."""
+        starting = asyncio.create_task(self._start(), name="start-up")
+        stopped = asyncio.create_task(stop.wait(), name="stop")
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.warning("worker %s: stopped during start-up (%s)", self.cfg.worker_id, self._waiting_for)
+            await self._close(None)
+            return
+        stopped.cancel()
+        psub, metrics_server = starting.result()  # start-up's own failure raises here
+        tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._command_loop(psub), name="commands"),
+            asyncio.create_task(self.acked.run(), name="acked"),
+        ] + [asyncio.create_task(loop, name="engine") for loop in self._engine_loops()]
+        await stop.wait()
+        self.state, self.not_ready_reason = "stopping", "worker stopping (told to: SIGTERM or SIGINT)"
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self._say_goodbye(), SHUTDOWN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.error("bus unreachable at shutdown: %d requests not reported failed", len(self.meta))
+        await self._close(metrics_server)
+
+    async def _close(self, metrics_server) -> None:
+        if self.nc is not None:
+            try:  # bounded: a connection that is still retrying must not hold the exit
+                await asyncio.wait_for(self.nc.close(), SHUTDOWN_TIMEOUT_S / 3)
+            except Exception as exc:  # closing a broken connection: say so, exit anyway
+                log.warning("nats close at shutdown failed: %s", exc.__class__.__name__)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+    async def _start(self):
+        """Connect, set up the streams, prepare the engine, subscribe and register. Returns
+        (the command pull subscription, the metrics server or None)."""
         cfg = self.cfg
         num_errors = 0
+        last_wait_log = 0.0
 
         async def error_cb(exc: Exception) -> None:
-            nonlocal num_errors
+            nonlocal num_errors, last_wait_log
             num_errors += 1
-            if num_errors == 1 or num_errors % 40 == 0:  # a 10 s outage logs a line, not 40 tracebacks
+            if self.js is None:  # not connected yet (nats.connect retries): say what start-up waits for
+                now = time.monotonic()
+                if now - last_wait_log >= WAIT_LOG_INTERVAL_S:
+                    last_wait_log = now
+                    log.warning("waiting for NATS at %s: %s (retrying)", cfg.nats_url, exc or exc.__class__.__name__)
+            elif num_errors == 1 or num_errors % 40 == 0:  # a 10 s outage logs a line, not 40 tracebacks
                 log.warning("nats error (%d so far): %s", num_errors, exc)
 
+        self._waiting_for = f"waiting for NATS at {cfg.nats_url}"
         self.nc = await nats.connect(
             nats_servers(cfg.nats_url), name=f"flexlb-worker-{cfg.worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
             connect_timeout=5, error_cb=error_cb, pending_size=cfg.outbound_buffer_bytes,
@@ -482,46 +537,39 @@ class WorkerAgent:
 
             metrics_server, _ = serve(cfg.metrics_host, cfg.metrics_port, StatusCollector(
                 lambda: self.last_status, lambda: (len(self.acked.pending), self.acked.num_lost), self))
-        await self._ensure_streams()
-        await self._prepare()
-        await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
-        await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
-        await self.nc.subscribe(epoch_subject(cfg.worker_id), cb=self._on_fence_epoch)
-        await self.nc.subscribe(resend_subject(cfg.worker_id), cb=self._on_resend)
-        if cfg.role == "decode":
-            subject, durable = decode_subject(cfg.worker_id), decode_consumer(cfg.worker_id)
-        else:
-            subject, durable = dispatch_subject(cfg.worker_id), dispatch_consumer(cfg.worker_id)
-        psub = await self.js.pull_subscribe(
-            subject, durable=durable, stream=DISPATCH_STREAM.name,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=10000),
-        )
-        registered = m.WorkerRegistered(
-            worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id, engine=cfg.engine, pid=os.getpid(),
-            host=self.host, block_size_tokens=cfg.block_size_tokens, num_kv_blocks=cfg.num_kv_blocks,
-            max_batch_tokens=cfg.max_batch_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
-            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
-        )
-        await self.js.publish(worker_events_subject(cfg.worker_id), self._env(registered))
-        await self.nc.publish(status_subject(cfg.worker_id), self._env(self.status()))
-        log.info("worker %s (%s, boot %s) ready", cfg.worker_id, cfg.role, self.boot_id)
-        tasks = [
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._command_loop(psub), name="commands"),
-            asyncio.create_task(self.acked.run(), name="acked"),
-        ] + [asyncio.create_task(loop, name="engine") for loop in self._engine_loops()]
-        await stop.wait()
-        self.state = "stopping"
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            await asyncio.wait_for(self._say_goodbye(), SHUTDOWN_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            log.error("bus unreachable at shutdown: %d requests not reported failed", len(self.meta))
-        await self.nc.close()
-        if metrics_server is not None:
-            metrics_server.shutdown()
+            self._waiting_for = f"setting up the JetStream streams at {cfg.nats_url}"
+            await self._ensure_streams()
+            self._waiting_for = "preparing the engine"
+            await self._prepare()
+            self._waiting_for = "registering"
+            await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
+            await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
+            await self.nc.subscribe(epoch_subject(cfg.worker_id), cb=self._on_fence_epoch)
+            await self.nc.subscribe(resend_subject(cfg.worker_id), cb=self._on_resend)
+            if cfg.role == "decode":
+                subject, durable = decode_subject(cfg.worker_id), decode_consumer(cfg.worker_id)
+            else:
+                subject, durable = dispatch_subject(cfg.worker_id), dispatch_consumer(cfg.worker_id)
+            psub = await self.js.pull_subscribe(
+                subject, durable=durable, stream=DISPATCH_STREAM.name,
+                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=10000),
+            )
+            registered = m.WorkerRegistered(
+                worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id, engine=cfg.engine, pid=os.getpid(),
+                host=self.host, block_size_tokens=cfg.block_size_tokens, num_kv_blocks=cfg.num_kv_blocks,
+                max_batch_tokens=cfg.max_batch_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
+                heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            )
+            await self.js.publish(worker_events_subject(cfg.worker_id), self._env(registered))
+            await self.nc.publish(status_subject(cfg.worker_id), self._env(self.status()))
+        except BaseException:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            raise
+        self._waiting_for = "started"
+        log.info("worker %s (%s, boot %s) ready", cfg.worker_id, cfg.role, self.boot_id)
+        return psub, metrics_server
 
     async def _say_goodbye(self) -> None:
         await self._fail_everything("worker stopping")

@@ -49,7 +49,8 @@ class WorkerInfo:
     engine: str = "sim"
     pid: int = 0
     host: str = ""
-    state: str = "ready"  # as the worker reports it: ready | draining | stopping
+    state: str = "ready"  # as the worker reports it: ready | not_ready | draining | stopping
+    not_ready_reason: str = ""  # its one-line reason when state is not ready ("" if it gave none)
     block_size_tokens: int = 16
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
@@ -135,6 +136,7 @@ class WorkerView:
         info.max_seq_len_tokens = event.max_seq_len_tokens
         if isinstance(event, WorkerStatusReported):
             info.state = event.state
+            info.not_ready_reason = event.not_ready_reason
             info.num_kv_blocks = event.num_kv_blocks
             info.num_free_kv_blocks = event.num_free_kv_blocks
             info.num_cached_kv_blocks = event.num_cached_kv_blocks
@@ -214,12 +216,48 @@ class WorkerView:
         return roles
 
     def readiness(self, now_ns: int = 0, timeout_ns: int = 0) -> tuple[bool, str]:
-        """Ready when every role in use has at least one live worker; the reason says why not."""
+        """Ready when every role in use has at least one live worker. The reason says why
+        not in one line of at most READINESS_REASON_MAX chars: the roles without a live
+        worker, then the workers of those roles with why each is not live (at most
+        READINESS_WORKERS_SHOWN of them, each why cut at READINESS_WHY_MAX chars), e.g.
+        "no live worker for role pd_fusion: w0 not_ready (engine server http://x unreachable:
+        connection refused); w1 dead (no status for 3 liveness cycles)"."""
         roles = self.roles_in_use()
         if not roles:
             return False, "no worker has reported yet"
         live_roles = {w.role for w in self.live(now_ns, timeout_ns)}
         missing = sorted(roles - live_roles)
-        if missing:
-            return False, "no live worker for role " + ", ".join(missing)
-        return True, "ok"
+        if not missing:
+            return True, "ok"
+        reason = "no live worker for role " + ", ".join(missing)
+        idle = sorted((w for w in self.workers.values() if w.role in missing), key=lambda w: w.worker_id)
+        if idle:
+            shown = [f"{w.worker_id} {_why_not_live(w)}" for w in idle[:READINESS_WORKERS_SHOWN]]
+            if len(idle) > READINESS_WORKERS_SHOWN:
+                shown.append(f"{len(idle) - READINESS_WORKERS_SHOWN} more")
+            reason += ": " + "; ".join(shown)
+        return False, _one_line(reason, READINESS_REASON_MAX)
+
+
+READINESS_REASON_MAX = 600  # chars of /readyz's not-ready reason (one line: logs and `flexlb up` print it)
+READINESS_WORKERS_SHOWN = 4  # workers named in it; the rest are counted
+READINESS_WHY_MAX = 160  # chars of one worker's own reason in it
+
+
+def _one_line(text: str, max_chars: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def _why_not_live(w: WorkerInfo) -> str:
+    """Why a worker gets no work, in a few words (the readiness reason's part for it)."""
+    if w.liveness == "pending":
+        return "registered, no status report yet"
+    if w.liveness == "dead":
+        return f"dead (no status for {w.num_missed_syncs} liveness cycles)"
+    if w.state != "ready":
+        why = _one_line(w.not_ready_reason, READINESS_WHY_MAX) if w.not_ready_reason else ""
+        return f"{w.state} ({why})" if why else w.state
+    if w.draining:
+        return "drained by an operator"
+    return w.liveness
