@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--bare-openai", action="store_true",
                      help="look like an OpenAI-compatible server with neither Prometheus /metrics (404) nor token "
                           "ids in its streams (return_token_ids ignored): TGI, llama.cpp, vLLM < 0.10.2")
+    sim.add_argument("--chat-template", help="/v1/chat/completions: a Jinja chat template file (.jinja, or .json with "
+                                             "chat_template) (default: the one beside --tokenizer's tokenizer.json; "
+                                             "the built-in one for the byte-level tokenizer)")
     sim.add_argument("--incremental-streaming-output", action="store_true",
                      help="/generate streams each chunk's output_ids and text, not the whole output so far (SGLang's "
                           "flag of that name)")
@@ -422,12 +425,19 @@ def run_worker(cfg) -> int:
 def run_sim_server(args: argparse.Namespace, cfg) -> int:
     """`flexlb sim-server`: the engine of `flexlb worker` (same config and role) behind
     HTTP instead of NATS (workers/http_front.py documents the endpoints)."""
+    from schemas.chat_template import ChatTemplates, load_chat_templates
     from schemas.tokens import load_tokenizer
     from workers.http_front import serve
 
     tokenizer = load_tokenizer(args.tokenizer)  # a bad file: ValueError, exit 2 (main)
+    # Chat: --chat-template, else the template beside the tokenizer, else the built-in one for
+    # the byte tokenizer (as the router resolves its own); a bad file: ChatTemplateError (a ValueError).
+    chat_templates = load_chat_templates(args.chat_template or "", args.tokenizer or "")
+    if chat_templates is None and not args.tokenizer:
+        chat_templates = ChatTemplates.builtin()
     serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer,
-          bare_openai=args.bare_openai, incremental_streaming_output=args.incremental_streaming_output)
+          bare_openai=args.bare_openai, incremental_streaming_output=args.incremental_streaming_output,
+          chat_templates=chat_templates)
     return 0
 
 

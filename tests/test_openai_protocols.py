@@ -8,7 +8,8 @@ their deltas, a server's own rendering of a chat prompt is compared with the rou
 SGLang's /generate streams read the same whether cumulative or incremental. Then with real
 nats-server and redis-server: a router in front of two `sim-server --bare-openai` (no
 /metrics, no token ids) and in front of two SGLang-dialect servers (one cumulative, one
-incremental) completes every request whole; a server with /metrics 404 but /health 200 is ready and one that
+incremental) completes every request whole; a chat request reaches the server's
+/v1/chat/completions; a server with /metrics 404 but /health 200 is ready and one that
 answers nothing is not, saying why.
 """
 
@@ -258,6 +259,10 @@ def routed_streams_complete(state: dict, n: int, seed: int) -> None:
 def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_up):
     (url_a, _), (url_b, _) = (start_sim_server(spawn, "--time-scale", "0.05", "--bare-openai") for _ in range(2))
     assert httpx.get(url_a + "/metrics", timeout=5).status_code == 404
+    chat = httpx.post(url_a + "/v1/chat/completions", timeout=10, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_token_ids": True})
+    assert chat.status_code == 200 and "prompt_token_ids" not in chat.json()  # asked for, not given
+    assert "token_ids" not in chat.json()["choices"][0] and len(chat.json()["choices"][0]["message"]["content"]) == 2
     _, state = flexlb_up("--engine", "openai", "--engine-url", url_a, "--engine-url", url_b)
     routed_streams_complete(state, 100, seed=31)
     statuses = worker_statuses(state["nats_url"], ["w0", "w1"])
@@ -268,7 +273,7 @@ def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_
     # Served by the servers (their counters, which a bare server keeps off /metrics).
     served = sum(sum(v for _, v in parse_prometheus(httpx.get(u + "/_sim/metrics", timeout=5).text)
                      .get("flexlb_sim_requests_finished_total", [])) for u in (url_a, url_b))
-    assert served == 100
+    assert served == 100 + 1  # and the chat request above
 
 
 def test_100_streams_through_sglangs_generate_cumulative_and_incremental(spawn, tmp_path):
@@ -303,6 +308,47 @@ async def ready_worker(nc, worker: str, timeout_s: float = 60) -> m.WorkerStatus
 
     await wait_async(ready, timeout_s, f"worker {worker} ready")
     return last[0]
+
+
+async def test_a_chat_request_reaches_the_servers_chat_endpoint_and_a_different_rendering_is_counted(spawn, nats_url):
+    url, proc = start_sim_server(spawn, "--time-scale", "0.05")
+    worker, router, metrics_port = f"w-{secrets.token_hex(3)}", f"rt-{secrets.token_hex(3)}", free_port()
+    agent_proc = spawn("worker", "--id", worker, "--engine", "openai", "--engine-url", url, "--metrics-port",
+                       str(metrics_port), env={"FLEXLB_NATS_URL": nats_url}, name=worker)
+    nc = await nats.connect(nats_url)
+    chunks: list[m.TokensGenerated] = []
+
+    async def on_tokens(msg):
+        payload = m.decode(msg.data).payload
+        chunks.extend(payload.chunks if isinstance(payload, m.TokensBatch) else [payload])
+
+    await nc.subscribe(token_batch_subject(router), cb=on_tokens)
+    await nc.subscribe(token_subject(router, "*"), cb=on_tokens)
+    await ready_worker(nc, worker)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    async with httpx.AsyncClient(timeout=10) as client:  # the server's own rendering, as a router with its template has it
+        rendered = (await client.post(url + "/tokenize", json={"messages": messages})).json()["tokens"]
+    wrong = [t + 1 for t in rendered]  # a router whose template differs
+    rids = [f"c-{secrets.token_hex(3)}" for _ in range(3)]
+    for rid, prompt in zip(rids, (rendered, wrong, wrong)):
+        await dispatch_one(nc, worker, m.BatchRequest(
+            request_id=rid, prompt_token_ids=prompt, max_tokens=6, decode_worker_id=worker,
+            token_subject=token_subject(router, rid), token_batch_subject=token_batch_subject(router),
+            chat=m.ChatForward(messages=messages)), router)
+    await wait_async(lambda: asyncio.sleep(0, sum(c.finish_reason is not None for c in chunks) == 3), 60,
+                     "the chat requests' last chunks")
+    await nc.close()
+    for rid in rids:
+        mine = [c for c in chunks if c.request_id == rid]
+        assert "".join(c.text for c in mine) == expected_text(rid, 6)
+        assert [t for c in mine for t in c.token_ids] and mine[-1].finish_reason == "length"
+    async with httpx.AsyncClient(timeout=10) as client:
+        served = parse_prometheus((await client.get(url + "/metrics")).text)
+        worker_metrics = parse_prometheus((await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text)
+    assert served["flexlb_sim_chat_requests_total"][0][1] == 3  # the server's chat endpoint ran them
+    assert worker_metrics["flexlb_worker_chat_prompt_mismatches_total"][0][1] == 2
+    log_text = agent_proc.log_path.read_text()
+    assert log_text.count("chat template rendering differs") == 1, log_text[-3000:]
 
 
 async def test_liveness_falls_back_to_health_and_a_silent_server_is_not_ready_saying_why(spawn, nats_url):

@@ -242,6 +242,68 @@ async def test_generate_sglang_dialect_streaming_and_not(servers, client):
     assert resp.status_code == 200 and resp.json()["meta_info"]["id"] == "my-rid"
 
 
+async def test_generate_streams_the_whole_output_ids_so_far_as_sglang_does(servers, client):
+    body = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 4}, "stream": True, "rid": "ids-1"}
+    async with client.stream("POST", f"{servers['sim-b'].url}/generate", json=body) as resp:
+        events, done = await read_sse(resp)
+    assert done and len(events) == 4
+    ids = [e["output_ids"] for e in events]
+    assert [len(i) for i in ids] == [1, 2, 3, 4] and all(b[:len(a)] == a for a, b in zip(ids, ids[1:]))
+    assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
+    assert "".join(chr(t) for t in ids[-1]) == events[-1]["text"]
+
+
+async def test_abort_request_ends_a_running_generation(servers, client):
+    slow = servers["sim-slow"]
+    before = await metrics_of(client, slow)
+    body = {"text": "abort me", "sampling_params": {"max_new_tokens": 2000}, "stream": True, "rid": "abort-1"}
+    async with client.stream("POST", f"{slow.url}/generate", json=body) as resp:
+        lines = resp.aiter_lines()
+        line = ""
+        while not line.startswith("data: "):
+            line = await anext(lines)
+        assert (await client.post(f"{slow.url}/abort_request", json={"rid": "abort-1"})).status_code == 200
+        rest = [json.loads(x[6:]) for x in [x async for x in lines] if x.startswith("data: {")]
+    assert rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"  # as SGLang ends an aborted stream
+    after = await metrics_of(client, slow)
+    assert after["flexlb_sim_requests_cancelled_total"] == before["flexlb_sim_requests_cancelled_total"] + 1
+    assert (await client.post(f"{slow.url}/abort_request", json={"rid": "abort-1"})).status_code == 200  # gone: still 200
+    assert (await client.post(f"{slow.url}/abort_request", json={})).status_code == 400
+
+
+async def test_chat_completions_in_openais_shapes_through_the_official_client(servers, client):
+    import openai
+
+    base = servers["sim-a"].url
+    oai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    rendered = "<|system|>\nYou are terse.\n<|user|>\nHi\n<|assistant|>\n"  # the built-in template
+    one = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    assert (one.object, one.choices[0].message.role, one.choices[0].finish_reason) == ("chat.completion", "assistant", "length")
+    assert len(one.choices[0].message.content) == 5 and one.id.startswith("chatcmpl-")
+    assert (one.usage.prompt_tokens, one.usage.completion_tokens) == (len(rendered), 5)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    stream = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
+                                               stream_options={"include_usage": True},
+                                               extra_body={"return_token_ids": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert chunks[0].model_extra["prompt_token_ids"] == list(rendered.encode())
+    content = [c for c in chunks[1:] if c.choices]
+    assert [c.choices[0].finish_reason for c in content] == [None, None, None, "length"]
+    text = "".join(c.choices[0].delta.content for c in content)
+    assert [t for c in content for t in c.choices[0].model_extra["token_ids"]] == list(text.encode())
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    # /tokenize renders messages as the chat endpoint does (vLLM's chat form).
+    tokens = (await client.post(f"{base}/tokenize", json={"messages": messages})).json()["tokens"]
+    assert tokens == list(rendered.encode())
+    bad = await client.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_request")
+    metrics = await metrics_of(client, servers["sim-a"])
+    assert metrics["flexlb_sim_chat_requests_total"] >= 2
+
+
 async def test_a_repeated_prompt_hits_the_prefix_cache_and_the_metrics_say_so(servers, client):
     base, server = servers["sim-b"].url, servers["sim-b"]
     before = await metrics_of(client, server)

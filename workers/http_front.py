@@ -36,6 +36,22 @@ Endpoints
   {"cached_tokens"}}}`. Streaming: SSE `data: {...}` chunks of the same shape (object
   `text_completion`, the text of that engine step; the last one has `finish_reason`), with
   `include_usage` one more chunk with `choices: []` and `usage`, then `data: [DONE]`.
+- `POST /v1/chat/completions` (OpenAI): `messages` rendered by the server's chat template
+  (`--chat-template FILE`, else the one beside `--tokenizer`'s tokenizer.json, else the
+  built-in one of schemas/chat_template.py for the byte tokenizer; none: 400) with `tools`,
+  `add_generation_prompt` (default true), `continue_final_message`,
+  `chat_template_kwargs`, a tool call's JSON `arguments` decoded first (as vLLM does), then
+  encoded without special tokens (the template writes them) and run as a completion of
+  `max_completion_tokens` or `max_tokens` (default 16, as /v1/completions). `tool_choice`
+  and the like are accepted and ignored. Non-streaming: `{"id": "chatcmpl-...", "object":
+  "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant",
+  "content"}, "logprobs": null, "finish_reason"}], "usage"}` (usage as above). Streaming:
+  `chat.completion.chunk`s, the first `{"delta": {"role": "assistant", "content": ""}}`,
+  then `{"delta": {"content"}}` per engine step (the last with `finish_reason`), with
+  `include_usage` a last `choices: []` chunk with `usage`, then `data: [DONE]`. With
+  `return_token_ids`, as vLLM: the prompt's ids as top-level `prompt_token_ids` (of the
+  first chunk, or of the body) and each choice's `token_ids`. Counted in
+  `flexlb_sim_chat_requests_total`.
 - `POST /generate` (SGLang): `text` or `input_ids` (or a one-element list),
   `sampling_params.max_new_tokens` (default 128, as SGLang), `stream`. Non-streaming:
   `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "length",
@@ -44,8 +60,10 @@ Endpoints
   last; completion_tokens the count so far), then `data: [DONE]`, as SGLang does: text and
   output_ids are the whole output so far (SGLang's default), or that chunk's with
   `--incremental-streaming-output` (SGLang's flag of that name).
-- `POST /abort_request` (SGLang): `{"rid"}` -> 200; the request leaves the engine (its
-  stream ends without a finish), as a client disconnect does.
+- `POST /abort_request` (SGLang): `{"rid"}` -> 200 (also when it is not running); the
+  request leaves the engine and its stream ends as SGLang ends it: a last chunk with
+  `finish_reason: {"type": "abort"}` (an error chunk on the OpenAI endpoints; a 499
+  `cancelled` before the first token or for a non-streaming request).
 - Unknown body fields (`model`, `temperature`, `slo_ttft_ms`, `stream_options`, sglang-
   router's `echo: false`, `skip_special_tokens`, `return_hidden_states`, `bootstrap_*`, ...)
   are accepted and ignored. Refused with 400 because they would change the answer: `n` > 1,
@@ -57,7 +75,8 @@ Endpoints
   anything else from the engine 502. A failure
   before the first token is an HTTP error (a streaming response starts only with its first
   token); after it, an error chunk `data: {"error": {...}}` then `data: [DONE]`.
-- `POST /tokenize` (vLLM): `{"prompt"}` or `{"text"}` (text or ids) -> `{"count",
+- `POST /tokenize` (vLLM): `{"prompt"}` or `{"text"}` (text or ids), or vLLM's chat form
+  `{"messages", ...}` (rendered as /v1/chat/completions renders it) -> `{"count",
   "max_model_len", "tokens", "token_strs": null}` (vllm-router's fallback when render fails).
 - `POST /v1/completions/render` (vLLM): the completion body -> `[{"request_id", "model",
   "token_ids"}]`, vLLM's render shape. vllm-router 0.1.17's cache_aware calls it on every
@@ -128,7 +147,7 @@ a BlockStored's token ids come from the submitted prompts). Counted in
 
 Not modelled: sampling (temperature, top_p, stop strings, logprobs: the output is the
 engine's deterministic `sim_token_id` text and always stops at max_tokens, finish_reason
-"length"), chat completions, chat templates, several prompts per request, priorities and
+"length"; so no tool calls or reasoning either), several prompts per request, priorities and
 SLO fields, vLLM's PD protocol (kv_transfer_params), data parallelism.
 
 PD disaggregation, SGLang's way (`--role prefill` / `--role decode`; sglang-router
@@ -168,6 +187,7 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
+from schemas.chat_template import ChatTemplateError, ChatTemplates
 from schemas.errors import ERROR_CODES
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.agent import WorkerConfig, make_engine
@@ -275,6 +295,7 @@ class SimFront:
         self._room_of: dict[str, int] = {}
         # Counters (monotonic, since start).
         self.num_requests = 0  # accepted into the engine, health checks excluded
+        self.num_chat_requests = 0  # of those, through /v1/chat/completions
         self.num_health_generations = 0
         self.num_finished = 0
         self.num_cancelled = 0
@@ -520,6 +541,8 @@ class SimFront:
             metric("vllm:num_preemptions_total", "counter", "Sequences preempted.", [(model, self.num_preemptions)])
         metric("flexlb_sim_requests_total", "counter", "Requests accepted into the engine (health checks excluded).",
                [("", self.num_requests)])
+        metric("flexlb_sim_chat_requests_total", "counter", "Requests accepted through /v1/chat/completions.",
+               [("", self.num_chat_requests)])
         metric("flexlb_sim_requests_finished_total", "counter", "Requests that generated all their tokens.",
                [("", self.num_finished)])
         metric("flexlb_sim_requests_cancelled_total", "counter", "Requests cancelled by a client disconnect.",
@@ -607,6 +630,30 @@ def refuse_unmodelled(body: dict[str, Any]) -> None:
         raise HttpError("invalid_request", "n > 1 is not supported by the simulated engine")
     if bool_field(body, "echo"):
         raise HttpError("invalid_request", "echo is not supported by the simulated engine")
+
+
+def tool_arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls with their `arguments` (a JSON string in OpenAI's
+    shape) decoded, as vLLM hands them to the template (templates print them with tojson);
+    an argument string that is not JSON stays a string. The caller's messages are not changed."""
+    out = messages
+    for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls")
+        if not isinstance(calls, list):
+            continue
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    call = {**call, "function": {**fn, "arguments": _json_decode(fn["arguments"])}}
+                except msgspec.DecodeError:
+                    pass
+            fixed.append(call)
+        if out is messages:
+            out = list(messages)
+        out[i] = {**msg, "tool_calls": fixed}
+    return out
 
 
 def bootstrap_of(body: dict[str, Any]) -> tuple[str, int, int] | None:
@@ -745,6 +792,56 @@ class OpenAIFormat:
         })
 
 
+class ChatFormat:
+    """`/v1/chat/completions` bodies and chunks (OpenAI chat shape; vLLM's token ids)."""
+
+    def __init__(self, request_id: str, model: str, prompt_token_ids: list[int], include_usage: bool,
+                 return_token_ids: bool = False) -> None:
+        self.id = f"chatcmpl-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_token_ids = prompt_token_ids
+        self.include_usage = include_usage
+        # vLLM >= 0.10.2: the prompt's ids (the first chunk, or the body) and each choice's ids.
+        self.return_token_ids = return_token_ids
+        self.sent_role = False
+
+    def _usage(self, out: Output, finished: FinishedOut) -> dict[str, Any]:
+        n, p = len(out.token_ids), len(self.prompt_token_ids)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+                "prompt_tokens_details": {"cached_tokens": finished.num_cached_tokens}}
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": choices, **extra})
+
+    def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
+        data = b""
+        if not self.sent_role:  # the first chunk: the role, no content (and the prompt's ids)
+            self.sent_role = True
+            extra = {"prompt_token_ids": self.prompt_token_ids} if self.return_token_ids else {}
+            data = self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], **extra)
+        finish_reason = delta.finished.finish_reason if delta.finished is not None else None
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        data += self._chunk([choice])
+        if delta.finished is not None and self.include_usage:
+            data += self._chunk([], usage=self._usage(out, delta.finished))
+        return data
+
+    def body(self, out: Output, finished: FinishedOut) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                                  "finish_reason": finished.finish_reason}
+        extra: dict[str, Any] = {}
+        if self.return_token_ids:
+            choice["token_ids"] = out.token_ids
+            extra["prompt_token_ids"] = self.prompt_token_ids
+        return _json_encode({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                             "choices": [choice], "usage": self._usage(out, finished), **extra})
+
+
 class SGLangFormat:
     """`/generate` bodies and chunks (SGLang shape: cumulative text in streams)."""
 
@@ -772,10 +869,18 @@ class SGLangFormat:
     def body(self, out: Output, finished: FinishedOut) -> bytes:
         return _json_encode({"text": out.text, "output_ids": out.token_ids, "meta_info": self._meta(out, finished)})
 
+    def aborted(self, out: Output) -> bytes:
+        """The last chunk of a request aborted by /abort_request: no new output, finish type abort."""
+        meta = {**self._meta(out, None), "finish_reason": {"type": "abort", "message": ABORT_MESSAGE}}
+        return sse({"text": "" if self.incremental else out.text, "output_ids": [] if self.incremental else out.token_ids,
+                    "meta_info": meta, "index": 0})
+
 
 # --------------------------------------------------------------------------- the ASGI app
 _JSON = (b"content-type", b"application/json")
 _CLIENT_GONE = Delta([])  # put on a stream by the disconnect watcher
+_ABORTED = Delta([])  # put on a stream by POST /abort_request
+ABORT_MESSAGE = "aborted by POST /abort_request"
 
 
 class Disconnected(Exception):
@@ -827,8 +932,11 @@ async def send_error(send: Send, code: str, message: str, headers: list[tuple[by
 class SimHttpApp:
     """The ASGI application: routes, lifespan (starts and stops the step loop), disconnects."""
 
-    def __init__(self, front: SimFront, bare_openai: bool = False, incremental_streaming_output: bool = False) -> None:
+    def __init__(self, front: SimFront, bare_openai: bool = False, incremental_streaming_output: bool = False,
+                 chat_templates: ChatTemplates | None = None) -> None:
         self.front = front
+        # /v1/chat/completions renders messages with these (None: chat is refused, 400).
+        self.chat_templates = chat_templates
         # Looks like an OpenAI-compatible server with no Prometheus /metrics and no token ids
         # in its streams (TGI, llama.cpp, vLLM < 0.10.2): module docstring, --bare-openai.
         self.bare_openai = bare_openai
@@ -837,6 +945,7 @@ class SimHttpApp:
         self.incremental_streaming_output = incremental_streaming_output
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/generate"): self.generate,
             ("POST", "/abort_request"): self.abort_request,
             ("POST", "/tokenize"): self.tokenize,
@@ -919,6 +1028,50 @@ class SimHttpApp:
                            return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
         await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
 
+    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = parse_json_object(await read_body(receive))
+        refuse_unmodelled(body)
+        prompt = await self._chat_prompt(body)
+        max_tokens = int_field(body, "max_completion_tokens", int_field(body, "max_tokens", OPENAI_DEFAULT_MAX_TOKENS))
+        stream = bool_field(body, "stream")
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        request_id = request_id_of(scope, body) or self.front.new_request_id()
+        fmt = ChatFormat(request_id, self.front.model_name, prompt, include_usage,
+                         return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body), is_chat=True)
+
+    async def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        """A chat body's `messages` rendered by the chat template (with `tools`,
+        `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`) and
+        encoded without special tokens (the template writes them), as vLLM does."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(x, dict) for x in messages):
+            raise HttpError("invalid_request", "messages must be a non-empty list of objects")
+        if self.chat_templates is None:
+            raise HttpError("invalid_request", f"no chat template for this server's tokenizer ({self.front.tokenizer.name}):"
+                                               " start it with --chat-template FILE")
+        tools = body.get("tools")
+        kwargs = body.get("chat_template_kwargs")
+        if tools is not None and not isinstance(tools, list):
+            raise HttpError("invalid_request", "tools must be a list")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise HttpError("invalid_request", "chat_template_kwargs must be an object")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise HttpError("invalid_request", "add_generation_prompt must be true or false")
+        try:
+            text = self.chat_templates.render(tool_arguments_as_objects(messages), tools=tools,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=bool_field(body, "continue_final_message"),
+                                              chat_template_kwargs=kwargs)
+        except ChatTemplateError as exc:
+            raise HttpError("invalid_request", f"chat template: {exc}") from None
+        tokenizer = self.front.tokenizer
+        if tokenizer.is_costly:
+            return await asyncio.to_thread(tokenizer.encode, text, False)
+        return tokenizer.encode(text, False)
+
     async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive))
         if body.get("text") is not None:
@@ -947,7 +1100,7 @@ class SimHttpApp:
         req = self.front._open.get(rid)
         if self.front.abandon(rid):
             log.debug("request %s: aborted by POST /abort_request", rid)
-            req.deltas.put_nowait(_CLIENT_GONE)
+            req.deltas.put_nowait(_ABORTED)
         await send_bytes(send, 200, b"")
 
     async def _prompt(self, value: Any, field: str, body: dict[str, Any] | None = None) -> list[int]:
@@ -966,14 +1119,16 @@ class SimHttpApp:
         return None if self.front.role == "pd_fusion" else bootstrap_of(body)
 
     async def _run(self, receive: Receive, send: Send, request_id: str, prompt: list[int], max_tokens: int,
-                   stream: bool, fmt: OpenAIFormat | SGLangFormat,
-                   bootstrap: tuple[str, int, int] | None = None) -> None:
+                   stream: bool, fmt: OpenAIFormat | SGLangFormat | ChatFormat,
+                   bootstrap: tuple[str, int, int] | None = None, is_chat: bool = False) -> None:
         room = handoff = None
         if bootstrap is not None and self.front.role == "prefill":
             room = bootstrap[2]
         elif bootstrap is not None and self.front.role == "decode":
             handoff = await fetch_handoff(*bootstrap)
         req = self.front.submit(request_id, prompt, max_tokens, room=room, handoff=handoff)
+        if is_chat:
+            self.front.num_chat_requests += 1
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, req))
         headers = [(b"x-request-id", request_id.encode("latin-1", errors="replace"))]
         try:
@@ -1001,6 +1156,9 @@ class SimHttpApp:
             delta = await req.deltas.get()
             if delta is _CLIENT_GONE:
                 return
+            if delta is _ABORTED:
+                await send_error(send, "cancelled", ABORT_MESSAGE, headers)
+                return
             if delta.failed is not None:
                 await send_error(send, delta.failed.code, delta.failed.message, headers)
                 return
@@ -1016,6 +1174,14 @@ class SimHttpApp:
         while True:
             delta = await req.deltas.get()
             if delta is _CLIENT_GONE:
+                return
+            if delta is _ABORTED:  # SGLang ends the stream with a finish of type abort
+                if not started:
+                    await send_error(send, "cancelled", ABORT_MESSAGE, headers)
+                    return
+                body = (fmt.aborted(out) if isinstance(fmt, SGLangFormat)
+                        else sse(error_object("cancelled", ABORT_MESSAGE)))
+                await send({"type": "http.response.body", "body": body + SSE_DONE, "more_body": False})
                 return
             if delta.failed is not None:
                 if not started:  # nothing sent yet: a plain HTTP error
@@ -1075,9 +1241,12 @@ class SimHttpApp:
     async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive))
         value = body.get("prompt", body.get("text"))
-        if value is None:
-            raise HttpError("invalid_request", "prompt (or text) is required; chat messages are not supported")
-        tokens = await self._prompt(value, "prompt", body)
+        if body.get("messages") is not None:  # vLLM's chat form: rendered as /v1/chat/completions renders it
+            tokens = await self._chat_prompt(body)
+        elif value is None:
+            raise HttpError("invalid_request", "prompt (or text, or messages) is required")
+        else:
+            tokens = await self._prompt(value, "prompt", body)
         await send_json(send, 200, {"count": len(tokens), "max_model_len": self.front.cfg.max_seq_len_tokens,
                                     "tokens": tokens, "token_strs": None})
 
@@ -1118,12 +1287,12 @@ class SimHttpApp:
 
 def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info",
           tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER, bare_openai: bool = False,
-          incremental_streaming_output: bool = False) -> None:
+          incremental_streaming_output: bool = False, chat_templates: ChatTemplates | None = None) -> None:
     """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
     import uvicorn
 
     app = SimHttpApp(SimFront(cfg, model_name, tokenizer), bare_openai=bare_openai,
-                     incremental_streaming_output=incremental_streaming_output)
+                     incremental_streaming_output=incremental_streaming_output, chat_templates=chat_templates)
     uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
     # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",
