@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import msgspec
 import pytest
 from openai import BadRequestError, OpenAI
@@ -13,7 +14,9 @@ from openai import BadRequestError, OpenAI
 from schemas.chat_template import ChatTemplates
 from schemas.tokens import BYTE_TOKENIZER
 from services.chat import BadRequest, ChatShape, StopMatcher, parse_chat
+from services.infra import free_port
 from services.settings import RouterSettings
+from tests.conftest import wait_for
 from tests.stack import expected_text
 
 SETTINGS = RouterSettings()
@@ -208,6 +211,25 @@ def test_the_openai_client_chats_with_flexlb_up_on_the_torch_engine(flexlb_up):
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="flexlb-sim", messages=conversation(), max_tokens=6, stream=True) if c.choices)
     assert streamed == whole.choices[0].message.content
+
+
+def test_the_openai_client_chats_through_the_openai_agent_in_front_of_sim_servers(flexlb_up, spawn):
+    urls = []
+    for i in range(2):
+        port = free_port()
+        spawn("sim-server", "--port", str(port), "--worker-id", f"s{i}", "--time-scale", "0.01", name=f"sim{i}")
+        urls.append(f"http://127.0.0.1:{port}")
+    for url in urls:
+        wait_for(lambda: _healthy(url), 60, f"{url}/health")
+    _, state = flexlb_up("--engine", "openai", *[a for u in urls for a in ("--engine-url", u)])
+    check_multi_turn_with_the_openai_client(state, "flexlb-sim", expected_text)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_usage_chunk_json_is_openai_shaped():
