@@ -21,10 +21,33 @@ every client is given all three URLs and the streams are created with 3 replicas
 primary, a replica and three sentinels (quorum 2, a silent primary failed over after 1 s);
 the routers find the primary through the sentinels (FLEXLB_REDIS_SENTINELS). A child that dies is reported on
 stderr; the rest keep running (an operator restarts what is missing, or Ctrl-C).
+
+Waiting and stopping:
+- While it waits for readiness it prints, on stderr, "flexlb up: waiting for URL to be
+  ready: REASON": the router's /readyz reason (the workers of a role without a live one, each
+  with its own reason, e.g. "w0 not_ready (engine server http://x unreachable: ...)") and the
+  workers of the fleet the router has not heard of ("not registered yet: w1", from
+  /admin/workers, with FLEXLB_ADMIN_TOKEN if one is set). Not in the first WAIT_SAY_MIN_S
+  (2 s), then when the reason changes (at most every 2 s) or every WAIT_SAY_EVERY_S (10 s).
+  Not ready after READY_TIMEOUT_S (90 s): it stops everything and exits 1.
+- SIGINT or SIGTERM at any moment interrupts whatever it waits for (a server to listen, the
+  router to be ready, the run loop): the handler raises `Interrupted`. During start-up it
+  prints "flexlb up: interrupted by SIGINT during start-up (waiting for WHAT); stopping what
+  it started", after it "flexlb up: SIGTERM: stopping"; either way it sends SIGTERM to the
+  routers and workers, gives them CHILDREN_STOP_S (4.5 s) together, SIGKILLs what is left,
+  then stops the servers (SERVERS_STOP_S each before SIGKILL) and exits 0: a stop on request
+  is not a failure. A second signal while stopping is ignored (the stop is bounded anyway).
+- Routers and workers run in sessions of their own, as the servers do: a terminal's Ctrl-C
+  reaches only `flexlb up`, which stops them in order (before, each got the SIGINT too and
+  `flexlb up` reported its exit as a failure during start-up).
+- Killed outright (SIGKILL), it takes everything with it: every child and server it starts
+  (from its main thread) has the parent-death signal SIGTERM (Linux prctl
+  PR_SET_PDEATHSIG, services/infra.die_with_parent), so none outlives it.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -109,7 +132,7 @@ def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str) -> str 
     has not heard of at all (from /admin/workers)."""
     try:
         status, body = _get_json(url + "/readyz")
-    except (OSError, ValueError) as exc:  # not listening yet (starting), or an answer that is not JSON
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # not listening yet (starting), a cut or non-JSON answer
         return f"the router does not answer yet ({getattr(exc, 'reason', exc)})"
     if status == 200:
         return None
@@ -117,7 +140,7 @@ def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str) -> str 
     if worker_ids:
         try:
             status, body = _get_json(url + "/admin/workers", admin_token)
-        except (OSError, ValueError):  # the readyz reason alone is still worth printing
+        except (OSError, ValueError, http.client.HTTPException):  # the readyz reason alone is still worth printing
             status, body = 0, {}
         if status == 200:
             known = {w.get("id") for w in body.get("workers", [])}
