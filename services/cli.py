@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 
 from services.settings import RouterSettings, SettingsError, known_env_vars, load
@@ -248,6 +250,7 @@ def _logging(level: str) -> None:
 
 
 ROUTER_STOP_S = 4.5  # SIGTERM / SIGINT -> exit within this, whatever it was doing (in-flight streams get 1 s)
+WORKER_STOP_S = 4.5  # the same for a worker (its final reports get SHUTDOWN_TIMEOUT_S, 3 s)
 WAIT_LOG_INTERVAL_S = 10.0  # while waiting for NATS or Redis at start, one line saying so this often
 log = logging.getLogger("flexlb.cli")
 
@@ -275,7 +278,7 @@ def run_router(settings: RouterSettings) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _stopper(stop, "router", ROUTER_STOP_S + 0.3))
         if not await _unless_stopped(stop, _wait_for_bus_and_store(settings)):
             return 0  # (it said what it was waiting for)
         server = Server(uvicorn.Config(
@@ -308,6 +311,26 @@ def run_router(settings: RouterSettings) -> int:
         return 0
 
     return uvloop.run(main())
+
+
+def _stopper(stop: asyncio.Event, what: str, exit_within_s: float):
+    """A signal handler: set `stop`; the first time, also arm the last word on the stop: a
+    process still here `exit_within_s` later (a library that swallowed a cancel and waits on
+    a dead socket) says so and exits 1 (os._exit, from a timer thread)."""
+
+    def force_exit() -> None:
+        sys.stderr.write(f"flexlb {what}: still stopping {exit_within_s:.1f} s after the signal; exiting now\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            timer = threading.Timer(exit_within_s, force_exit)
+            timer.daemon = True
+            timer.start()
+        stop.set()
+
+    return on_signal
 
 
 async def _unless_stopped(stop: asyncio.Event, coro) -> bool:
@@ -407,8 +430,8 @@ def run_worker(cfg) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the agent's own stop is bounded; this bounds the rest
+            loop.add_signal_handler(sig, _stopper(stop, "worker", WORKER_STOP_S))
         if cfg.engine == "openai":
             from workers.openai_agent import OpenAIAgent
 

@@ -34,7 +34,7 @@ Waiting and stopping:
   router to be ready, the run loop): the handler raises `Interrupted`. During start-up it
   prints "flexlb up: interrupted by SIGINT during start-up (waiting for WHAT); stopping what
   it started", after it "flexlb up: SIGTERM: stopping"; either way it sends SIGTERM to the
-  routers and workers, gives them CHILDREN_STOP_S (4.5 s) together, SIGKILLs what is left,
+  routers and workers, gives them CHILDREN_STOP_S (4 s) together, SIGKILLs what is left,
   then stops the servers (SERVERS_STOP_S each before SIGKILL) and exits 0: a stop on request
   is not a failure. A second signal while stopping is ignored (the stop is bounded anyway).
 - Routers and workers run in sessions of their own, as the servers do: a terminal's Ctrl-C
@@ -73,7 +73,7 @@ from services.settings import RouterSettings
 READY_TIMEOUT_S = 90.0
 WAIT_SAY_MIN_S = 2.0  # while waiting for readiness: a changed reason is printed at most this often
 WAIT_SAY_EVERY_S = 10.0  # ... and an unchanged one again after this
-CHILDREN_STOP_S = 4.5  # stopping: routers and workers get this long (together) after SIGTERM, then SIGKILL
+CHILDREN_STOP_S = 4.0  # stopping: routers and workers get this long (together) after SIGTERM, then SIGKILL
 SERVERS_STOP_S = 0.5  # then each server gets at least this long after SIGTERM, then SIGKILL
 
 

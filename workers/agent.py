@@ -498,11 +498,19 @@ class WorkerAgent:
         await self._close(metrics_server)
 
     async def _close(self, metrics_server) -> None:
-        if self.nc is not None:
-            try:  # bounded: a connection that is still retrying must not hold the exit
-                await asyncio.wait_for(self.nc.close(), SHUTDOWN_TIMEOUT_S / 3)
-            except Exception as exc:  # closing a broken connection: say so, exit anyway
-                log.warning("nats close at shutdown failed: %s", exc.__class__.__name__)
+        """Close the connection if it is up, waiting at most SHUTDOWN_TIMEOUT_S / 3. One that
+        is away is left to the process's exit: nats-py's close then flushes the pending bytes
+        into the dead socket and waits for them, swallowing a cancel (asyncio.wait_for on it
+        never returned: a worker ignored SIGTERM while NATS was away)."""
+        if self.nc is not None and self.nc.is_connected:
+            closing = asyncio.create_task(self.nc.close(), name="nats-close")
+            done, _ = await asyncio.wait({closing}, timeout=SHUTDOWN_TIMEOUT_S / 3)
+            if not done:
+                log.warning("nats close at shutdown did not finish in %.1f s; exiting without it", SHUTDOWN_TIMEOUT_S / 3)
+            elif closing.exception() is not None:  # closing a broken connection: say so, exit anyway
+                log.warning("nats close at shutdown failed: %s", closing.exception().__class__.__name__)
+        elif self.nc is not None:
+            log.warning("nats not connected at shutdown: %d bytes of outputs not sent", self.nc.pending_data_size)
         if metrics_server is not None:
             metrics_server.shutdown()
 
