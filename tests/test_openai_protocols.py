@@ -270,6 +270,12 @@ def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_
         assert st.state == "ready" and st.not_ready_reason == ""
         assert st.signals == m.EngineSignals(protocol="openai", metrics="none", liveness="health", token_ids=False,
                                              kv_events=False)
+    # The operator sees the same per worker in /admin/workers.
+    admin = {w["id"]: w for w in httpx.get(state["router_url"] + "/admin/workers", timeout=30).json()["workers"]}
+    for wid in ("w0", "w1"):
+        assert admin[wid]["signals"] == {"protocol": "openai", "metrics": "none", "liveness": "health",
+                                         "token_ids": False, "kv_events": False}
+        assert admin[wid]["not_ready_reason"] == ""
     # Served by the servers (their counters, which a bare server keeps off /metrics).
     served = sum(sum(v for _, v in parse_prometheus(httpx.get(u + "/_sim/metrics", timeout=5).text)
                      .get("flexlb_sim_requests_finished_total", [])) for u in (url_a, url_b))

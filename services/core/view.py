@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.messages import WorkerRegistered, WorkerStatusReported
+from schemas.messages import EngineSignals, WorkerRegistered, WorkerStatusReported
 
 
 LIVE_STATES = frozenset(("ready", "suspect"))  # liveness states that get new work
@@ -51,6 +51,9 @@ class WorkerInfo:
     host: str = ""
     state: str = "ready"  # as the worker reports it: ready | not_ready | draining | stopping
     not_ready_reason: str = ""  # its one-line reason when state is not ready ("" if it gave none)
+    # What it has from its engine (metrics flavour, liveness, token ids, KV events); None
+    # until its first status (a worker before the field: EngineSignals() when read)
+    signals: EngineSignals | None = None
     block_size_tokens: int = 16
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
@@ -137,6 +140,7 @@ class WorkerView:
         if isinstance(event, WorkerStatusReported):
             info.state = event.state
             info.not_ready_reason = event.not_ready_reason
+            info.signals = event.signals or EngineSignals()
             info.num_kv_blocks = event.num_kv_blocks
             info.num_free_kv_blocks = event.num_free_kv_blocks
             info.num_cached_kv_blocks = event.num_cached_kv_blocks

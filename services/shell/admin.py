@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import msgspec
 from typing import TYPE_CHECKING, Any
 
 from schemas import messages as m
@@ -108,6 +110,10 @@ class Admin:
                 "id": w.worker_id, "role": w.role,
                 "live": live, "liveness": w.liveness, "num_missed_syncs": w.num_missed_syncs,
                 "draining": w.draining, "state": self.worker_state(w.worker_id), "reported_state": w.state,
+                "not_ready_reason": w.not_ready_reason,
+                # Which signals it has from its engine (EngineSignals): the openai agent's
+                # server may give no /metrics, no token ids, no KV events.
+                "signals": msgspec.structs.asdict(w.signals) if w.signals is not None else None,
                 "num_dispatched": self.s.num_dispatched.get(w.worker_id, 0),
                 "num_finished": self.s.num_finished.get(w.worker_id, 0),
                 "num_held": self.s.scheduler.holds_work(w.worker_id), "pid": w.pid, "host": w.host, "engine": w.engine, "boot_id": w.boot_id,
