@@ -67,7 +67,7 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     worker_id: str
     role: Role
     boot_id: str
-    state: str = "ready"  # "ready" | "draining" | "stopping"
+    state: str = "ready"  # "ready" | "not_ready" (not_ready_reason says why) | "draining" | "stopping"
     engine: str = "sim"
     pid: int = 0
     host: str = ""

@@ -284,7 +284,7 @@ def run_up(args, settings: RouterSettings) -> int:
         worker_flags: list[str] = []
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
                      "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs",
-                     "scheduler", "max_prefill_tokens", "engine_model", "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
+                     "scheduler", "max_prefill_tokens", "engine_model", "engine_protocol", "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
@@ -344,6 +344,8 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--tokenizer-add-special-tokens", str(settings.tokenizer_add_special_tokens).lower()]
             if settings.tokenizer:  # every replica tokenizes alike: a standby forwards ids, not text
                 router_flags += ["--tokenizer", os.path.abspath(settings.tokenizer)]
+            if settings.chat_template:
+                router_flags += ["--chat-template", os.path.abspath(settings.chat_template)]
             children["router" if i == 0 else f"router-{i}"] = _child(router_flags, env)
             if args.http_workers > 1:
                 http_worker_urls.append(f"http://{settings.host}:{own_port}")

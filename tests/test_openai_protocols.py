@@ -222,21 +222,6 @@ def worker_statuses(nats_url: str, worker_ids: list[str]) -> dict[str, m.WorkerS
     return asyncio.run(read())
 
 
-def up_with_env(spawn, tmp_path, env: dict[str, str], *argv: str) -> dict:
-    """`flexlb up ARGS` with worker settings in the environment (what `flexlb up` does not
-    pass to its workers as flags)."""
-    state_file = tmp_path / f"state-{secrets.token_hex(3)}.json"
-    proc = spawn("up", "--port", str(free_port()), "--state-file", str(state_file), *argv, env=env, name="up")
-
-    def ready():
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"flexlb up exited with {proc.popen.returncode}:\n{proc.tail()}")
-        return state_file.exists()
-
-    wait_for(ready, 90, "flexlb up to write its state file")
-    return json.loads(state_file.read_text())
-
-
 def routed_streams_complete(state: dict, n: int, seed: int) -> None:
     router = state["router_url"]
     wait_for(lambda: sum(w["state"] == "ready" for w in httpx.get(router + "/admin/workers", timeout=10).json()["workers"])
@@ -282,11 +267,10 @@ def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_
     assert served == 100 + 1  # and the chat request above
 
 
-def test_100_streams_through_sglangs_generate_cumulative_and_incremental(spawn, tmp_path):
+def test_100_streams_through_sglangs_generate_cumulative_and_incremental(spawn, flexlb_up):
     (url_a, _), (url_b, _) = (start_sim_server(spawn, "--time-scale", "0.05", *extra)
                               for extra in ((), ("--incremental-streaming-output",)))
-    state = up_with_env(spawn, tmp_path, {"FLEXLB_ENGINE_PROTOCOL": "sglang"},
-                        "--engine", "openai", "--engine-url", url_a, "--engine-url", url_b)
+    _, state = flexlb_up("--engine", "openai", "--engine-protocol", "sglang", "--engine-url", url_a, "--engine-url", url_b)
     routed_streams_complete(state, 100, seed=32)
     for st in worker_statuses(state["nats_url"], ["w0", "w1"]).values():
         assert (st.signals.protocol, st.signals.token_ids, st.signals.liveness) == ("sglang", True, "metrics")

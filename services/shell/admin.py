@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from typing import TYPE_CHECKING, Any
 
 from schemas import messages as m
 from services.shell.state import RouterState
