@@ -246,11 +246,23 @@ class RouterService:
             await self.journal.flush()
             if unacked := await s.acked.drain(2.0):
                 log.error("%d journal records / terminal events unacked at stop", unacked)
+            if s.events_sub is not None:
+                # nats-py never marks a pull subscription's messages done, so a drain that
+                # includes it waits out its whole limit: let it go first.
+                try:
+                    await asyncio.wait_for(s.events_sub.unsubscribe(), 1.0)
+                except Exception as exc:  # the bus is gone: the drain below says so too
+                    log.warning("unsubscribing the event consumer on stop failed (%s)", exc.__class__.__name__)
             try:
+                if not s.nc.is_connected:
+                    raise ConnectionError("not connected")
                 await asyncio.wait_for(s.nc.drain(), 3.0)
             except Exception as exc:  # bus gone at shutdown: close without draining, say so
                 log.warning("nats drain on stop failed (%s); closing", exc.__class__.__name__)
-                await s.nc.close()
+                try:
+                    await asyncio.wait_for(s.nc.close(), 1.0)
+                except Exception as close_exc:  # nothing left to close cleanly: the process is ending
+                    log.warning("nats close on stop failed (%s)", close_exc.__class__.__name__)
         if s.redis is not None:
             await s.redis.aclose()
 
