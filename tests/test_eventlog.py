@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import json
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -276,3 +277,17 @@ async def test_a_run_where_the_tpot_hold_holds_and_refuses_replays_identically(f
     assert rc == 0 and summary["errors"] == [] and summary["gaps"] == [], summary
     assert summary["decisions"] >= 80 and summary["matched"] == summary["decisions"], summary
     assert summary["first_divergence"] is None
+
+
+def test_a_journal_recorded_before_the_core_was_reorganised_replays_identically():
+    """tests/golden/journal-before-issue26.jsonl.gz: `flexlb events export` of a `flexlb up`
+    run (3 workers, 60 requests: completions streamed and not, chat with a shared system
+    prompt) recorded before issue 26 moved the core's modules. Every later version must
+    replay it to the same decisions: a move that changes behaviour shows here."""
+    from services.eventlog import replay_file
+
+    summary, _ = replay_file(str(pathlib.Path(__file__).parent / "golden" / "journal-before-issue26.jsonl.gz"),
+                             progress=False)
+    assert summary["journals"] == 1 and summary["decisions"] == 114
+    assert summary["matched"] == summary["decisions"] and summary["first_divergence"] is None
+    assert not summary["errors"] and not summary["gaps"]
