@@ -34,10 +34,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import messages as m
 from schemas.api import CompletionRequest
+from schemas.http import (
+    JSON_TYPE,
+    SSE_DONE,
+    SSE_TYPE,
+    ClientGone,
+    HttpError,
+    error_body,
+    error_status,
+    read_body,
+    send_bytes,
+    send_error,
+    sse,
+)
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from services.chat import (
-    BadRequest,
     ChatShape,
     CompletionShape,
     StopMatcher,
@@ -50,7 +62,7 @@ from services.chat import (
     usage_of,
 )
 from services.core.scheduler import Rejected
-from services.shell.router import RequestHandle, RouterService, error_for
+from services.shell.router import RequestHandle, RouterService
 
 log = logging.getLogger("flexlb.api")
 
@@ -59,61 +71,42 @@ _ENC = msgspec.json.Encoder()
 
 
 def _error(code: str, message: str, request_id: str | None = None) -> Response:
-    status, body = error_for(code, message)
+    status, body = error_status(code), error_body(code, message)
     headers = {"X-Request-Id": request_id} if request_id else None
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-async def _read_body(receive, declared: bytes | None, limit: int) -> bytes:
-    """The request body from ASGI `receive`, refused `too_large` past `limit` (by its declared
-    content-length at once, or as it arrives); ClientGone if the client disconnects."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest("too_large", f"body of {declared.decode()} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest("too_large", f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
 def parse_completion(body: bytes, settings,
                      tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> tuple[CompletionRequest, list[int]]:
-    """Decode and validate a completion body; raise BadRequest with a design code. A text
+    """Decode and validate a completion body; raise HttpError with a design code. A text
     prompt becomes `tokenizer`'s ids."""
     if not body:
-        raise BadRequest("invalid_request", "empty body; expected a JSON object with a prompt")
+        raise HttpError("invalid_request", "empty body; expected a JSON object with a prompt")
     try:
         req = _REQ_DECODER.decode(body)
     except msgspec.ValidationError as exc:
-        raise BadRequest("invalid_request", f"invalid body: {exc}") from None
+        raise HttpError("invalid_request", f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest("invalid_request", f"invalid JSON: {exc}") from None
+        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
     if req.model is not None and req.model != settings.model_name:
-        raise BadRequest("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+        raise HttpError("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
     check_max_tokens(req.max_tokens, settings)
     if req.stream_options is not None and not req.stream:
-        raise BadRequest("invalid_request", "stream_options: only with stream true")
+        raise HttpError("invalid_request", "stream_options: only with stream true")
     if isinstance(req.prompt, str):
         bound = tokenizer.max_chars_per_token  # cheap bound before tokenizing (module docstring)
         if bound is not None and len(req.prompt) > settings.max_prompt_tokens * bound:
-            raise BadRequest("too_large", f"prompt of {len(req.prompt)} characters exceeds the limit of "
+            raise HttpError("too_large", f"prompt of {len(req.prompt)} characters exceeds the limit of "
                                           f"{settings.max_prompt_tokens} tokens (one token is at most {bound} characters)")
         tokens = tokenizer.encode(req.prompt)
     else:
         tokens = req.prompt
         if any(t < 0 or t >= 1 << 31 for t in tokens):
-            raise BadRequest("invalid_request", "prompt token ids must be in [0, 2^31)")
+            raise HttpError("invalid_request", "prompt token ids must be in [0, 2^31)")
     if not tokens:
-        raise BadRequest("invalid_request", "prompt is empty")
+        raise HttpError("invalid_request", "prompt is empty")
     if len(tokens) > settings.max_prompt_tokens:
-        raise BadRequest("too_large", f"prompt of {len(tokens)} tokens exceeds the limit of {settings.max_prompt_tokens}")
+        raise HttpError("too_large", f"prompt of {len(tokens)} tokens exceeds the limit of {settings.max_prompt_tokens}")
     check_options(req, settings)
     return req, tokens
 
@@ -124,9 +117,9 @@ def _header_ms(raw: str | None, name: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise BadRequest("invalid_request", f"header {name} must be a number of ms, got {raw!r}") from None
+        raise HttpError("invalid_request", f"header {name} must be a number of ms, got {raw!r}") from None
     if not (value > 0 and value < 1e9):
-        raise BadRequest("invalid_request", f"header {name} must be positive, got {raw!r}")
+        raise HttpError("invalid_request", f"header {name} must be positive, got {raw!r}")
     return value
 
 
@@ -172,7 +165,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "invalid_request"}.get(exc.status_code, "invalid_request")
-        status, body = error_for(code, str(exc.detail))
+        body = error_body(code, str(exc.detail))
         return Response(body, status_code=exc.status_code, media_type="application/json")
 
     @app.exception_handler(Unauthorized)
@@ -248,26 +241,11 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
     return CompletionsFront(service, tokenizer, app, resolve_chat_templates(settings, tokenizer))
 
 
-class ClientGone(Exception):
-    """The client closed the connection before its request was read."""
-
-
 _GONE = object()  # put in a stream's queue when its client disconnects
-_JSON_TYPE = (b"content-type", b"application/json")
-_SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
-async def _send_json(send, status: int, body: bytes, request_id: str | None = None) -> None:
-    headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
-    if request_id:
-        headers.append((b"x-request-id", request_id.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_error(send, code: str, message: str, request_id: str | None = None) -> None:
-    status, body = error_for(code, message)
-    await _send_json(send, status, body, request_id)
+def _id_header(request_id: str | None) -> list[tuple[bytes, bytes]] | None:
+    return [(b"x-request-id", request_id.encode())] if request_id else None
 
 
 class CompletionsFront:
@@ -304,7 +282,7 @@ class CompletionsFront:
 
         try:
             if scope["method"] != "POST":
-                await _send_error(tracked_send, "invalid_request", "Method Not Allowed")
+                await send_error(tracked_send, "invalid_request", "Method Not Allowed")
                 return
             await self.completions(scope, receive, tracked_send, chat=scope["path"] == "/v1/chat/completions")
         except ClientGone:
@@ -312,7 +290,7 @@ class CompletionsFront:
         except Exception as exc:
             log.exception("unhandled error on %s", scope["path"])
             if not started:
-                await _send_error(send, "internal", f"internal error: {exc.__class__.__name__}")
+                await send_error(send, "internal", f"internal error: {exc.__class__.__name__}")
 
     def _parse(self, body: bytes, chat: bool):
         """-> (request, prompt ids, max_tokens, stop strings, sampling, ChatForward or None, include_usage)."""
@@ -336,7 +314,7 @@ class CompletionsFront:
             elif name == b"x-flexlb-slo-tpot-ms":
                 slo_tpot_raw = value.decode("latin-1")
         try:
-            body = await _read_body(receive, length, settings.max_body_bytes)
+            body = await read_body(receive, settings.max_body_bytes, length)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
                 req, tokens, max_tokens, stop, sampling, forward, include_usage = await asyncio.to_thread(self._parse, body, chat)
             else:
@@ -346,18 +324,18 @@ class CompletionsFront:
                 validate_token("request_id", request_id)
             slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(slo_ttft_raw, "x-flexlb-slo-ttft-ms")
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
-        except (BadRequest, ValueError) as exc:
+        except (HttpError, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
             request_id = request_id or service.new_request_id()
             await service.reject(request_id, code, message)
-            await _send_error(send, code, message, request_id)
+            await send_error(send, code, message, _id_header(request_id))
             return
         request_id = request_id or service.new_request_id()
         outcome = await service.submit(request_id, tokens, max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
                                        sampling=sampling, stop=stop, chat=forward)
         if isinstance(outcome, Rejected):
-            await _send_error(send, outcome.code, outcome.message, request_id)
+            await send_error(send, outcome.code, outcome.message, _id_header(request_id))
             return
         shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), self.settings.model_name, include_usage)
         if req.stream:
@@ -386,7 +364,7 @@ class CompletionsFront:
         queue = handle.queue
         try:
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [_SSE_TYPE, (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
+                        "headers": [(b"content-type", SSE_TYPE), (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
             first = shape.first()
             try:
                 async with asyncio.timeout_at(self._deadline(handle)):
@@ -418,14 +396,13 @@ class CompletionsFront:
                                     # The end is known: with a stop string the Terminal may never come.
                                     if shape.include_usage:
                                         out.append(shape.usage_chunk(usage_of(len(handle.prompt_token_ids), num_tokens, cached)))
-                                    out.append(b"data: [DONE]\n\n")
+                                    out.append(SSE_DONE)
                                     finished = True
                                     break
                             else:
                                 if item.outcome != "finished":
-                                    _, body = error_for(item.code or "worker_failed", item.message)
-                                    out.append(b"data: " + body + b"\n\n")
-                                out.append(b"data: [DONE]\n\n")
+                                    out.append(sse(error_body(item.code or "worker_failed", item.message)))
+                                out.append(SSE_DONE)
                                 finished = True
                                 break
                             if queue.empty():
@@ -434,9 +411,9 @@ class CompletionsFront:
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": not finished})
             except TimeoutError:
                 await service.cancel(handle, "router request timeout")
-                _, body = error_for("timed_out", f"no terminal outcome within {self.settings.request_timeout_s}s")
+                body = error_body("timed_out", f"no terminal outcome within {self.settings.request_timeout_s}s")
                 finished = True
-                await send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n"})
+                await send({"type": "http.response.body", "body": sse(body) + SSE_DONE})
         finally:
             watcher.cancel()
             if not finished and not handle.done:
@@ -471,14 +448,14 @@ class CompletionsFront:
                     parts.append(text)
         except TimeoutError:
             await service.cancel(handle, "router request timeout")
-            await _send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", handle.request_id)
+            await send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", _id_header(handle.request_id))
             return
         if isinstance(item, m.TokensGenerated):  # stopped at a stop string
             pass
         elif item.outcome != "finished":
-            await _send_error(send, item.code or "worker_failed", item.message, handle.request_id)
+            await send_error(send, item.code or "worker_failed", item.message, _id_header(handle.request_id))
             return
         else:
             reason = item.finish_reason
         body = shape.body("".join(parts), reason, usage_of(len(handle.prompt_token_ids), num_tokens, cached))
-        await _send_json(send, 200, body, handle.request_id)
+        await send_bytes(send, 200, body, JSON_TYPE, _id_header(handle.request_id))

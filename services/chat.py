@@ -67,6 +67,7 @@ from schemas.api import (
     UsageWithDetails,
 )
 from schemas.chat_template import ChatTemplateError, ChatTemplates, load_chat_templates
+from schemas.http import HttpError
 from schemas.subjects import validate_token
 from schemas.tokens import ByteTokenizer, HFTokenizer
 
@@ -77,37 +78,28 @@ _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _ENC = msgspec.json.Encoder()
 
 
-class BadRequest(Exception):
-    """A request refused before admission: `code` (schemas/errors.py) and the message."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def check_options(req, settings) -> None:
     """The FlexLB fields both endpoints share (request_id, priority, timeout_s, SLO targets)."""
     if req.request_id is not None:
         try:
             validate_token("request_id", req.request_id)
         except ValueError as exc:
-            raise BadRequest("invalid_request", str(exc)) from None
+            raise HttpError("invalid_request", str(exc)) from None
     if req.priority is not None and not 1 <= req.priority <= 100:
-        raise BadRequest("invalid_request", f"priority must be in 1..100, got {req.priority}")
+        raise HttpError("invalid_request", f"priority must be in 1..100, got {req.priority}")
     if req.timeout_s is not None and not (0 < req.timeout_s <= settings.request_timeout_s):
-        raise BadRequest("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
+        raise HttpError("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(req, name)
         if value is not None and not (value > 0 and value < 1e9):
-            raise BadRequest("invalid_request", f"{name} must be a positive number of ms, got {value}")
+            raise HttpError("invalid_request", f"{name} must be a positive number of ms, got {value}")
 
 
 def check_max_tokens(value, settings, name: str = "max_tokens") -> int:
     if isinstance(value, bool) or value < 1:
-        raise BadRequest("invalid_request", f"{name} must be >= 1, got {value}")
+        raise HttpError("invalid_request", f"{name} must be >= 1, got {value}")
     if value > settings.max_output_tokens:
-        raise BadRequest("invalid_request", f"{name} {value} exceeds the limit of {settings.max_output_tokens}")
+        raise HttpError("invalid_request", f"{name} {value} exceeds the limit of {settings.max_output_tokens}")
     return value
 
 
@@ -117,10 +109,10 @@ def stop_strings(value: str | list[str] | None) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if len(stops) > MAX_STOP_STRINGS:
-        raise BadRequest("invalid_request", f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        raise HttpError("invalid_request", f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     for s in stops:
         if not s or len(s) > MAX_STOP_CHARS:
-            raise BadRequest("invalid_request", f"stop: every string must have 1..{MAX_STOP_CHARS} characters")
+            raise HttpError("invalid_request", f"stop: every string must have 1..{MAX_STOP_CHARS} characters")
     return list(dict.fromkeys(stops))
 
 
@@ -134,7 +126,7 @@ def sampling_of(req) -> m.Sampling | None:
     try:
         return msgspec.convert(given, m.Sampling)
     except msgspec.ValidationError as exc:
-        raise BadRequest("invalid_request", f"sampling: {exc}") from None
+        raise HttpError("invalid_request", f"sampling: {exc}") from None
 
 
 @dataclass
@@ -151,42 +143,42 @@ class ParsedChat:
 def _refuse_unhonoured(req: ChatCompletionRequest) -> None:
     """Known OpenAI fields at a value FlexLB would not honour: refused, naming the field."""
     if req.n != 1:
-        raise BadRequest("invalid_request", f"n: only one choice per request is supported, got {req.n}")
+        raise HttpError("invalid_request", f"n: only one choice per request is supported, got {req.n}")
     if req.logprobs or req.top_logprobs is not None:
-        raise BadRequest("invalid_request", "logprobs / top_logprobs: not supported")
+        raise HttpError("invalid_request", "logprobs / top_logprobs: not supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
-            raise BadRequest("invalid_request", f"{name}: not supported (only 0)")
+            raise HttpError("invalid_request", f"{name}: not supported (only 0)")
     if req.logit_bias:
-        raise BadRequest("invalid_request", "logit_bias: not supported")
+        raise HttpError("invalid_request", "logit_bias: not supported")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise BadRequest("invalid_request", f"response_format: only type text is supported, got {req.response_format.get('type')!r}")
+        raise HttpError("invalid_request", f"response_format: only type text is supported, got {req.response_format.get('type')!r}")
     if req.stream_options is not None:
         if not req.stream:
-            raise BadRequest("invalid_request", "stream_options: only with stream true")
+            raise HttpError("invalid_request", "stream_options: only with stream true")
         if req.stream_options.continuous_usage_stats:
-            raise BadRequest("invalid_request", "stream_options.continuous_usage_stats: not supported")
+            raise HttpError("invalid_request", "stream_options.continuous_usage_stats: not supported")
     if req.continue_final_message and req.add_generation_prompt:
-        raise BadRequest("invalid_request", "continue_final_message and add_generation_prompt cannot both be true "
+        raise HttpError("invalid_request", "continue_final_message and add_generation_prompt cannot both be true "
                                             "(set add_generation_prompt false to continue the last message)")
 
 
 def _check_messages(messages: list) -> None:
     if not messages:
-        raise BadRequest("invalid_request", "messages: at least one message is needed")
+        raise HttpError("invalid_request", "messages: at least one message is needed")
     for i, msg in enumerate(messages):
         role = msg.get("role")
         if not isinstance(role, str) or not role:
-            raise BadRequest("invalid_request", f"messages[{i}].role: a non-empty string is needed")
+            raise HttpError("invalid_request", f"messages[{i}].role: a non-empty string is needed")
         content = msg.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise BadRequest("invalid_request", f"messages[{i}].content: a string or a list of content parts")
+            raise HttpError("invalid_request", f"messages[{i}].content: a string or a list of content parts")
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest("invalid_request", f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+                raise HttpError("invalid_request", f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
 
 
 def _for_template(messages: list[dict]) -> list[dict]:
@@ -208,7 +200,7 @@ def _for_template(messages: list[dict]) -> list[dict]:
                 try:
                     c = {**c, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
                 except ValueError:
-                    raise BadRequest("invalid_request", f"messages[{i}].tool_calls: arguments are not JSON") from None
+                    raise HttpError("invalid_request", f"messages[{i}].tool_calls: arguments are not JSON") from None
             fixed.append(c)
         out[i] = {**msg, "tool_calls": fixed}
     return out
@@ -216,17 +208,17 @@ def _for_template(messages: list[dict]) -> list[dict]:
 
 def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
                templates: ChatTemplates | None) -> ParsedChat:
-    """Decode, validate and render a chat completion body; BadRequest with a design code."""
+    """Decode, validate and render a chat completion body; HttpError with a design code."""
     if not body:
-        raise BadRequest("invalid_request", "empty body; expected a JSON object with messages")
+        raise HttpError("invalid_request", "empty body; expected a JSON object with messages")
     try:
         req = _CHAT_DECODER.decode(body)
     except msgspec.ValidationError as exc:
-        raise BadRequest("invalid_request", f"invalid body: {exc}") from None
+        raise HttpError("invalid_request", f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest("invalid_request", f"invalid JSON: {exc}") from None
+        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
     if req.model is not None and req.model != settings.model_name:
-        raise BadRequest("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+        raise HttpError("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
     _refuse_unhonoured(req)
     _check_messages(req.messages)
     check_options(req, settings)
@@ -239,23 +231,23 @@ def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
     stop = stop_strings(req.stop)
     sampling = sampling_of(req)
     if templates is None:
-        raise BadRequest("invalid_request", f"no chat template for this router's tokenizer ({tokenizer.name}): start it "
+        raise HttpError("invalid_request", f"no chat template for this router's tokenizer ({tokenizer.name}): start it "
                                             "with --chat-template FILE, or a --tokenizer directory that has one")
     try:
         text = templates.render(_for_template(req.messages), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 chat_template_kwargs=req.chat_template_kwargs)
     except ChatTemplateError as exc:
-        raise BadRequest("invalid_request", f"chat template: {exc}") from None
+        raise HttpError("invalid_request", f"chat template: {exc}") from None
     bound = tokenizer.max_chars_per_token
     if bound is not None and len(text) > settings.max_prompt_tokens * bound:
-        raise BadRequest("too_large", f"the rendered conversation of {len(text)} characters exceeds the limit of "
+        raise HttpError("too_large", f"the rendered conversation of {len(text)} characters exceeds the limit of "
                                       f"{settings.max_prompt_tokens} tokens")
     tokens = tokenizer.encode(text, add_special_tokens=False)
     if not tokens:
-        raise BadRequest("invalid_request", "the rendered conversation is empty")
+        raise HttpError("invalid_request", "the rendered conversation is empty")
     if len(tokens) > settings.max_prompt_tokens:
-        raise BadRequest("too_large", f"the rendered conversation of {len(tokens)} tokens exceeds the limit of "
+        raise HttpError("too_large", f"the rendered conversation of {len(tokens)} tokens exceeds the limit of "
                                       f"{settings.max_prompt_tokens}")
     chat = m.ChatForward(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
                          add_generation_prompt=req.add_generation_prompt,

@@ -13,7 +13,8 @@ from openai import BadRequestError, OpenAI
 
 from schemas.chat_template import ChatTemplates
 from schemas.tokens import BYTE_TOKENIZER
-from services.chat import BadRequest, ChatShape, StopMatcher, parse_chat
+from schemas.http import HttpError
+from services.chat import ChatShape, StopMatcher, parse_chat
 from services.infra import free_port
 from services.settings import RouterSettings
 from tests.conftest import wait_for
@@ -62,7 +63,7 @@ REFUSED = [
 @pytest.mark.parametrize("extra,needle", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
 def test_what_flexlb_would_not_honour_is_refused_naming_the_field(extra, needle):
     body = {"messages": [{"role": "user", "content": "hi"}], **extra}
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(HttpError) as err:
         parse(body)
     assert err.value.code == "invalid_request" and needle in err.value.message
 
@@ -83,10 +84,10 @@ def test_a_template_error_is_a_400_with_the_templates_message():
                                                  "{{ raise_exception('Conversations must start with a user turn') }}"
                                                  "{% endif %}{{ messages[0].content }}"},
                            special_tokens={}, origin="test")
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(HttpError) as err:
         parse_chat(json.dumps({"messages": [SYSTEM]}).encode(), SETTINGS, BYTE_TOKENIZER, strict)
     assert "Conversations must start with a user turn" in err.value.message
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(HttpError) as err:
         parse_chat(json.dumps({"messages": [SYSTEM]}).encode(), SETTINGS, BYTE_TOKENIZER, None)
     assert "--chat-template" in err.value.message
 

@@ -60,7 +60,6 @@ import redis.asyncio as aioredis
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import messages as m
-from schemas.errors import ErrorBody, error_code
 from schemas.acked import AckedPublisher
 from schemas.subjects import (
     ALL_KV_EVENTS,
@@ -92,7 +91,7 @@ from services.shell.relay import Relay
 from services.shell.state import RequestHandle, RouterState, Terminal
 from services.shell.upkeep import Upkeep
 
-__all__ = ["RequestHandle", "RouterService", "Terminal", "error_for"]
+__all__ = ["RequestHandle", "RouterService", "Terminal"]
 
 log = logging.getLogger("flexlb.router")
 
@@ -308,7 +307,3 @@ def redis_client(settings: RouterSettings):
     sentinel = Sentinel(sentinel_addresses(settings.redis_sentinels), sentinel_kwargs={"socket_timeout": 1,
                                                                                        "socket_connect_timeout": 1})
     return sentinel.master_for(settings.redis_master_name, db=db, password=url.password, **kwargs)
-
-
-def error_for(code: str, message: str) -> tuple[int, bytes]:
-    return error_code(code).http_status, msgspec.json.encode(ErrorBody.of(code, message))
