@@ -1,4 +1,8 @@
-"""`flexlb` command line: `up`, `router`, `worker`, `schema`.
+"""`flexlb` command line: `up` (the whole stack on one machine, services/up.py), `router`,
+`worker`, `sim-server` (one simulated engine over HTTP, workers/http_front.py), `workers`
+(list, drain, undrain, remove through the admin API), `events` (export or tail the event
+log), `replay`, `explain` and `whatif` (the flight recorder, services/eventlog.py and
+services/whatif.py), `schema` (the JSON Schema of every bus message).
 
 Flags override `FLEXLB_*` environment variables, which override defaults; every value is
 validated at start and a bad one exits with status 2 and a message naming it.
