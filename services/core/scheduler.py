@@ -10,13 +10,13 @@ One request (`admit`):
    max sequence length, or a prompt longer than every prefill worker's `max_batch_tokens`:
    rejected at arrival rather than failed after queueing), `queue_full` (global cap);
 2. candidates: live workers of each role, each scored with its prefix hit, predicted
-   prefill, inflight wait, batcher-queue wait, pending count and KV (see policies.py);
+   prefill, inflight wait, batcher-queue wait, pending count and KV (services/core/policies/);
 3. disaggregated: the decode policy picks first (it reserves KV), then the prefill policy;
    colocated (pd_fusion): the prefill policy picks the one worker; `no_worker` when a role
    has no candidate, `queue_full` when every prefill worker's batcher is at its bound;
 4. SLO: TTFT/TPOT targets from buckets × priority (slo.py). The predicted TTFT is the
    chosen worker's wait + queue + prefill; if even the best candidate cannot meet the TTFT
-   target: `slo_unattainable` in `reject` mode, else admitted as best-effort;
+   target, the SLO mode decides (slo.py): `slo_unattainable`, or admitted as best-effort;
 5. commit: policies record their picks, the decode KV is reserved in the mirror, the
    approximate index (if used) learns the prompt's blocks, and the request joins the
    prefill worker's batcher. Every decision is returned as data (`RouteDecision`).
@@ -30,12 +30,18 @@ are JetStream dedupe ids); expired and too-large queue items are returned as fai
 forgotten. `next_due_ns(now_ns)` says when to tick next (None: on the next event).
 Block size: the router hashes prompts with one block size, that of the fleet (workers must
 agree; the first worker's is used).
+
+Parameters: `SchedulerConfig`, each field with its default and meaning below. The records the
+scheduler takes and returns are in records.py, the pending-prefix index in pending_prefixes.py.
+Size: this module is one class, the state machine above (about 600 lines). Its methods read
+and fold the same state, and the scoring loop (`_prefill_candidates`) inlines the ledger's,
+batcher's and predictor's rules for speed (bench/CORE.md), so splitting it would scatter
+one invariant over modules without making any part independent.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,148 +57,29 @@ from schemas.messages import (
 from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher, parse_params
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
-from services.core.policies import Candidate, Pick, RouteContext, RoutingPolicy, build_policy
+from services.core.pending_prefixes import PendingPrefixes
+from services.core.policies import Candidate, RouteContext, RoutingPolicy, build_policy
 from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
-from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex, cached_tokens, held_prefix_end
+from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex
+from services.core.records import (  # (re-exported: the shell, the journal and tests import them from here)
+    Admitted,
+    AdmitRequest,
+    FormedBatch,
+    QueuedRequest,
+    QueueFailure,
+    Rejected,
+    RouteDecision,
+    SyncResult,
+    TickResult,
+)
+from services.core.seeded import decision_seed
 from services.core.slo import SloParams, slo_targets
 from services.core.view import WorkerInfo, WorkerView
 
-MASK64 = (1 << 64) - 1
 INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000  # sweep expired approximate-index entries once a second
 # Expected decode KV of a request = prompt + min(max_tokens, this), under a decode policy that
 # has no `expected_output_cap` of its own (kv-aware has, with the same default).
 DEFAULT_EXPECTED_OUTPUT_CAP = 1000
-
-
-def decision_seed(seed: int, decision_seq: int) -> int:
-    """splitmix64 of (seed, seq): independent, reproducible per-decision seeds."""
-    z = (seed * 0x9E3779B97F4A7C15 + decision_seq + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-class PendingPrefixes:
-    """Prompts routed to a worker and not yet confirmed by its KV events, per worker, in time
-    buckets of a tenth of the ttl: a prompt's block hashes go into the worker's current
-    bucket (one C-level set update per admission, the router's hot path on long prompts),
-    a bucket lives for ten bucket widths (entries last between 0.9 and 1.0 ttl), and expiry
-    drops whole buckets. Each bucket holds whole leading runs of chained prompts, so a
-    worker's live blocks of one chain are a prefix (binary search in `match`).
-
-    Block hashes are chained (a block's hash covers every token before it), so a prompt's
-    first block is only ever some prompt's first block: `firsts` maps it to the workers
-    that were sent one, with the newest bucket, and a match visits those workers alone
-    instead of probing every worker's buckets."""
-
-    NUM_BUCKETS = 10
-
-    def __init__(self, ttl_ms: float) -> None:
-        self.ttl_ns = int(ttl_ms * 1e6)
-        self.bucket_ns = max(self.ttl_ns // self.NUM_BUCKETS, 1)
-        self.worker_buckets: dict[str, list[tuple[int, set[int]]]] = {}  # worker -> (bucket no., hashes), oldest first
-        self.firsts: dict[int, dict[str, int]] = {}  # first block -> {worker: newest bucket no. holding it}
-        self._firsts_swept_bucket = 0  # oldest live bucket at the last sweep of `firsts`
-        self._oldest_kept = -(1 << 62)  # buckets below this were dropped by an expire (kept monotonic)
-
-    def record(self, worker_id: str, block_hashes: tuple[int, ...], now_ns: int) -> None:
-        """Remember the prompt on the worker for (about) the ttl. Already in the current
-        bucket (its last block is): nothing to write."""
-        bucket = now_ns // self.bucket_ns
-        holders = self.firsts.get(block_hashes[0])
-        if holders is None:
-            self.firsts[block_hashes[0]] = {worker_id: bucket}
-        elif holders.get(worker_id, bucket) <= bucket:  # (a clock step back keeps the newer bucket)
-            holders[worker_id] = bucket
-        buckets = self.worker_buckets.get(worker_id)
-        if buckets is None:
-            buckets = self.worker_buckets[worker_id] = []
-        if buckets and buckets[-1][0] == bucket:
-            current = buckets[-1][1]
-            if block_hashes[-1] not in current:
-                current.update(block_hashes)
-        else:
-            buckets.append((bucket, set(block_hashes)))
-
-    def match(self, block_hashes: tuple[int, ...], now_ns: int) -> dict[str, int]:
-        """Leading blocks per worker, by binary search over its live buckets."""
-        holders = self.firsts.get(block_hashes[0])
-        if not holders:
-            return {}
-        oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
-        # The first block is in a live bucket iff the newest bucket it went into is live and
-        # kept (a clock step back can make a dropped bucket "live" again).
-        first_floor = oldest_live if oldest_live > self._oldest_kept else self._oldest_kept
-        last = block_hashes[-1]
-        n = len(block_hashes)
-        out: dict[str, int] = {}
-        worker_buckets = self.worker_buckets
-        for worker_id, newest in holders.items():
-            if newest < first_floor:
-                continue
-            buckets = worker_buckets.get(worker_id)
-            if buckets is None:  # (expired whole; `firsts` is swept later)
-                continue
-            if len(buckets) == 1:  # one bucket: plain set probes
-                held = buckets[0][1]
-                if last in held:
-                    out[worker_id] = n
-                    continue
-                out[worker_id] = held_prefix_end(held, block_hashes, n - 1)  # (block n-1 is not held)
-                continue
-            live = [hs for b, hs in reversed(buckets) if b >= oldest_live]  # newest first: hits end a probe sooner
-            for hs in live:  # the whole prompt (the common case of a repeated one)
-                if last in hs:
-                    out[worker_id] = n
-                    break
-            else:
-                lo, hi = 1, n - 1  # block lo-1 is held, block n-1 is not; find the longest held prefix
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    h = block_hashes[mid - 1]
-                    for hs in live:
-                        if h in hs:
-                            lo = mid
-                            break
-                    else:
-                        hi = mid - 1
-                out[worker_id] = lo
-        return out
-
-    def expire(self, now_ns: int) -> None:
-        oldest_live = now_ns // self.bucket_ns - self.NUM_BUCKETS + 1
-        if oldest_live > self._oldest_kept:
-            self._oldest_kept = oldest_live
-        for worker_id, buckets in list(self.worker_buckets.items()):
-            keep = [x for x in buckets if x[0] >= oldest_live]
-            if keep:
-                self.worker_buckets[worker_id] = keep
-            else:
-                del self.worker_buckets[worker_id]
-        # The first-block map is swept once a ttl (a stale entry is skipped by `match`, so it
-        # only costs memory meanwhile): sweeping it every second cost more than the matches.
-        if not self.worker_buckets:
-            self.firsts.clear()
-            self._firsts_swept_bucket = oldest_live
-        elif oldest_live - self._firsts_swept_bucket >= self.NUM_BUCKETS:
-            self._firsts_swept_bucket = oldest_live
-            for first, holders in list(self.firsts.items()):
-                if any(b < oldest_live for b in holders.values()):
-                    holders = {w: b for w, b in holders.items() if b >= oldest_live}
-                    if holders:
-                        self.firsts[first] = holders
-                    else:
-                        del self.firsts[first]
-
-    def num_entries(self) -> dict[str, int]:
-        """Distinct block entries kept per worker, for tests and metrics."""
-        return {w: len(set().union(*(hs for _, hs in buckets))) for w, buckets in self.worker_buckets.items()}
-
-    def remove_worker(self, worker_id: str) -> None:
-        self.worker_buckets.pop(worker_id, None)
-        for first, holders in list(self.firsts.items()):
-            if holders.pop(worker_id, None) is not None and not holders:
-                del self.firsts[first]
 
 
 @dataclass(frozen=True)
@@ -213,11 +100,8 @@ class SchedulerConfig:
     slo: SloParams = field(default_factory=SloParams)
     prefix_index: str = "exact"  # "exact" (KV events) | "approximate" (learned from decisions)
     approx_index_ttl_ms: float = 120_000.0
-    # exact mode: a routed prompt counts as cached on its worker for this long (0.9–1.0 of it:
-    # PendingPrefixes keeps time buckets of a tenth), until the worker's KV events confirm it
-    # (they arrive only after the prefill). Without it, requests
-    # that arrive while a shared prefix is still being prefilled look like misses everywhere
-    # (the trace benchmark saw 31k predicted vs 95k actual cached tokens). 0 disables.
+    # exact mode: a routed prompt counts as cached on its worker for this long (0.9–1.0 of it),
+    # until the worker's KV events confirm it; 0 disables (services/core/pending_prefixes.py).
     pending_prefix_ttl_ms: float = 30_000.0
     dead_after_missed_syncs: int = 3  # liveness: dead after this many sync cycles without a report
     settle_after_missed_reports: int = 2  # calibration: a running request missing from this many reports is settled
@@ -236,126 +120,6 @@ class SchedulerConfig:
         build_batcher(self.batcher, self.batcher_params, lambda items: 0.0)
         self.slo.validate()
         return self
-
-
-@dataclass
-class QueuedRequest:
-    """An admitted request waiting in a batcher (field names match `Batchable`)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    num_cached_tokens: int  # predicted prefix hit on the prefill worker
-    kv_tokens: int  # KV the engine needs to admit it: the prompt (its output's KV grows as it decodes)
-    max_tokens: int
-    enqueued_ns: int
-    deadline_ns: int  # arrival + TTFT SLO
-    tpot_target_ms: float  # its TPOT SLO
-    strict_deadline: bool  # refused rather than served past its TTFT target (its SLO mode: see admit)
-    prefill_worker_id: str
-    decode_worker_id: str
-    payload: object = None  # the shell's request handle; the core never looks inside
-
-
-@dataclass(slots=True)
-class AdmitRequest:
-    """(Immutable by convention: not frozen, as a frozen dataclass costs a microsecond to build,
-    and a replay builds one per recorded arrival.)"""
-
-    request_id: str
-    num_prompt_tokens: int
-    max_tokens: int
-    block_hashes: tuple[int, ...] = ()
-    priority: int | None = None
-    slo_ttft_ms: float | None = None  # override
-    slo_tpot_ms: float | None = None  # override
-    payload: object = None
-
-
-class RouteDecision:
-    """One routing decision (immutable by convention; a plain slots class: one per request)."""
-
-    __slots__ = ("stage", "policy", "decision_seq", "seed", "pick")
-
-    def __init__(self, stage: str, policy: str, decision_seq: int, seed: int, pick: Pick) -> None:
-        self.stage = stage  # "prefill" | "decode"
-        self.policy = policy
-        self.decision_seq = decision_seq
-        self.seed = seed
-        self.pick = pick
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RouteDecision) and (self.stage, self.policy, self.decision_seq, self.seed, self.pick) == (
-            other.stage, other.policy, other.decision_seq, other.seed, other.pick)
-
-    def __repr__(self) -> str:
-        return f"RouteDecision({self.stage}, {self.policy}, seq={self.decision_seq}, {self.pick!r})"
-
-
-@dataclass(slots=True)
-class Admitted:
-    """(Immutable by convention: not frozen, as a frozen dataclass costs a microsecond to build.)"""
-
-    request: QueuedRequest
-    decisions: list[RouteDecision]
-    predicted_ttft_ms: float
-    slo_ttft_ms: float
-    slo_tpot_ms: float
-    priority: int
-    best_effort: bool
-
-    @property
-    def prefill_pick(self) -> Pick:
-        return next(d.pick for d in self.decisions if d.stage == "prefill")
-
-    @property
-    def decode_pick(self) -> Pick:
-        return next((d.pick for d in self.decisions if d.stage == "decode"), self.prefill_pick)
-
-    @property
-    def policy(self) -> str:
-        return "/".join(d.policy for d in self.decisions)
-
-
-@dataclass(frozen=True)
-class Rejected:
-    code: str
-    message: str
-    decisions: list[RouteDecision] = field(default_factory=list)
-    predicted_ttft_ms: float = 0.0
-    slo_ttft_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class FormedBatch:
-    batch_id: str
-    worker_id: str
-    items: list[QueuedRequest]
-    reason: str
-    predicted_ms: float
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(i.num_prompt_tokens for i in self.items)
-
-
-@dataclass(frozen=True)
-class QueueFailure:
-    item: QueuedRequest
-    code: str  # queue_timeout | too_large | no_worker
-    message: str
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    dead: list[str]  # workers that just became dead
-    expired: list[str]  # workers removed
-    orphans: list[QueuedRequest]  # queued at the router for a dead/expired worker: re-admit or fail
-
-
-@dataclass(frozen=True)
-class TickResult:
-    batches: list[FormedBatch]
-    failures: list[QueueFailure]
 
 
 class Scheduler:
@@ -425,8 +189,8 @@ class Scheduler:
     def sync(self, now_ns: int) -> "SyncResult":
         """One liveness cycle. Dead workers get no new work, and the requests queued for them
         at the router come back for re-routing; expired workers are removed from every
-        structure (view, batcher, prefix indexes, inflight mirror, predictor, gates) so nothing
-        grows without bound (the original's defect 9)."""
+        structure (view, batcher, prefix indexes, inflight mirror, predictor, gates), so nothing
+        grows without bound."""
         dead, expired = self.view.sync(now_ns, self.config.dead_after_missed_syncs, self.config.expire_after_ms * 1_000_000)
         orphans: list[QueuedRequest] = []
         for worker_id in dead + expired:

@@ -1,0 +1,134 @@
+"""The scheduler's input and output records: a request to admit, and the decisions, batches
+and failures it returns. Plain data (the shell encodes them as events; `explain` and `replay`
+read them); the core never reads them back to decide.
+
+Hot-path records (`AdmitRequest`, `Admitted`, `RouteDecision`) are immutable by convention
+rather than frozen: a frozen dataclass costs about a microsecond to build, and the router and
+a replay build one per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.core.policies import Pick
+
+
+@dataclass
+class QueuedRequest:
+    """An admitted request waiting in a batcher (field names match `Batchable`)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int  # predicted prefix hit on the prefill worker
+    kv_tokens: int  # KV the engine needs to admit it: the prompt (its output's KV grows as it decodes)
+    max_tokens: int
+    enqueued_ns: int
+    deadline_ns: int  # arrival + TTFT SLO
+    tpot_target_ms: float  # its TPOT SLO
+    strict_deadline: bool  # refused rather than served past its TTFT target (its SLO mode: see admit)
+    prefill_worker_id: str
+    decode_worker_id: str
+    payload: object = None  # the shell's request handle; the core never looks inside
+
+
+@dataclass(slots=True)
+class AdmitRequest:
+    """(Immutable by convention: not frozen, as a frozen dataclass costs a microsecond to build,
+    and a replay builds one per recorded arrival.)"""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    priority: int | None = None
+    slo_ttft_ms: float | None = None  # override
+    slo_tpot_ms: float | None = None  # override
+    payload: object = None
+
+
+class RouteDecision:
+    """One routing decision (immutable by convention; a plain slots class: one per request)."""
+
+    __slots__ = ("stage", "policy", "decision_seq", "seed", "pick")
+
+    def __init__(self, stage: str, policy: str, decision_seq: int, seed: int, pick: Pick) -> None:
+        self.stage = stage  # "prefill" | "decode"
+        self.policy = policy
+        self.decision_seq = decision_seq
+        self.seed = seed
+        self.pick = pick
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RouteDecision) and (self.stage, self.policy, self.decision_seq, self.seed, self.pick) == (
+            other.stage, other.policy, other.decision_seq, other.seed, other.pick)
+
+    def __repr__(self) -> str:
+        return f"RouteDecision({self.stage}, {self.policy}, seq={self.decision_seq}, {self.pick!r})"
+
+
+@dataclass(slots=True)
+class Admitted:
+    """(Immutable by convention: not frozen, as a frozen dataclass costs a microsecond to build.)"""
+
+    request: QueuedRequest
+    decisions: list[RouteDecision]
+    predicted_ttft_ms: float
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    priority: int
+    best_effort: bool
+
+    @property
+    def prefill_pick(self) -> Pick:
+        return next(d.pick for d in self.decisions if d.stage == "prefill")
+
+    @property
+    def decode_pick(self) -> Pick:
+        return next((d.pick for d in self.decisions if d.stage == "decode"), self.prefill_pick)
+
+    @property
+    def policy(self) -> str:
+        return "/".join(d.policy for d in self.decisions)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    code: str
+    message: str
+    decisions: list[RouteDecision] = field(default_factory=list)
+    predicted_ttft_ms: float = 0.0
+    slo_ttft_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class FormedBatch:
+    batch_id: str
+    worker_id: str
+    items: list[QueuedRequest]
+    reason: str
+    predicted_ms: float
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(i.num_prompt_tokens for i in self.items)
+
+
+@dataclass(frozen=True)
+class QueueFailure:
+    item: QueuedRequest
+    code: str  # queue_timeout | too_large | no_worker
+    message: str
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    dead: list[str]  # workers that just became dead
+    expired: list[str]  # workers removed
+    orphans: list[QueuedRequest]  # queued at the router for a dead/expired worker: re-admit or fail
+
+
+@dataclass(frozen=True)
+class TickResult:
+    batches: list[FormedBatch]
+    failures: list[QueueFailure]
