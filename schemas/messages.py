@@ -11,6 +11,9 @@ Evolution rules (golden payloads under tests/golden/ enforce them):
   by `schema_version`.
 
 Units are in the names: `*_ms`, `*_ns`, `*_tokens`, `*_blocks`, `num_*`.
+
+One module for every message, though it is over 500 lines: the tagged union `Payload` and
+its decoder need every tag in one place, and a reader of the wire looks for a message here.
 """
 
 from __future__ import annotations
