@@ -20,7 +20,7 @@ Configurations, each started fresh on this machine:
 
 Load, closed loop: `--concurrency` C client tasks, each sending one streamed completion after
 another (a 64-token prompt of ids, `max_tokens` M, `ignore_eos`), over a fresh HTTP/1.1
-connection each (bench/trace.py's client). After `--warmup-s` (streams under way, start-up
+connection each (bench/loadgen.py's client). After `--warmup-s` (streams under way, start-up
 done) the CPU time of every process (/proc/PID/stat: user + system) and the number of tokens
 the clients have received so far are read; again after `--duration-s`; the differences give,
 per process kind, CPU-microseconds per relayed token (a token counted once, when its text
@@ -60,8 +60,20 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import trace as bt  # noqa: E402
-from bench.peers import Proc, child_env, flexlb_exe, stop_all, wait_http  # noqa: E402
+from bench.common import (  # noqa: E402
+    Proc,
+    child_env,
+    flexlb_exe,
+    free_port,
+    http_get,
+    machine_facts,
+    proc_cpu_s,
+    proc_cpu_times,
+    stop_all,
+    wait_http,
+    wait_up_state,
+)
+from bench.loadgen import Rec, stream_one  # noqa: E402
 
 PROMPT_TOKENS = 64
 KINDS = ("agents", "engines", "workers", "router", "nats", "redis", "loadgen")
@@ -102,11 +114,11 @@ class Fleet:
             flags = ["--engine", "openai"]
             engines = []
             for i in range(a.engines):
-                port = bt.free_port()
+                port = free_port()
                 events: list[str] = []
                 pub_replay: list[str] = []
                 if a.kv_events:
-                    pub, replay = bt.free_port(), bt.free_port()
+                    pub, replay = free_port(), free_port()
                     events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
                               "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
                     pub_replay = events
@@ -123,26 +135,20 @@ class Fleet:
                 self.engine_pids[p.name] = p.pid
         else:
             flags = ["--workers", str(a.engines), "--time-scale", f"{a.time_scale:g}"]
-        self.port = bt.free_port()
+        self.port = free_port()
         state_file = self.workdir / f"state-{self.config}.json"
         argv = [*flexlb_exe(), "up", *flags, "--port", str(self.port), "--state-file", str(state_file),
                 *shlex.split(a.flexlb_args)]
         up = Proc("up", argv, self.workdir / f"{self.config}-up.log", env)
         self.procs.append(up)
         up.start()
-        while not state_file.exists():
-            if not up.running():
-                raise RuntimeError(f"flexlb up exited with {up.popen.returncode} during start-up:\n{up.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no state file from flexlb up after {a.startup_timeout_s}s:\n{up.log_tail()}")
-            time.sleep(0.1)
-        self.state = json.loads(state_file.read_text())
+        self.state = wait_up_state(up, state_file, deadline, a.startup_timeout_s)
         url = self.state["router_url"]
 
         def all_ready(status: int | None, _text: str) -> bool:
             if status != 200:
                 return False
-            code, text = bt.http_get(url + "/admin/workers")
+            code, text = http_get(url + "/admin/workers")
             try:
                 return code == 200 and sum(w["state"] == "ready" for w in json.loads(text)["workers"]) == a.engines
             except (ValueError, KeyError, TypeError):
@@ -159,16 +165,13 @@ class Fleet:
 
 
 def cpu_by_pid(pids: dict[str, int]) -> dict[str, float | None]:
-    return {name: bt.proc_cpu_s(pid) for name, pid in pids.items()}
+    return {name: proc_cpu_s(pid) for name, pid in pids.items()}
 
 
 def sys_cpu_s(pid: int) -> float | None:
     """System (kernel) CPU seconds of a process: its socket writes and reads, mostly."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[12]) / bt.CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return None
+    times = proc_cpu_times(pid)
+    return None if times is None else times[1]
 
 
 def cores_by_kind(before: dict[str, float | None], after: dict[str, float | None], wall_s: float,
@@ -188,7 +191,7 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     """C closed-loop clients; CPU and tokens read at the end of the warm-up and of the window."""
     host, port = fleet.url.split("//", 1)[1].rsplit(":", 1)
     enc = msgspec.json.Encoder()
-    results: list[bt.Result] = []
+    results: list[Rec] = []
     stop_at = 0.0
     counter = 0
 
@@ -198,12 +201,13 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             counter += 1
             rid = f"cost-{c}-{counter}"
             prompt = [(counter * 7919 + i * 31) % 50_000 for i in range(PROMPT_TOKENS)]
+            # A dict, not schemas/api.py's CompletionRequest: the Struct would also send its ~15
+            # unset fields as nulls, which the router would parse on every request measured here.
             body = enc.encode({"prompt": prompt, "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True,
                                "request_id": rid})
-            req = bt.TraceRequest(0, rid, 0.0, 0.0, PROMPT_TOKENS, args.max_tokens, body)
-            res = bt.Result(rid, 0, PROMPT_TOKENS, args.max_tokens, 0.0)
+            res = Rec(counter, 0)
             results.append(res)
-            await asyncio.wait_for(bt.stream_one(host, int(port), req, res), args.request_timeout_s)
+            await asyncio.wait_for(stream_one(host, int(port), body, res, connect_timeout_s=30), args.request_timeout_s)
 
     def snapshot() -> tuple[float, int, int, dict[str, float | None], dict[str, float | None]]:
         pids = fleet.pids()
@@ -225,7 +229,7 @@ async def drive(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     except asyncio.TimeoutError:
         for t in tasks:
             t.cancel()
-    failed = [r for r in results if r.error is not None or (r.done and r.tokens != r.max_tokens)]
+    failed = [r for r in results if r.error is not None or (r.done and r.tokens != args.max_tokens)]
     wall = t1 - t0
     tokens = tok1 - tok0
     cores = cores_by_kind(cpu0, cpu1, wall, fleet.config)
@@ -303,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: dict[str, Any] = {"label": args.label, "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                           "machine": bt.machine_facts(),
+                           "machine": machine_facts(),
                            "params": {k: getattr(args, k) for k in ("engines", "concurrency", "max_tokens", "time_scale",
                                                                     "warmup_s", "duration_s", "kv_events", "flexlb_args")},
                            "results": {}}

@@ -49,8 +49,16 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import trace as bt  # noqa: E402
-from bench.peers import Proc, child_env, flexlb_exe, wait_http  # noqa: E402
+from bench.common import (  # noqa: E402
+    Proc,
+    child_env,
+    flexlb_exe,
+    free_port,
+    machine_facts,
+    proc_cpu_s,
+    wait_http,
+    wait_up_state,
+)
 
 MODEL = "flexlb-sim"
 WORKLOADS = {
@@ -87,7 +95,7 @@ def parse_wrk(text: str) -> dict[str, Any]:
 
 
 def proc_tree_cpu_s(pids: list[int]) -> float:
-    return sum(bt.proc_cpu_s(p) or 0.0 for p in pids)
+    return sum(proc_cpu_s(p) or 0.0 for p in pids)
 
 
 def run_wrk(url: str, script: Path, c: int, duration_s: float, watch: dict[str, list[int]]) -> dict[str, Any]:
@@ -122,15 +130,11 @@ class Target:
         if self.name == "flexlb":
             state_file = self.workdir / "state.json"
             up = Proc("up", [*flexlb_exe(), "up", "--workers", str(a.workers), "--time-scale", "0", "--port",
-                             str(bt.free_port()), "--state-file", str(state_file), *shlex.split(a.flexlb_args)],
+                             str(free_port()), "--state-file", str(state_file), *shlex.split(a.flexlb_args)],
                       self.workdir / "up.log", env)
             self.procs = [up]
             up.start()
-            while not state_file.exists():
-                if not up.running() or time.monotonic() > deadline:
-                    raise RuntimeError(f"flexlb up did not start:\n{up.log_tail()}")
-                time.sleep(0.1)
-            state = json.loads(state_file.read_text())
+            state = wait_up_state(up, state_file, deadline, 120)
             self.url = state["router_url"]
             wait_http(self.url + "/readyz", deadline, self.procs, lambda s, _: s == 200)
             pids = state.get("pids", {})
@@ -140,7 +144,7 @@ class Target:
             return
         urls = []
         for i in range(a.workers):
-            port = bt.free_port()
+            port = free_port()
             p = Proc(f"engine-{i}", [*flexlb_exe(), "sim-server", "--port", str(port), "--time-scale", "0",
                                      "--worker-id", f"w{i}", "--model-name", MODEL], self.workdir / f"sim-{i}.log", env)
             p.start()
@@ -148,10 +152,10 @@ class Target:
             urls.append(f"http://127.0.0.1:{port}")
         for u in urls:
             wait_http(u + "/health", deadline, self.procs, lambda s, _: s == 200)
-        port = bt.free_port()
+        port = free_port()
         router = Proc("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
                                  str(port), "--worker-urls", *urls, "--policy", "round_robin", "--log-level", "warn",
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(bt.free_port()),
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                                  "--worker-startup-check-interval", "1"], self.workdir / "router.log", env)
         router.start()
         self.procs.append(router)
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     workdir = Path(tempfile.mkdtemp(prefix="flexlb-hotpath-"))
     result: dict[str, Any] = {"benchmark": "bench/hotpath.py", "command": shlex.join([sys.executable, *sys.argv]),
-                              "machine": bt.machine_facts(), "levels": []}
+                              "machine": machine_facts(), "levels": []}
     ok = True
     for name in args.targets.split(","):
         target = Target(name, args, workdir / name)

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -55,23 +54,27 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import httpx  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.common import (  # noqa: E402
+    REPORT_PACKAGES,
+    Proc,
+    free_port,
+    machine_busy_s,
+    parse_metrics,
+    percentile,
+    proc_cpu_times,
+    wait_http,
+    wait_up_state,
+)
+from bench.common import fmt as common_fmt  # noqa: E402
+from bench.common import machine_facts as common_machine_facts  # noqa: E402
+
 BATCH_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "+Inf")  # le bounds of flexlb_batch_size_requests
 
 
 # --------------------------------------------------------------------------- small helpers
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of an ascending list."""
-    if not sorted_values:
-        return None
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
     v = sorted(x * 1000.0 for x in values_s)
     out: dict[str, float | None] = {q: percentile(v, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))}
@@ -80,51 +83,9 @@ def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
     return {k: (round(x, 3) if x is not None else None) for k, x in out.items()}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_cpu_s(pid: int) -> tuple[float, float] | None:
-    """(user, system) CPU seconds of a process (Linux /proc), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK  # utime, stime (fields 14, 15)
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds the whole machine spent busy (all cores, /proc/stat), to spot foreign load."""
-    try:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / CLK_TCK  # all but idle and iowait
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def self_cpu_s() -> tuple[float, float]:
     t = os.times()
     return t.user, t.system
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value} (labels as printed)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def metric_delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
@@ -203,49 +164,8 @@ def export_rev(rev: str, dest: Path) -> str:
 
 
 def machine_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    facts["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as fh:
-            facts["mem_total_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    versions = {}
-    from importlib import metadata
-
-    for pkg in ("httpx", "uvicorn", "fastapi", "nats-py", "redis", "msgspec", "uvloop", "httptools"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    facts["packages"] = versions
-    for binary in ("nats-server", "redis-server"):
-        try:
-            from services.infra import find_binary
-
-            out = subprocess.run([find_binary(binary), "--version"], capture_output=True, text=True, timeout=10)
-            facts[binary] = (out.stdout or out.stderr).strip().splitlines()[0]
-        except Exception as exc:  # a fact we could not read is reported, not fatal
-            facts[binary] = f"unknown ({exc.__class__.__name__})"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10)
-        facts["git_commit"] = commit.stdout.strip()
-        facts["git_dirty_files"] = [ln[3:] for ln in dirty.stdout.splitlines()]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return facts
+    """The shared facts (bench/common.py), with httpx's version and the servers' versions."""
+    return common_machine_facts(("httpx", *REPORT_PACKAGES), ("nats-server", "redis-server"))
 
 
 # --------------------------------------------------------------------------- the stack
@@ -260,7 +180,7 @@ class Stack:
         name = "default" if batch_wait_ms is None else f"{batch_wait_ms:g}"
         self.state_file = workdir / f"state-{name}.json"
         self.log_path = workdir / f"up-{name}.log"
-        self.proc: subprocess.Popen | None = None
+        self.up: Proc | None = None  # `flexlb up`, once started
         self.label = name  # what the report calls this window; set from the router once it runs
         self.state: dict[str, Any] = {}
         self.exit_code: int | None = None
@@ -308,29 +228,11 @@ class Stack:
             return None
 
     def start(self) -> None:
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv(), cwd=self.source or REPO, env=self.env(), stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.up = Proc("up", self.argv(), self.log_path, self.env(), cwd=self.source or REPO)
+        self.up.start()
         deadline = time.monotonic() + self.args.startup_timeout_s
-        while not self.state_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flexlb up exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no state file after {self.args.startup_timeout_s}s:\n{self.log_tail()}")
-            time.sleep(0.1)
-        self.state = json.loads(self.state_file.read_text())
-        url = self.state["router_url"]
-        while True:
-            try:
-                r = httpx.get(url + "/readyz", timeout=2)
-                if r.status_code == 200:
-                    break
-                last = r.text
-            except httpx.HTTPError as exc:
-                last = str(exc)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"/readyz not 200 after {self.args.startup_timeout_s}s: {last}")
-            time.sleep(0.1)
+        self.state = wait_up_state(self.up, self.state_file, deadline, self.args.startup_timeout_s)
+        wait_http(self.url + "/readyz", deadline, [self.up], lambda status, _: status == 200)
 
     @property
     def url(self) -> str:
@@ -340,27 +242,13 @@ class Stack:
         return dict(self.state.get("pids", {}))
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return self.up.log_tail(n) if self.up is not None else ""
 
     def stop(self) -> int | None:
         """SIGTERM `flexlb up`; returns its exit status (None: it had to be killed)."""
-        if self.proc is None:
+        if self.up is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.exit_code = self.proc.wait(self.args.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                # Only the process group this harness started (flexlb up and its children).
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-                self.exit_code = None
-        else:
-            self.exit_code = self.proc.returncode
-        self.log.close()
+        self.exit_code = self.up.stop(self.args.stop_timeout_s)
         return self.exit_code
 
 
@@ -410,7 +298,7 @@ class Probe:
         return out
 
     def cpu(self) -> dict[str, tuple[float, float] | None]:
-        out = {name: proc_cpu_s(pid) for name, pid in self.stack.pids().items()}
+        out = {name: proc_cpu_times(pid) for name, pid in self.stack.pids().items()}
         out["loadgen"] = self_cpu_s()
         return out
 
@@ -720,11 +608,8 @@ async def run_level(stack: Stack, probe: Probe, args: argparse.Namespace, concur
 
 # --------------------------------------------------------------------------- report
 def fmt(x: Any, nd: int = 1) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
+    """A table cell with no thousands separator."""
+    return common_fmt(x, nd, sep="")
 
 
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -964,7 +849,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> int:
             run["window_label"] = stack.label
             print(f"  router {stack.url} pids {stack.pids()}; fixed-window wait {effective} ms", file=sys.stderr, flush=True)
             if args.nice is not None:
-                problems = renice([os.getpid(), stack.proc.pid, *stack.pids().values()], args.nice)
+                problems = renice([os.getpid(), stack.up.pid, *stack.pids().values()], args.nice)
                 run["renice_problems"] = problems
                 for problem in problems:
                     print(f"  --nice: {problem}", file=sys.stderr)

@@ -150,19 +150,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
-import multiprocessing
 import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -172,7 +168,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import trace as bt  # noqa: E402  (helpers: ports, /proc CPU, percentiles, JSON)
+from bench import loadgen  # noqa: E402
 from bench.capacity import (  # noqa: E402
     MIN_SLICE_LIFETIMES,
     SCHEDULERS,
@@ -183,6 +179,18 @@ from bench.capacity import (  # noqa: E402
     mean_zero_load_e2e_ms,
     slice_lifetimes,
     zero_load_slo_fraction,
+)
+from bench.common import dump_json, fmt, machine_facts, stop_all, summarize  # noqa: E402
+from bench.loadgen import Rec  # noqa: E402
+from bench.peers_fleet import (  # noqa: E402
+    ENGINE_INT_FLAGS,
+    Config,
+    builtin_configs,
+    engine_flags,
+    make_fleet,
+    sim_server_check,
+    warm_up,
+    with_pd,
 )
 from bench.workloads import (  # noqa: E402
     WORKLOADS,
@@ -195,58 +203,6 @@ from bench.workloads import (  # noqa: E402
 )
 
 DEFAULT_PROFILE = REPO / "workers" / "profiles" / "llama2-70b-h100-tp8.json"
-PEER_POLICIES = ("round_robin", "cache_aware", "power_of_two")
-WARMUP_PROMPT = "warm"  # shorter than any KV block: nothing is cached by it
-WARMUP_PREFIX = "warmup-"
-
-
-# --------------------------------------------------------------------------- configurations
-@dataclass(frozen=True)
-class Config:
-    name: str
-    kind: str  # "flexlb" | "flexlb-openai" (FlexLB's agents in front of the sim-servers) | "sglang" | "vllm" | "direct"
-    policy: str | None = None  # the peer router's --policy
-    flexlb_flags: tuple[str, ...] = ()  # added to `flexlb up`
-    pd: tuple[int, int] | None = None  # disaggregated: (prefill engines, decode engines); None: colocated
-    engine_mode: str = "vllm"  # every engine's --scheduler: "vllm" (mixed steps) | "sglang" (prefill-first)
-
-
-def with_pd(config: Config, suffix: str, workers: int) -> Config:
-    """`NAME@PpDd` (e.g. `flexlb@3p1d`, `sglang-cache_aware@3p1d`): the same configuration on
-    a disaggregated fleet of P prefill and D decode engines, P + D = K. FlexLB: `flexlb up
-    --prefill P --decode D`. sglang-router: `--pd-disaggregation`, each prefill engine given
-    with its own HTTP port as the bootstrap port, `--policy` for both stages (SGLang's
-    bootstrap protocol, emulated by the sim-server: workers/http_front.py). vllm-router's PD
-    protocol (kv_transfer_params) is not emulated, and no-router round-robin has no hand-off."""
-    import re
-
-    match = re.fullmatch(r"(\d+)p(\d+)d", suffix)
-    if match is None:
-        raise ValueError(f"{config.name}@{suffix}: the fleet shape is PpDd, e.g. 3p1d")
-    num_prefill, num_decode = int(match[1]), int(match[2])
-    if num_prefill < 1 or num_decode < 1 or num_prefill + num_decode != workers:
-        raise ValueError(f"{config.name}@{suffix}: P, D >= 1 and P + D = --workers ({workers})")
-    if config.kind not in ("flexlb", "sglang"):
-        raise ValueError(f"{config.name}@{suffix}: a PD fleet runs with FlexLB or sglang-router only")
-    flags = config.flexlb_flags + (("--prefill", str(num_prefill), "--decode", str(num_decode))
-                                   if config.kind == "flexlb" else ())
-    return dataclasses.replace(config, name=f"{config.name}@{suffix}", flexlb_flags=flags,
-                               pd=(num_prefill, num_decode))
-
-
-def builtin_configs() -> dict[str, Config]:
-    configs = [
-        Config("flexlb", "flexlb"),
-        Config("flexlb-fixed-window", "flexlb", flexlb_flags=("--batcher", "fixed-window")),
-        Config("flexlb-slo-budget", "flexlb", flexlb_flags=("--batcher", "slo-budget")),
-        Config("flexlb-cache-aware", "flexlb", flexlb_flags=("--prefill-policy", "cache-aware")),
-        Config("flexlb-round-robin", "flexlb", flexlb_flags=("--prefill-policy", "round-robin")),
-        Config("flexlb-openai", "flexlb-openai"),
-        *(Config(f"sglang-{p}", "sglang", policy=p) for p in PEER_POLICIES),
-        *(Config(f"vllm-{p}", "vllm", policy=p) for p in PEER_POLICIES),
-        Config("direct-round-robin", "direct"),
-    ]
-    return {c.name: c for c in configs}
 
 
 # --------------------------------------------------------------------------- workloads
@@ -264,8 +220,8 @@ def workload_facts(rows: list[Row], span_s: float, block_size_tokens: int = 16) 
         "first_row": rows[0].row,
         "recorded_span_s": round(span_s, 3),
         "recorded_rate_req_per_s": round(len(rows) / span_s, 4) if span_s > 0 else None,
-        "input_tokens_as_sent": bt.summarize([float(r.input_length) for r in rows], 0),
-        "max_tokens": bt.summarize([float(r.max_tokens) for r in rows], 0),
+        "input_tokens_as_sent": summarize([float(r.input_length) for r in rows], 0),
+        "max_tokens": summarize([float(r.max_tokens) for r in rows], 0),
         "prompts_cut": len(cut),
         "prompt_tokens_cut": sum(r.recorded_input_length - r.input_length for r in cut),
         "has_prefix_info": any(r.prefix_block_ids is not None for r in rows),
@@ -279,781 +235,7 @@ def workload_facts(rows: list[Row], span_s: float, block_size_tokens: int = 16) 
     return facts
 
 
-# --------------------------------------------------------------------------- the client
-@dataclass
-class Rec:
-    """One request of one run, as the client saw it (times: wall seconds)."""
-
-    index: int
-    target: int  # index of the URL it was sent to
-    late_s: float | None = None  # send lateness vs its schedule (None: never sent)
-    status: int | None = None
-    error: str | None = None  # "<status>:<code>", "stream:<code>", "client_*", "capped", "not_sent", ...
-    error_message: str = ""  # the error event's message (the first 300 characters), for the run's samples
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    tokens: int = 0
-    done: bool = False
-
-
-_DECODER = msgspec.json.Decoder()
-
-
-def error_code(status: int, body: bytes) -> str:
-    """'<status>:<code>' from an error body: FlexLB's {"error": {"code"}}, OpenAI-style
-    {"error": {"type"}}, FastAPI's {"detail"}, or the first words of a text body."""
-    code = None
-    try:
-        obj = _DECODER.decode(body)
-    except (msgspec.DecodeError, ValueError):
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            code = err.get("code") or err.get("type") or err.get("detail")
-        elif isinstance(err, str):
-            code = err
-    if code is None:
-        code = body.decode(errors="replace").strip() or "empty_body"
-    code = "_".join(str(code).split()[:6])[:60]
-    return f"{status}:{code}"
-
-
-async def stream_one(host: str, port: int, body: bytes, request_id: str, rec: Rec) -> None:
-    """POST a streamed /v1/completions on its own connection and read the SSE stream."""
-    t_send = time.perf_counter()
-    writer = None
-    try:
-        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nX-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n"
-                f"Connection: close\r\n\r\n").encode()
-        writer.write(head + body)
-        await writer.drain()
-        parts = (await reader.readline()).split()
-        if len(parts) < 2:
-            rec.error = "client_bad_status_line"
-            return
-        rec.status = int(parts[1])
-        chunked, length = False, None
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            k, _, v = line.partition(b":")
-            k = k.strip().lower()
-            if k == b"transfer-encoding" and b"chunked" in v.lower():
-                chunked = True
-            elif k == b"content-length":
-                length = int(v.strip())
-
-        def body_parts():
-            return bt.http_body_parts(reader, chunked, length)
-
-        if rec.status != 200:
-            rec.error = error_code(rec.status, b"".join([p async for p in body_parts()]))
-            return
-        buf = b""
-        async for chunk in body_parts():
-            now = time.perf_counter()
-            buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
-            while True:
-                cut = buf.find(b"\n\n")
-                if cut < 0:
-                    break
-                event, buf = buf[:cut], buf[cut + 2:]
-                for line in event.split(b"\n"):
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        rec.done = True
-                        rec.e2e_s = now - t_send
-                        return
-                    obj = _DECODER.decode(data)
-                    if "error" in obj:
-                        err = obj["error"]
-                        code = (err.get("code") or err.get("type")) if isinstance(err, dict) else err
-                        rec.error = f"stream:{code}"
-                        rec.error_message = str(err.get("message", "") if isinstance(err, dict) else err)[:300]
-                        continue
-                    n = len(obj["choices"][0].get("text") or "")  # byte tokenizer: one ASCII char, one token
-                    if n:
-                        rec.tokens += n
-                        if rec.ttft_s is None:
-                            rec.ttft_s = now - t_send
-        if rec.error is None:
-            rec.error = "client_no_done"
-    except (OSError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError, IndexError) as exc:
-        rec.error = rec.error or f"client_{exc.__class__.__name__}"
-    finally:
-        if writer is not None:
-            writer.close()
-
-
-@dataclass
-class Plan:
-    """What one client process sends: request indices, their send times and targets."""
-
-    indices: list[int]
-    send_at_s: list[float]  # wall seconds after the common start
-    targets: list[int]
-
-
-# The bodies and URLs live in module globals so that forked client processes share them
-# without pickling (tens of MB for Mooncake).
-_BODIES: list[bytes] = []
-_REQUEST_IDS: list[str] = []
-_URLS: list[tuple[str, int]] = []
-
-
-async def replay(plan: Plan, start_wall: float, cap_s: float, request_timeout_s: float,
-                 progress_s: float = 10.0) -> tuple[list[Rec], dict[str, Any]]:
-    """Open loop: one task per request sleeping until its send time; after `cap_s` from the
-    start every unfinished task is cancelled (its connection closes) and marked `capped`."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time() + (start_wall - time.time())
-    recs = [Rec(i, t) for i, t in zip(plan.indices, plan.targets)]
-    cpu0 = time.process_time()
-
-    async def one(at: float, rec: Rec) -> None:
-        delay = t0 + at - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        rec.late_s = loop.time() - (t0 + at)
-        host, port = _URLS[rec.target]
-        try:
-            await asyncio.wait_for(stream_one(host, port, _BODIES[rec.index], _REQUEST_IDS[rec.index], rec),
-                                   request_timeout_s)
-        except asyncio.TimeoutError:
-            rec.error = rec.error or "client_timeout"
-        except Exception as exc:  # noqa: BLE001 - a client bug is one request's error, never the run's
-            rec.error = rec.error or f"client_{exc.__class__.__name__}"
-
-    async def report() -> None:
-        while True:
-            await asyncio.sleep(progress_s)
-            sent = sum(1 for r in recs if r.late_s is not None)
-            print(f"    t={loop.time() - t0:6.1f}s sent {sent} first-token {sum(1 for r in recs if r.ttft_s is not None)} "
-                  f"done {sum(1 for r in recs if r.done)} of {len(recs)}", file=sys.stderr, flush=True)
-
-    tasks = [asyncio.create_task(one(at, r)) for at, r in zip(plan.send_at_s, recs)]
-    reporter = asyncio.create_task(report()) if progress_s > 0 else None
-    remaining = max(0.1, t0 + cap_s - loop.time())
-    _, pending = await asyncio.wait(tasks, timeout=remaining)
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    if reporter is not None:
-        reporter.cancel()
-    for r in recs:
-        if not r.done and r.error is None:
-            r.error = "capped" if r.late_s is not None else "not_sent"
-    return recs, {"wall_s": round(loop.time() - t0, 2), "capped_requests": len(pending),
-                  "client_cpu_s": round(time.process_time() - cpu0, 3)}
-
-
-def _client_main(conn, plan: Plan, start_wall: float, cap_s: float, request_timeout_s: float) -> None:
-    """A forked client process: replay its share and send the records back."""
-    try:
-        recs, info = asyncio.run(replay(plan, start_wall, cap_s, request_timeout_s, progress_s=0))
-        conn.send(([(r.index, r.target, r.late_s, r.status, r.error, r.ttft_s, r.e2e_s, r.tokens, r.done, r.error_message) for r in recs],
-                   info))
-    except BaseException as exc:  # report, never hang the parent
-        conn.send(exc.__class__.__name__ + ": " + str(exc))
-    finally:
-        conn.close()
-
-
-# --------------------------------------------------------------------------- processes
-_LIVE: list["Proc"] = []  # every process started and not yet stopped (stopped on any exit)
-
-
-class Proc:
-    """A child in its own session (process group), logging to a file; stopped by SIGTERM to
-    it, SIGKILL to its group after `timeout_s`, and its group's leftovers reaped."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
-        self.popen: subprocess.Popen | None = None
-        self.exit_code: int | None = None
-        self.killed = False
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid if self.popen else 0
-
-    def start(self) -> None:
-        self.log = open(self.log_path, "w")
-        self.popen = subprocess.Popen(self.argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
-        _LIVE.append(self)
-
-    def running(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float) -> int | None:
-        """The exit status after SIGTERM; None when it had to be killed."""
-        if self.popen is None:
-            return None
-        p = self.popen
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.killed = True
-                _killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-        self.exit_code = None if self.killed else p.returncode
-        # Children it left behind in its group (e.g. a worker `flexlb up` could not stop).
-        if _group_alive(p.pid):
-            _killpg(p.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 3
-            while _group_alive(p.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if _group_alive(p.pid):
-                _killpg(p.pid, signal.SIGKILL)
-        self.log.close()
-        if self in _LIVE:
-            _LIVE.remove(self)
-        return self.exit_code
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def stop_all(timeout_s: float = 10.0) -> None:
-    for p in list(reversed(_LIVE)):
-        p.stop(timeout_s)
-
-
-def wait_http(url: str, deadline: float, procs: list[Proc], ok: Callable[[int | None, str], bool]) -> str:
-    """Poll a URL until `ok(status, text)`; fail when a process died or the deadline passed."""
-    last = "no answer yet"
-    while True:
-        for p in procs:
-            if not p.running():
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode if p.popen else None} during start-up:\n"
-                                   f"{p.log_tail()}")
-        status, text = bt.http_get(url, timeout=2.0)
-        if ok(status, text):
-            return text
-        last = f"{status} {text[:200]}"
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not ready in time: {last}")
-        time.sleep(0.2)
-
-
-def flexlb_exe() -> list[str]:
-    exe = shutil.which("flexlb") or str(Path(sys.executable).parent / "flexlb")
-    return [exe] if Path(exe).exists() else [sys.executable, "-m", "services.cli"]
-
-
-def child_env(workdir: Path) -> dict[str, str]:
-    """The environment of every child: no FLEXLB_* overrides of ours (a fresh stack each
-    time), and Hugging Face pointed at a closed loopback port, offline: a router that tries
-    to fetch a tokenizer fails at once and nothing leaves the machine."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXLB_")}
-    env.update(FLEXLB_UP_STATE=str(workdir / "last-up.json"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(workdir / "hf"),
-               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
-    return env
-
-
-_CLOSED_PORT: int | None = None
-
-
-def _closed_port() -> int:
-    """A loopback port nobody listens on (picked once, then left closed)."""
-    global _CLOSED_PORT
-    if _CLOSED_PORT is None:
-        _CLOSED_PORT = bt.free_port()
-    return _CLOSED_PORT
-
-
-# --------------------------------------------------------------------------- fleets
-ENGINE_INT_FLAGS = ("num_kv_blocks", "block_size_tokens", "max_seq_len_tokens", "max_num_batched_tokens",
-                    "max_num_seqs", "max_prefill_tokens")
-
-
-def engine_flags(args: argparse.Namespace, engine_mode: str | None = None) -> list[str]:
-    """The engine flags given on our command line, for every engine of every configuration,
-    and `--scheduler ENGINE_MODE` (the run's engine mode, passed to every engine always)."""
-    out: list[str] = ["--scheduler", engine_mode] if engine_mode else []
-    for name in (*ENGINE_INT_FLAGS, "profile"):
-        v = getattr(args, name)
-        if v is not None:
-            out += [f"--{name.replace('_', '-')}", str(v)]
-    if args.no_chunked_prefill:
-        out.append("--no-chunked-prefill")
-    return out
-
-
-class Fleet:
-    """K engines (and a router or not) for one run."""
-
-    def __init__(self, config: Config, args: argparse.Namespace, workdir: Path, tag: str) -> None:
-        self.config, self.args, self.workdir, self.tag = config, args, workdir, tag
-        self.procs: list[Proc] = []
-        self.urls: list[tuple[str, int]] = []  # where the client sends
-
-    def commands(self) -> list[str]:
-        return [shlex.join(p.argv) for p in self.procs]
-
-    def pids(self) -> dict[str, int]:
-        return {p.name: p.pid for p in self.procs}
-
-    def target_of(self, i: int) -> int:
-        return 0
-
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> dict[str, int | None]:
-        codes = {}
-        for p in reversed(self.procs):  # router first, engines last
-            codes[p.name] = p.stop(self.args.stop_timeout_s)
-        return codes
-
-    def counters(self) -> dict[str, Any] | None:
-        return None
-
-    async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
-        return {}
-
-
-class FlexlbFleet(Fleet):
-    """`flexlb up --workers K --time-scale T` (+ the configuration's flags, + --flexlb-args)."""
-
-    def fleet_flags(self) -> list[str]:
-        """`flexlb up`'s fleet: K NATS workers running our engine flags and the run's engine mode."""
-        a = self.args
-        return ["--workers", str(a.workers), "--time-scale", f"{a.time_scale:g}",
-                *engine_flags(a, self.config.engine_mode)]
-
-    def start(self) -> None:
-        self.start_up(self.fleet_flags())
-
-    def up_argv(self, fleet_flags: list[str], port: int, state_file: Path) -> list[str]:
-        """`flexlb up FLEET_FLAGS` + the configuration's flags + --flexlb-args (which win)."""
-        return [*flexlb_exe(), "up", *fleet_flags, "--port", str(port), "--state-file", str(state_file),
-                *self.config.flexlb_flags, *self.args.flexlb_args_list]
-
-    def start_up(self, fleet_flags: list[str]) -> None:
-        """`up_argv(FLEET_FLAGS)`; returns once its router answers /readyz."""
-        a = self.args
-        self.port = bt.free_port()
-        self.state_file = self.workdir / f"state-{self.tag}.json"
-        argv = self.up_argv(fleet_flags, self.port, self.state_file)
-        up = Proc("up", argv, self.workdir / f"{self.tag}-up.log", child_env(self.workdir))
-        self.procs.append(up)
-        up.start()
-        deadline = time.monotonic() + a.startup_timeout_s
-        while not self.state_file.exists():
-            if not up.running():
-                raise RuntimeError(f"flexlb up exited with {up.popen.returncode} during start-up:\n{up.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no state file from flexlb up after {a.startup_timeout_s}s:\n{up.log_tail()}")
-            time.sleep(0.1)
-        self.state = json.loads(self.state_file.read_text())
-        url = self.state["router_url"]
-        wait_http(url + "/readyz", deadline, [up], lambda s, _: s == 200)
-        host, port = url.split("//", 1)[1].rsplit(":", 1)
-        self.urls = [(host, int(port))]
-
-    def pids(self) -> dict[str, int]:
-        pids = {k: v for k, v in self.state.get("pids", {}).items()} if hasattr(self, "state") else {}
-        return {**pids, **{p.name: p.pid for p in self.procs}}
-
-    def counters(self) -> dict[str, Any] | None:
-        return self.router_counters()
-
-    def router_counters(self) -> dict[str, Any] | None:
-        status, text = bt.http_get(self.state["router_url"] + "/metrics")
-        return bt.parse_metrics(text) if status == 200 else None
-
-    async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
-        return await self.event_log_facts(before)
-
-    async def event_log_facts(self, before: dict[str, Any] | None) -> dict[str, Any]:
-        """Prefix hits and per-worker requests from the event log (warm-ups left out)."""
-        from schemas import messages as m
-        from tests.stack import read_event_log
-
-        envs = await asyncio.wait_for(read_event_log(self.state["nats_url"]), self.args.startup_timeout_s)
-        per_worker: Counter = Counter()
-        terminal: Counter = Counter()
-        failures: Counter = Counter()  # "code: message" of request.failed events
-        prompt = cached = 0
-        for env in envs:
-            p = env.payload
-            rid = getattr(p, "request_id", "")
-            if rid.startswith(WARMUP_PREFIX):
-                continue
-            if isinstance(p, m.RequestAdmitted):
-                per_worker[p.prefill_worker_id] += 1
-            elif isinstance(p, m.RequestFinished):
-                prompt += p.num_prompt_tokens
-                cached += p.num_cached_tokens
-                terminal["finished"] += 1
-            elif isinstance(p, m.RequestFailed):
-                terminal[f"failed:{p.code}"] += 1
-                failures[f"{p.code}: {p.message[:160]}"] += 1
-            elif isinstance(p, m.RequestRejected):
-                terminal[f"rejected:{p.code}"] += 1
-            elif isinstance(p, m.RequestCancelled):
-                terminal["cancelled"] += 1
-        after = self.router_counters() or {}
-        best_effort = None
-        if after and before is not None:
-            key = "flexlb_best_effort_admissions_total"
-            best_effort = after.get(key, 0.0) - before.get(key, 0.0)
-        return {
-            "source": "event log: request.finished (prefix), request.admitted (per worker)",
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
-            "requests_per_worker": dict(sorted(per_worker.items())),
-            "terminal_events": dict(sorted(terminal.items())),
-            "failure_messages": dict(failures.most_common(10)),
-            "best_effort_admissions": best_effort,
-            "events": len(envs),
-        }
-
-
-class SimFleet(Fleet):
-    """K `flexlb sim-server` processes, and the peer router in front of them (or none)."""
-
-    def start_engines(self, kv_events: bool = False) -> float:
-        """K sim-servers (with vLLM's KV events sockets on loopback when `kv_events`: their
-        endpoints in self.kv_endpoints); returns the start-up deadline once all are healthy."""
-        a = self.args
-        env = child_env(self.workdir)
-        base = shlex.split(a.sim_server_cmd) if a.sim_server_cmd else [*flexlb_exe(), "sim-server"]
-        engines = []
-        self.engine_urls: list[str] = []
-        self.kv_endpoints: list[tuple[str, str]] = []  # (PUB, replay) per engine
-        pd = self.config.pd
-        roles = ["prefill"] * pd[0] + ["decode"] * pd[1] if pd else ["pd_fusion"] * a.workers
-        for i, role in enumerate(roles):
-            port = bt.free_port()
-            events: list[str] = []
-            if kv_events:
-                # The server binds its PUB socket only for `tcp://*:PORT` (vLLM's rule: any other
-                # address is connected to, for a proxy) and the agent's SUB connects: given
-                # 127.0.0.1 on both sides, both connect and no event ever arrives.
-                pub_port, replay = bt.free_port(), f"tcp://127.0.0.1:{bt.free_port()}"
-                self.kv_endpoints.append((f"tcp://127.0.0.1:{pub_port}", replay))
-                events = ["--kv-events-endpoint", f"tcp://*:{pub_port}", "--kv-events-replay-endpoint", replay]
-            argv = self.engine_argv(base, i, role if pd else None, port, events)
-            engines.append(Proc(f"worker-w{i}", argv, self.workdir / f"{self.tag}-w{i}.log", env))
-            self.engine_urls.append(f"http://127.0.0.1:{port}")
-        self.procs = list(engines)
-        for p in engines:
-            p.start()
-        deadline = time.monotonic() + a.startup_timeout_s
-        for url in self.engine_urls:
-            wait_http(url + "/health", deadline, engines, lambda s, _: s == 200)
-        return deadline
-
-    def engine_argv(self, base: list[str], i: int, role: str | None, port: int, events: list[str]) -> list[str]:
-        """One sim-server: engine w<i> (a PD role or colocated), our engine flags and the run's engine mode."""
-        a = self.args
-        return [*base, "--port", str(port), "--worker-id", f"w{i}", "--time-scale", f"{a.time_scale:g}",
-                *(["--role", role] if role else []), *(["--host", "127.0.0.1"] if a.sim_server_has_host else []),
-                *engine_flags(a, self.config.engine_mode), *events,
-                *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else [])]
-
-    def start(self) -> None:
-        a = self.args
-        env = child_env(self.workdir)
-        pd = self.config.pd
-        deadline = self.start_engines()
-        kind = self.config.kind
-        if kind == "direct":
-            self.urls = [("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in self.engine_urls]
-            return
-        port, prom_port = bt.free_port(), bt.free_port()
-        module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
-        if pd:  # each prefill engine's own HTTP port is its bootstrap port (workers/http_front.py)
-            fleet = ["--pd-disaggregation"]
-            for url in self.engine_urls[:pd[0]]:
-                fleet += ["--prefill", url, url.rsplit(":", 1)[1]]
-            for url in self.engine_urls[pd[0]:]:
-                fleet += ["--decode", url]
-        else:
-            fleet = ["--worker-urls", *self.engine_urls]
-        argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
-                *fleet, "--policy", self.config.policy,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
-                "--log-level", "warn" if kind == "sglang" else "warning",
-                "--worker-startup-check-interval", "1", *a.peer_args_list]
-        self.prometheus_port = prom_port
-        router = Proc("router", argv, self.workdir / f"{self.tag}-router.log", env)
-        self.procs.append(router)
-        router.start()
-
-        def ready(status: int | None, text: str) -> bool:
-            if status != 200:
-                return False
-            try:
-                return int(json.loads(text).get("healthy_workers", -1)) >= a.workers
-            except (ValueError, AttributeError, TypeError):
-                return True  # 200 without the counts: take the router's word
-
-        wait_http(f"http://127.0.0.1:{port}/readiness", deadline, self.procs, ready)
-        self.urls = [("127.0.0.1", port)]
-
-    def target_of(self, i: int) -> int:
-        return i % len(self.urls) if self.config.kind == "direct" else 0
-
-    def counters(self) -> dict[str, Any] | None:
-        out = {}
-        for i, url in enumerate(self.engine_urls):
-            status, text = bt.http_get(url + "/metrics")
-            if status != 200:
-                return None
-            sums: dict[str, float] = {}
-            for key, v in bt.parse_metrics(text).items():
-                name = key.split("{", 1)[0]
-                sums[name] = sums.get(name, 0.0) + v
-            out[f"w{i}"] = sums
-        return out
-
-    def router_log_findings(self) -> list[str]:
-        """Lines of the router's log that say it tried to fetch a tokenizer or failed requests."""
-        router = next((p for p in self.procs if p.name == "router"), None)
-        if router is None:
-            return []
-        try:
-            text = router.log_path.read_text(errors="replace")
-        except OSError:
-            return []
-        found: dict[str, int] = {}
-        for line in text.splitlines():
-            line = _strip_ansi(line)
-            low = line.lower()
-            if "huggingface" in low or "download" in low or ("tokenizer" in low and "fail" in low):
-                at = max(line.find("Failed"), 0)
-                msg = line[at:at + 300]
-                found[msg] = found.get(msg, 0) + 1
-        return [f"{n}x {msg}" for msg, n in list(found.items())[:10]]
-
-    def router_metrics(self) -> dict[str, float]:
-        """The peer router's own counters of retries, errors and circuit breaking."""
-        if self.config.kind not in ("sglang", "vllm"):
-            return {}
-        status, text = bt.http_get(f"http://127.0.0.1:{self.prometheus_port}/metrics")
-        if status != 200:
-            return {}
-        out = {}
-        for key, v in bt.parse_metrics(text).items():
-            name = key.split("{", 1)[0]
-            not_ok = 'status_code="' in key and 'status_code="2' not in key
-            if v and (not_ok or any(w in name for w in ("retr", "error", "fail", "circuit", "reject"))):
-                out[key] = v
-        return out
-
-    async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
-        after = self.counters()
-        if after is None or before is None:
-            return {"source": "sim-server /metrics", "error": "a sim-server's /metrics did not answer"}
-
-        def delta(w: str, name: str) -> float:
-            return after[w].get(name, 0.0) - before[w].get(name, 0.0)
-
-        workers = sorted(after)
-        prompt = sum(delta(w, "flexlb_sim_prompt_tokens_total") for w in workers)
-        cached = sum(delta(w, "flexlb_sim_cached_tokens_total") for w in workers)
-        queries = sum(delta(w, "vllm:prefix_cache_queries_total") for w in workers)
-        hits = sum(delta(w, "vllm:prefix_cache_hits_total") for w in workers)
-        return {
-            "source": "sim-server /metrics deltas over the replay",
-            "prompt_tokens": int(prompt),
-            "cached_tokens": int(cached),
-            "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
-            "vllm_prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
-            "requests_per_worker": {w: int(delta(w, "flexlb_sim_requests_total")) for w in workers},
-            "preemptions": int(sum(delta(w, "flexlb_sim_preemptions_total") for w in workers)),
-            "kv_event_batches_published": int(sum(delta(w, "flexlb_sim_kv_event_batches_total") for w in workers)),
-            "router_counters": self.router_metrics(),
-            "router_log": self.router_log_findings(),
-        }
-
-
-class AdapterFleet(SimFleet, FlexlbFleet):
-    """FlexLB through its OpenAI adapter: the same K sim-servers as the peers' (each also
-    publishing vLLM's KV events over ZMQ), and `flexlb up --engine openai --engine-url URL
-    --kv-events-endpoint PUB --kv-events-replay-endpoint REPLAY` per server in front of them
-    (+ the configuration's flags, + --flexlb-args). The engine's facts come from the servers'
-    /metrics, as for the peers; the outcome counts from FlexLB's event log."""
-
-    def start(self) -> None:
-        self.start_engines(kv_events=True)
-        flags = ["--engine", "openai"]
-        for url, (pub, replay) in zip(self.engine_urls, self.kv_endpoints):
-            flags += ["--engine-url", url, "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
-        self.start_up(flags)
-
-    def target_of(self, i: int) -> int:
-        return 0
-
-    def pids(self) -> dict[str, int]:
-        """`flexlb up`'s processes (its agents are worker-*), and the servers as engine-*."""
-        state = self.state.get("pids", {}) if hasattr(self, "state") else {}
-        procs = {("engine-" + p.name.removeprefix("worker-") if p.name.startswith("worker-") else p.name): p.pid
-                 for p in self.procs}
-        return {**state, **procs}
-
-    def stop(self) -> dict[str, int | None]:
-        return Fleet.stop(self)  # `flexlb up` (the last started) first, the servers after
-
-    def counters(self) -> dict[str, Any] | None:
-        return SimFleet.counters(self)
-
-    async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
-        engines = await SimFleet.after_replay(self, before)
-        flexlb = await self.event_log_facts(None)
-        keep = ("terminal_events", "failure_messages", "requests_per_worker", "events")
-        # That the servers' KV events reach the router's prefix index (a run without them
-        # routes blind to the cache and says nothing else about it).
-        kv = {k: v for k, v in (self.router_counters() or {}).items() if k.startswith("flexlb_kv_events_total")}
-        published = engines.get("kv_event_batches_published", 0)
-        if published > 0 and not sum(kv.values()):
-            print(f"    WARNING: the servers published {published} KV event batches and the router took none",
-                  file=sys.stderr, flush=True)
-        return engines | {"flexlb_" + k: flexlb[k] for k in keep} | {"router_kv_events": kv}
-
-
-def _strip_ansi(s: str) -> str:
-    import re
-
-    return re.sub(r"\x1b\[[0-9;]*m", "", s)
-
-
-def make_fleet(config: Config, args: argparse.Namespace, workdir: Path, tag: str) -> Fleet:
-    fleets = {"flexlb": FlexlbFleet, "flexlb-openai": AdapterFleet}
-    return fleets.get(config.kind, SimFleet)(config, args, workdir, tag)
-
-
 # --------------------------------------------------------------------------- one run
-def warm_up(fleet: Fleet, args: argparse.Namespace, deadline: float) -> int:
-    """Tiny requests through every URL until `--warmup` succeed on each (or the deadline)."""
-    if args.warmup <= 0:
-        return 0
-    enc = msgspec.json.Encoder()
-    sent = 0
-
-    async def go() -> None:
-        nonlocal sent
-        for u, (host, port) in enumerate(fleet.urls):
-            ok = 0
-            while ok < args.warmup:
-                rid = f"{WARMUP_PREFIX}{u}-{sent}"
-                body = enc.encode({"model": args.model_name, "prompt": WARMUP_PROMPT, "max_tokens": 2, "stream": True,
-                                   "request_id": rid})
-                rec = Rec(-1, u)
-                sent += 1
-                try:
-                    await asyncio.wait_for(stream_one(host, port, body, rid, rec), 30)
-                except asyncio.TimeoutError:
-                    rec.error = "client_timeout"
-                if rec.done and rec.error is None:
-                    ok += 1
-                elif time.monotonic() > deadline:
-                    raise RuntimeError(f"warm-up through {host}:{port} keeps failing: {rec.error}")
-                else:
-                    await asyncio.sleep(0.2)
-
-    asyncio.run(go())
-    return sent
-
-
-def make_plans(n: int, send_at_s: list[float], fleet: Fleet, procs: int) -> list[Plan]:
-    plans = [Plan([], [], []) for _ in range(procs)]
-    for i in range(n):
-        p = plans[i % procs]
-        p.indices.append(i)
-        p.send_at_s.append(send_at_s[i])
-        p.targets.append(fleet.target_of(i))
-    return [p for p in plans if p.indices]
-
-
-def run_clients(plans: list[Plan], cap_s: float, args: argparse.Namespace, n: int,
-                pids: dict[str, int]) -> tuple[list[Rec], dict[str, Any], dict[str, Any]]:
-    """Replay in this process (one plan) or in forked client processes; CPU sampled meanwhile."""
-    start_wall = time.time() + 0.5
-    if len(plans) == 1:
-        sampler = bt.CpuSampler(pids, args.cpu_interval_s)
-        sampler.start()
-        try:
-            recs, info = asyncio.run(replay(plans[0], start_wall, cap_s, args.request_timeout_s))
-        finally:
-            cpu = sampler.stop()
-        infos = [info]
-    else:
-        ctx = multiprocessing.get_context("fork")
-        children = []
-        start_wall = time.time() + 1.0
-        for k, plan in enumerate(plans):
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_client_main, args=(child, plan, start_wall, cap_s, args.request_timeout_s),
-                               daemon=True)
-            proc.start()
-            child.close()
-            children.append((proc, parent))
-        sampler = bt.CpuSampler({**pids, **{f"client-{k}": p.pid for k, (p, _) in enumerate(children)}},
-                                args.cpu_interval_s)
-        sampler.start()
-        recs, infos = [], []
-        try:
-            for proc, conn in children:
-                if not conn.poll(cap_s + 60):
-                    raise RuntimeError("a client process sent nothing back in time")
-                got = conn.recv()
-                if isinstance(got, str):
-                    raise RuntimeError(f"a client process failed: {got}")
-                rows, info = got
-                recs += [Rec(*r[:2], late_s=r[2], status=r[3], error=r[4], ttft_s=r[5], e2e_s=r[6], tokens=r[7],
-                             done=r[8], error_message=r[9]) for r in rows]
-                infos.append(info)
-        finally:
-            cpu = sampler.stop()
-            for proc, _ in children:
-                proc.join(5)
-                if proc.is_alive():
-                    proc.kill()
-        recs.sort(key=lambda r: r.index)
-    client = {
-        "processes": len(plans),
-        "wall_s": max(i["wall_s"] for i in infos),
-        "capped_requests": sum(i["capped_requests"] for i in infos),
-        "cpu_s": round(sum(i["client_cpu_s"] for i in infos), 2),
-    }
-    client["cores"] = round(client["cpu_s"] / client["wall_s"], 3) if client["wall_s"] > 0 else None
-    assert len(recs) == n
-    return recs, client, cpu
-
-
 def is_attained(rec: Rec, max_tokens: int, args: argparse.Namespace) -> bool:
     return is_ok(rec, max_tokens) and miss_kind(rec, max_tokens, args) is None
 
@@ -1106,15 +288,15 @@ def summarize_run(recs: list[Rec], rows: list[Row], args: argparse.Namespace, sp
         "ttft_within_slo_of_all": round(sum(1 for x in ttft if x <= args.slo_ttft_ms) / n, 4) if n else None,
         "tpot_within_slo_of_multi_token": round(sum(1 for x in tpot if x <= args.slo_tpot_ms) / len(tpot), 4)
         if tpot else None,
-        "ttft_ms": bt.summarize(ttft),
-        "tpot_ms": bt.summarize(tpot, 2),
-        "e2e_ms": bt.summarize(e2e),
+        "ttft_ms": summarize(ttft),
+        "tpot_ms": summarize(tpot, 2),
+        "e2e_ms": summarize(e2e),
         "errors": dict(errors.most_common()),
         # Why requests missed: completed but late (TTFT only, TPOT only, both), or not completed
         # (by error code: rejections, failures, client timeouts, capped at the run's end).
         "misses": misses | {"not_completed": sum(errors.values())},
         "error_samples": samples,  # up to 3 messages per code
-        "send_lateness_wall_ms": bt.summarize(late, 2),
+        "send_lateness_wall_ms": summarize(late, 2),
     }
 
 
@@ -1139,9 +321,10 @@ def one_run(config: Config, label: str, multiplier: float, rows: list[Row], args
         run["startup_s"] = round(time.monotonic() - t_start, 2)
         run["warmup_requests"] = warm_up(fleet, args, time.monotonic() + args.startup_timeout_s)
         before = fleet.counters()
-        _URLS[:] = fleet.urls
-        plans = make_plans(len(rows), send_at, fleet, args.client_procs)
-        recs, client, cpu = run_clients(plans, cap_s, args, len(rows), fleet.pids())
+        loadgen.URLS[:] = fleet.urls
+        plans = loadgen.make_plans(len(rows), send_at, fleet.target_of, args.client_procs)
+        recs, client, cpu = loadgen.run_clients(plans, cap_s, args.request_timeout_s, args.cpu_interval_s, len(rows),
+                                                fleet.pids())
         time.sleep(0.5)  # let the last counters and events land
         run["engines"] = asyncio.run(fleet.after_replay(before))
         run.update(summarize_run(recs, rows, args, span_s))
@@ -1287,7 +470,6 @@ def search_runs(run_point: Callable[[float], list[dict[str, Any]]], args: argpar
 
 
 # --------------------------------------------------------------------------- report
-fmt = bt.fmt  # "-" for None, thousands separators for floats
 
 
 def headline_text(h: dict[str, Any]) -> str:
@@ -1828,22 +1010,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def sim_server_check(args: argparse.Namespace) -> str | None:
-    """None when the engine server command answers --help and takes --scheduler (and whether
-    it takes --host); else why it cannot run."""
-    base = shlex.split(args.sim_server_cmd) if args.sim_server_cmd else [*flexlb_exe(), "sim-server"]
-    try:
-        res = subprocess.run([*base, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{shlex.join(base)} --help failed: {exc}"
-    if res.returncode != 0:
-        return f"{shlex.join(base)} --help exited {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]}"
-    if "--scheduler" not in res.stdout:
-        return f"{shlex.join(base)} does not take --scheduler, which every engine gets (the engine mode)"
-    args.sim_server_has_host = "--host" in res.stdout
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.sim_server_has_host = False
@@ -1864,8 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     span_recorded_s = rows[-1].ts_ms / 1000.0
     bodies = build_bodies(rows, args)
-    _BODIES[:] = bodies
-    _REQUEST_IDS[:] = [r.request_id for r in rows]
+    loadgen.BODIES[:] = bodies
+    loadgen.REQUEST_IDS[:] = [r.request_id for r in rows]
     facts = workload_facts(rows, span_recorded_s, engine_cfg["block_size_tokens"])
     facts["rows_chosen"] = "auto" if args.rows == "auto" else "given"
     print(f"{trace_name}: {len(rows)} rows ({facts['rows_chosen']}), {facts['recorded_rate_req_per_s']} req/s "
@@ -1945,7 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench/peers.py: FlexLB vs peer routers on simulated engines",
         "command": shlex.join([sys.executable, *sys.argv]),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": bt.machine_facts() | {"versions": versions()},
+        "machine": machine_facts() | {"versions": versions()},
         "trace": trace_name,
         "trace_path": str(trace_path) if trace_path else None,
         "chat": ({"seed": args.chat_seed} | {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path)
@@ -2083,7 +1249,7 @@ def write_json(result: dict[str, Any], out: Path, per_request: bool = False, row
         runs.append(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(bt.dump_json({**result, "runs": runs}) + "\n")
+    tmp.write_text(dump_json({**result, "runs": runs}) + "\n")
     os.replace(tmp, out)
 
 

@@ -46,133 +46,48 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
-import platform
 import random
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 REPO = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.common import (  # noqa: E402
+    CpuSampler,
+    Proc,
+    dump_json,
+    flexlb_exe,
+    fmt,
+    free_port,
+    http_get,
+    load_rows,
+    machine_facts,
+    parse_metrics,
+    percentile,
+    summarize,
+    wait_http,
+    wait_up_state,
+)
+from bench.loadgen import stream_one  # noqa: E402
+
 HASH_BLOCK_TOKENS = 512  # tokens per Mooncake hash id
 TOKEN_ID_MAX = 50_000  # prompt token ids are drawn from [0, TOKEN_ID_MAX)
 DEFAULT_TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"
 # Llama2-70B / H100 TP8 prefill fit (the simulated engine's default profile), for the
 # fidelity check when the profile file cannot be read.
 PROFILE_FALLBACK = {"prefill_base_ms": 26.45, "prefill_per_token_ms": 0.06414, "prefill_per_token_sq_ms": 3.635e-6}
-
-
-# --------------------------------------------------------------------------- small helpers
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of an ascending list."""
-    if not sorted_values:
-        return None
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def summarize(values: list[float], nd: int = 1) -> dict[str, float | None]:
-    v = sorted(values)
-    out: dict[str, float | None] = {"n": len(v), "mean": sum(v) / len(v) if v else None}
-    for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
-        out[name] = percentile(v, q)
-    out["max"] = v[-1] if v else None
-    return {k: (round(x, nd) if isinstance(x, float) else x) for k, x in out.items()}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """user + system CPU seconds of a process (Linux /proc), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds the whole machine spent busy (all cores, /proc/stat)."""
-    try:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / CLK_TCK
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def machine_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    facts["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as fh:
-            facts["mem_total_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    from importlib import metadata
-
-    versions = {}
-    for pkg in ("uvicorn", "fastapi", "nats-py", "redis", "msgspec", "uvloop", "httptools"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    facts["packages"] = versions
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10)
-        facts["git_commit"] = commit.stdout.strip()
-        facts["git_dirty_files"] = [ln[3:] for ln in dirty.stdout.splitlines()]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return facts
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value}."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def load_profile() -> dict[str, float]:
@@ -206,21 +121,6 @@ def resolve_trace(path: str) -> Path:
     if p.is_absolute() or p.exists():
         return p.resolve()
     return (REPO / p).resolve()
-
-
-def load_rows(path: Path, start: int, count: int) -> list[dict[str, Any]]:
-    rows = []
-    with open(path) as fh:
-        for i, line in enumerate(fh):
-            if i < start:
-                continue
-            if len(rows) >= count:
-                break
-            if line.strip():
-                row = json.loads(line)
-                row["_row"] = i
-                rows.append(row)
-    return rows
 
 
 class PromptBuilder:
@@ -296,23 +196,19 @@ def trace_facts(rows: list[dict[str, Any]], profile: dict[str, float], workers: 
 
 # --------------------------------------------------------------------------- the stack
 class Stack:
-    """`flexlb up` as a subprocess in its own session: started, probed, stopped."""
+    """`flexlb up` for one policy, as a child in its own session: started, probed, stopped."""
 
     def __init__(self, args: argparse.Namespace, policy: str, workdir: Path) -> None:
         self.args = args
         self.policy = policy
         self.port = free_port()
         self.state_file = workdir / f"state-{policy}.json"
-        self.log_path = workdir / f"up-{policy}.log"
-        self.proc: subprocess.Popen | None = None
+        self.up = Proc("up", self.argv(), workdir / f"up-{policy}.log")  # this environment, FLEXLB_* included
         self.state: dict[str, Any] = {}
-        self.exit_code: int | None = None
 
     def argv(self) -> list[str]:
         a = self.args
-        exe = shutil.which("flexlb")
-        base = [exe] if exe else [sys.executable, "-m", "services.cli"]
-        argv = [*base, "up", "--time-scale", f"{a.time_scale:g}", "--workers", str(a.workers),
+        argv = [*flexlb_exe(), "up", "--time-scale", f"{a.time_scale:g}", "--workers", str(a.workers),
                 "--prefill-policy", self.policy, "--port", str(self.port), "--state-file", str(self.state_file),
                 "--max-prompt-tokens", str(a.max_prompt_tokens), "--max-seq-len-tokens", str(a.max_seq_len_tokens),
                 "--num-kv-blocks", str(a.num_kv_blocks), "--block-size-tokens", str(a.block_size_tokens),
@@ -332,130 +228,24 @@ class Stack:
         return argv
 
     def start(self) -> None:
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv(), cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.up.start()
         deadline = time.monotonic() + self.args.startup_timeout_s
-        while not self.state_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flexlb up exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no state file after {self.args.startup_timeout_s}s:\n{self.log_tail()}")
-            time.sleep(0.1)
-        self.state = json.loads(self.state_file.read_text())
-        last = ""
-        while True:
-            status, text = http_get(self.url + "/readyz")
-            if status == 200:
-                break
-            last = f"{status} {text}"
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"/readyz not 200 after {self.args.startup_timeout_s}s: {last}")
-            time.sleep(0.1)
+        self.state = wait_up_state(self.up, self.state_file, deadline, self.args.startup_timeout_s)
+        wait_http(self.url + "/readyz", deadline, [self.up], lambda status, _: status == 200)
 
     @property
     def url(self) -> str:
         return self.state["router_url"]
 
     def pids(self) -> dict[str, int]:
-        return {**dict(self.state.get("pids", {})), "up": self.proc.pid if self.proc else 0}
+        return {**dict(self.state.get("pids", {})), "up": self.up.pid}
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return self.up.log_tail(n)
 
     def stop(self) -> int | None:
         """SIGTERM `flexlb up`; returns its exit status (None: it had to be killed)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.exit_code = self.proc.wait(self.args.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # only the group this harness started
-                self.proc.wait(10)
-                self.exit_code = None
-        else:
-            self.exit_code = self.proc.returncode
-        self.log.close()
-        return self.exit_code
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int | None, str]:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-    except OSError as exc:
-        return None, str(exc)
-
-
-# --------------------------------------------------------------------------- CPU sampling
-class CpuSampler(threading.Thread):
-    """Every `interval` s: busy cores of the whole machine, and of each process of the stack
-    and of this load generator (from /proc), while the replay runs."""
-
-    def __init__(self, pids: dict[str, int], interval: float = 1.0) -> None:
-        super().__init__(daemon=True)
-        self.pids = {**pids, "loadgen": os.getpid()}
-        self.interval = interval
-        self.stop_event = threading.Event()
-        self.samples: list[dict[str, float]] = []
-
-    def run(self) -> None:
-        prev_t, prev_m = time.monotonic(), machine_busy_s()
-        prev_p = {k: proc_cpu_s(p) for k, p in self.pids.items()}
-        while not self.stop_event.wait(self.interval):
-            t, mb = time.monotonic(), machine_busy_s()
-            cur = {k: proc_cpu_s(p) for k, p in self.pids.items()}
-            dt = t - prev_t
-            s: dict[str, float] = {"t": round(t, 3)}
-            if mb is not None and prev_m is not None and dt > 0:
-                s["machine"] = (mb - prev_m) / dt
-            for k, v in cur.items():
-                if v is not None and prev_p.get(k) is not None and dt > 0:
-                    s[k] = (v - prev_p[k]) / dt
-            self.samples.append(s)
-            prev_t, prev_m, prev_p = t, mb, cur
-
-    def stop(self) -> dict[str, Any]:
-        self.stop_event.set()
-        self.join(5)
-        cores = os.cpu_count() or 1
-        machine = sorted(s["machine"] for s in self.samples if "machine" in s)
-        per_proc: dict[str, list[float]] = defaultdict(list)
-        for s in self.samples:
-            for k, v in s.items():
-                if k not in ("t", "machine"):
-                    per_proc[k].append(v)
-        groups: dict[str, float] = defaultdict(float)
-        for k, vs in per_proc.items():
-            g = "workers" if k.startswith("worker-") else "engines" if k.startswith("engine-") else k
-            groups[g] += sum(vs) / len(vs)
-        # Busy cores of the machine not used by the stack or this process: others' load.
-        foreign = sorted(s["machine"] - sum(v for k, v in s.items() if k not in ("t", "machine"))
-                         for s in self.samples if "machine" in s)
-        return {
-            "samples": len(self.samples),
-            "cores": cores,
-            "machine_busy_cores": {"mean": round(sum(machine) / len(machine), 2) if machine else None,
-                                   "p90": round(percentile(machine, 90), 2) if machine else None,
-                                   "max": round(machine[-1], 2) if machine else None},
-            # Share of 1-s samples with the machine at least 90% busy: the stack was CPU-bound.
-            "saturated_fraction": (round(sum(1 for x in machine if x >= 0.9 * cores) / len(machine), 3)
-                                   if machine else None),
-            "mean_cores_by_process": {k: round(v, 3) for k, v in sorted(groups.items())},
-            "stack_and_loadgen_cores_mean": round(sum(groups.values()), 2),
-            "foreign_cores": {"mean": round(sum(foreign) / len(foreign), 2) if foreign else None,
-                              "max": round(foreign[-1], 2) if foreign else None},
-        }
+        return self.up.stop(self.args.stop_timeout_s)
 
 
 # --------------------------------------------------------------------------- the client
@@ -473,104 +263,25 @@ class Result:
     tokens: int = 0
     done: bool = False
     error: str | None = None  # error code (router's), or a client-side reason
+    error_message: str = ""  # the stream's error message (the first 300 characters)
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.done and self.tokens == self.max_tokens
 
 
-_DECODER = msgspec.json.Decoder()
-
-
-async def http_body_parts(reader: asyncio.StreamReader, chunked: bool, length: int | None):
-    """The parts of an HTTP/1.1 response body as they arrive: chunked, by Content-Length,
-    or until the connection closes (shared by bench/peers.py's client)."""
-    if chunked:
-        while True:
-            size_line = await reader.readline()
-            if not size_line:
-                return
-            size = int(size_line.split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                await reader.readline()
-                return
-            data = await reader.readexactly(size + 2)
-            yield data[:-2]
-    elif length is not None:
-        yield await reader.readexactly(length)
-    else:
-        while True:
-            data = await reader.read(65536)
-            if not data:
-                return
-            yield data
-
-
-async def stream_one(host: str, port: int, req: TraceRequest, res: Result) -> None:
-    """POST /v1/completions over one raw HTTP/1.1 connection and read the SSE stream."""
-    t_send = time.perf_counter()
-    writer = None
+def router_error_code(status: int, body: bytes) -> str:
+    """The router's error code of a non-200 answer (`too_large`), else `http_<status> (<why>)`:
+    the names this harness's reports use (bench/TRACE.md)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), 30)
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(req.body)}\r\nConnection: close\r\n\r\n").encode()
-        writer.write(head + req.body)
-        await writer.drain()
-        status_line = await reader.readline()
-        parts = status_line.split()
-        if len(parts) < 2:
-            res.error = "bad_status_line"
-            return
-        res.status = int(parts[1])
-        headers: dict[str, str] = {}
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            k, _, v = line.decode("latin-1").partition(":")
-            headers[k.strip().lower()] = v.strip()
-        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        length = int(headers["content-length"]) if "content-length" in headers else None
+        return msgspec.json.decode(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError) as exc:  # not the router's error body: keep the status
+        return f"http_{status} ({exc.__class__.__name__})"
 
-        def body_parts():
-            return http_body_parts(reader, chunked, length)
 
-        if res.status != 200:
-            body = b"".join([p async for p in body_parts()])
-            try:
-                res.error = _DECODER.decode(body)["error"]["code"]
-            except (ValueError, KeyError, TypeError) as exc:  # not our error body: keep the status
-                res.error = f"http_{res.status} ({exc.__class__.__name__})"
-            return
-        buf = b""
-        async for chunk in body_parts():
-            now = time.perf_counter()
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                for line in event.split(b"\n"):
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:]
-                    if data == b"[DONE]":
-                        res.done = True
-                        res.e2e_s = now - t_send
-                        return
-                    obj = _DECODER.decode(data)
-                    if "error" in obj:
-                        res.error = obj["error"].get("code", "unknown")
-                        continue
-                    text = obj["choices"][0]["text"]
-                    res.tokens += len(text)  # the sim's byte tokenizer: one ASCII char per token
-                    if res.ttft_s is None:
-                        res.ttft_s = now - t_send
-        if not res.done and res.error is None:
-            res.error = "no_done"
-    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-        res.error = f"client_{exc.__class__.__name__}"
-    finally:
-        if writer is not None:
-            writer.close()
+def router_stream_error_code(err: Any) -> str:
+    """The code of an error event in the stream, as it is (`too_large`)."""
+    return err.get("code", "unknown") if isinstance(err, dict) else str(err)
 
 
 async def replay(url: str, reqs: list[TraceRequest], args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
@@ -587,10 +298,11 @@ async def replay(url: str, reqs: list[TraceRequest], args: argparse.Namespace) -
             await asyncio.sleep(delay)
         res.late_s = loop.time() - (t0 + req.send_at_s)
         try:
-            await asyncio.wait_for(stream_one(host, int(port), req, res), args.request_timeout_s)
+            await asyncio.wait_for(stream_one(host, int(port), req.body, res, connect_timeout_s=30,
+                                              status_error=router_error_code,
+                                              stream_error=router_stream_error_code), args.request_timeout_s)
         except asyncio.TimeoutError:
             res.error = res.error or "client_timeout"
-
 
     tasks = [asyncio.create_task(one(r, s)) for r, s in zip(reqs, results)]
     progress = asyncio.create_task(report_progress(results, loop, t0))
@@ -868,31 +580,7 @@ PER_REQUEST_COLUMNS = ["id", "row", "input_tokens", "max_tokens", "trace_ms", "t
                        "tokens", "error", "send_late_wall_ms"]
 
 
-def dump_json(result: dict[str, Any]) -> str:
-    """Indented JSON, except the per-request rows: one compact line each."""
-    rows_by_key = {}
-    runs = []
-    for i, run in enumerate(result.get("runs", [])):
-        if "per_request" in run:
-            key = f"@@per_request_{i}@@"
-            rows_by_key[key] = run["per_request"]
-            run = {**run, "per_request": key}
-        runs.append(run)
-    text = json.dumps({**result, "runs": runs}, indent=1)
-    for key, rows in rows_by_key.items():
-        text = text.replace(json.dumps(key), "[\n" + ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows) + "\n]")
-    return text
-
-
 # --------------------------------------------------------------------------- report
-def fmt(x: Any, nd: int = 0) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:,.{nd}f}"
-    return str(x)
-
-
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     cols = ["policy", "done/failed", "TTFT mean", "p50", "p90", "p99", "TPOT mean", "p90", "e2e mean",
             "hit rate", "mean batch", "TTFT growth s/s", "pred err % p50/p90", "per-worker requests",

@@ -12,16 +12,13 @@ from bench.peers import (
     DEFAULT_PROFILE,
     QUICK_CONFIGS,
     QUICK_ROWS,
-    AdapterFleet,
-    FlexlbFleet,
-    SimFleet,
     choose_rows,
     engine_defaults,
-    make_fleet,
     parse_args,
     search_runs,
     workload_capacity,
 )
+from bench.peers_fleet import AdapterFleet, FlexlbFleet, SimFleet, make_fleet
 
 
 def fleet_of(argv: list[str]):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import Rec, headline, matrix_rows, matrix_table, parse_args, points_text, summarize_run
+from bench.loadgen import Rec
+from bench.peers import headline, matrix_rows, matrix_table, parse_args, points_text, summarize_run
 from bench.peers_report import ReportMismatch, cdf_sets, main, merge, refresh_capacity
 from bench.workloads import load_workload
 
