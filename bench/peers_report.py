@@ -47,8 +47,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.capacity import EngineLimits, StepCosts  # noqa: E402
-from bench.peers import (  # noqa: E402
-    DEFAULT_PROFILE,
+from bench.peers import DEFAULT_PROFILE, workload_capacity  # noqa: E402
+from bench.peers_tables import (  # noqa: E402
     above_bound_banner,
     headline,
     matrix_rows,
@@ -58,7 +58,6 @@ from bench.peers import (  # noqa: E402
     report_header,
     runs_table,
     split_label,
-    workload_capacity,
 )
 from bench.workloads import ChatParams, load_workload  # noqa: E402
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import Rec
-from bench.peers import headline, matrix_rows, matrix_table, parse_args, points_text, summarize_run
+from bench.peers import parse_args, summarize_run
 from bench.peers_report import ReportMismatch, cdf_sets, main, merge, refresh_capacity
+from bench.peers_tables import headline, matrix_rows, matrix_table, points_text
 from bench.workloads import load_workload
 
 REPO = Path(__file__).resolve().parent.parent
