@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.core.policies import Pick
+from services.core.policies.protocol import Pick
 
 
 @dataclass

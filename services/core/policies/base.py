@@ -1,0 +1,34 @@
+"""What the policies share beyond the contract (protocol.py): the base of a policy that keeps
+no state, and the helpers that build score cards."""
+
+from __future__ import annotations
+
+from services.core.policies.protocol import Candidate, Pick, PolicyParams, Score
+
+
+class StatelessPolicy:
+    """A policy whose `select` is its whole behaviour: `record` has nothing to fold."""
+
+    name = ""
+
+    def __init__(self, params: PolicyParams) -> None:
+        self.params = params
+
+    def record(self, pick: Pick) -> None:
+        """Stateless: nothing to record (gates and reservations are scheduler state)."""
+
+
+def average(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def score_components(c: Candidate) -> dict[str, float]:
+    """The candidate's inputs, as a score card shows them."""
+    return {
+        "prefill_ms": c.prefill_ms, "wait_ms": c.wait_ms, "queue_ms": c.queue_ms,
+        "cached_tokens": c.num_cached_tokens, "pending": c.num_pending, "tpot_ms": c.tpot_ms,
+    }
+
+
+def no_pick(reason: str, scores: list[Score]) -> Pick:
+    return Pick(None, reason, scores)
