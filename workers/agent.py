@@ -72,7 +72,10 @@ from schemas.subjects import (
     worker_events_subject,
 )
 from schemas.tokens import TextDecoder
-from workers.engines.sim import SCHEDULERS, EngineBatch, EngineRequest, SimEngine, StepResult, load_profile
+from workers.engines.base import Engine, EngineBatch, EngineRequest, StepResult
+from workers.engines.scheduler import SCHEDULERS
+from workers.engines.sim import SimEngine, load_profile
+from workers.engines.step_loop import StepLoop
 
 log = logging.getLogger("flexlb.worker")
 
@@ -184,7 +187,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self
 
 
-def make_engine(cfg: WorkerConfig) -> SimEngine:
+def make_engine(cfg: WorkerConfig) -> Engine:
     """The engine a worker config describes: one construction path for the NATS worker and
     the HTTP front (workers/http_front.py), so both run the very same engine."""
     if cfg.engine == "openai":
@@ -238,6 +241,10 @@ class WorkerAgent:
         self.boot_id = secrets.token_hex(4)
         self.host = socket.gethostname()
         self.engine = self._make_engine()
+        self.work = asyncio.Event()  # set when the engine has something new to do
+        # The engine's step loop (workers/engines/step_loop.py), with this agent as its sink.
+        self.step_loop = (StepLoop(self.engine, self, config.time_scale, f"worker {config.worker_id}", self.work)
+                          if self.engine is not None else None)
         self._kv_bucket = None  # the PD hand-off KV object store (torch engine), opened on first use
         self.envelopes = m.EnvelopeFactory(config.worker_id, self.boot_id)
         self.meta: dict[str, ReqMeta] = {}  # request id -> what publishing its outputs needs
@@ -245,7 +252,6 @@ class WorkerAgent:
         self.max_epoch = 0
         # Requests the router withdrew, with the batch withdrawn ("": every batch): never run that copy.
         self.withdrawn: OrderedDict[str, str] = OrderedDict()
-        self.work = asyncio.Event()
         self.state = "ready"
         self.not_ready_reason = ""  # one line, with a state other than ready: why (WorkerStatusReported)
         self.num_batches_executed = 0
@@ -287,7 +293,7 @@ class WorkerAgent:
         """Before the worker registers (its config may still change)."""
 
     def _engine_loops(self) -> list:
-        return [self._engine_loop()]
+        return [self.step_loop.run()]
 
     def _submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
         self.engine.submit_batch(EngineBatch(batch_id=batch_id, requests=[
@@ -748,43 +754,43 @@ class WorkerAgent:
                 block_size_tokens=self.cfg.block_size_tokens,
             )))
 
-    async def _engine_loop(self) -> None:
-        scale = self.cfg.time_scale
-        while True:
-            self.work.clear()
-            step = self.engine.step()
-            if step is None:
-                await self.work.wait()
-                continue
-            for batch_id in step.batches_started:
-                await self._event(m.BatchStarted(
-                    batch_id=batch_id, worker_id=self.cfg.worker_id, request_ids=self.batch_members.get(batch_id, []),
-                ))
-            self.unpublished_request_ids = ([f.request_id for f in step.finished] + [f.request_id for f in step.failed]
-                                            + [h.request_id for h in step.handoffs])
-            if self.engine.measures_time:  # the torch engine: the step already ran, measured
-                await asyncio.sleep(0)
-                measured_ms = step.duration_ms
-            else:
-                t0 = time.monotonic()
-                await asyncio.sleep(step.duration_ms * scale / 1000)
-                measured_ms = (time.monotonic() - t0) * 1000 / scale if scale > 0 else step.duration_ms
-            self.last_step_ms = measured_ms
-            if step.kind != "report":  # the engine's own step time: what the batch costs, not loop lateness
-                self.recent_steps.append((time.monotonic(), step.duration_ms))
-            # Each batch's prefill time is its share of the steps its chunks ran in, measured.
-            stretch = measured_ms / step.duration_ms if step.duration_ms > 0 else 1.0
-            for batch_id, share_ms in step.prefill_ms_by_batch.items():
-                self.batch_prefill_ms[batch_id] = self.batch_prefill_ms.get(batch_id, 0.0) + share_ms * stretch
-            try:
-                await self._publish_step(step, measured_ms)
-                await self._enforce_deadlines()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep the engine going; the lost outputs surface as client errors
-                log.exception("publishing a step's outputs failed")
-            finally:
-                self.unpublished_request_ids = []
+    # ------------------------------------------------------------------ the step loop's sink (workers/engines/step_loop.py)
+    async def step_began(self, step: StepResult) -> None:
+        for batch_id in step.batches_started:
+            await self._event(m.BatchStarted(
+                batch_id=batch_id, worker_id=self.cfg.worker_id, request_ids=self.batch_members.get(batch_id, []),
+            ))
+        self.unpublished_request_ids = ([f.request_id for f in step.finished] + [f.request_id for f in step.failed]
+                                        + [h.request_id for h in step.handoffs])
+
+    def sleep_over(self) -> None:
+        pass
+
+    async def step_ended(self, step: StepResult, measured_ms: float) -> None:
+        self.last_step_ms = measured_ms
+        if step.kind != "report":  # the engine's own step time: what the batch costs, not loop lateness
+            self.recent_steps.append((time.monotonic(), step.duration_ms))
+        # Each batch's prefill time is its share of the steps its chunks ran in, measured.
+        stretch = measured_ms / step.duration_ms if step.duration_ms > 0 else 1.0
+        for batch_id, share_ms in step.prefill_ms_by_batch.items():
+            self.batch_prefill_ms[batch_id] = self.batch_prefill_ms.get(batch_id, 0.0) + share_ms * stretch
+        try:
+            await self._publish_step(step, measured_ms)
+            await self._enforce_deadlines()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # keep the engine going; the lost outputs surface as client errors
+            log.exception("publishing a step's outputs failed")
+        finally:
+            self.unpublished_request_ids = []
+
+    async def engine_failed(self, message: str) -> None:
+        await self._fail_everything(message)
+
+    @property
+    def num_engine_errors(self) -> int:
+        """Exceptions raised by engine.step() (the worker's /metrics)."""
+        return self.step_loop.num_engine_errors if self.step_loop is not None else 0
 
     async def _stream_overflow(self, request_id: str) -> None:
         """Its tokens no longer fit the outbound buffer (NATS away too long): stop it and say

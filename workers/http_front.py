@@ -191,7 +191,8 @@ from schemas.chat_template import ChatTemplateError, ChatTemplates
 from schemas.errors import ERROR_CODES
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.agent import WorkerConfig, make_engine
-from workers.engines.sim import EngineBatch, EngineRequest, FailedOut, FinishedOut, StepResult
+from workers.engines.base import EngineBatch, EngineRequest, FailedOut, FinishedOut, StepResult
+from workers.engines.step_loop import ENGINE_FAILED_CODE, StepLoop
 
 log = logging.getLogger("flexlb.sim_http")
 
@@ -285,7 +286,7 @@ class SimFront:
         # would otherwise receive the old one's tokens).
         self._is_step_in_flight = False
         self._abandoned_in_step: set[str] = set()
-        self._work = asyncio.Event()
+        self.step_loop = StepLoop(self.engine, self, cfg.time_scale, f"sim-server {cfg.worker_id}")
         self._loop_task: asyncio.Task | None = None
         self._reports_preemptions = "num_preemptions" in StepResult.__struct_fields__
         self.role = cfg.role
@@ -305,7 +306,6 @@ class SimFront:
         self.num_output_tokens = 0  # tokens delivered to requests
         self.num_preemptions = 0
         self.num_steps = 0
-        self.num_engine_errors = 0
         # vLLM's KV events (module docstring): the engine's cache changes on a ZMQ PUB socket.
         self.kv_events = None
         if cfg.kv_events_endpoint:
@@ -318,7 +318,7 @@ class SimFront:
 
     # ----------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="sim-step-loop")
+        self._loop_task = asyncio.get_running_loop().create_task(self.step_loop.run(), name="sim-step-loop")
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -374,7 +374,7 @@ class SimFront:
             self.num_health_generations += 1
         else:
             self.num_requests += 1
-        self._work.set()
+        self.step_loop.work.set()
         return req
 
     def abandon(self, request_id: str) -> bool:
@@ -412,32 +412,25 @@ class SimFront:
         if not fut.done():
             fut.set_result(value)
 
-    # ----------------------------------------------------------------------- step loop
-    async def _step_loop(self) -> None:
-        scale = self.cfg.time_scale
-        while True:
-            self._work.clear()
-            try:
-                step = self.engine.step()
-            except Exception:  # an engine bug: fail what it holds rather than hang every client
-                self.num_engine_errors += 1
-                log.exception("engine.step() raised; failing %d open requests", len(self._open))
-                self._fail_all("worker_failed", f"the simulated engine of {self.cfg.worker_id} raised; see its log")
-                await self._work.wait()  # nothing is open now: retry only for a new request, never spin
-                continue
-            if step is None:
-                await self._work.wait()
-                continue
-            if self.kv_events is not None:  # at step(), as the engine's state changes
-                self.kv_events.publish_step(step.blocks_stored, step.blocks_removed)
-            self._is_step_in_flight = True
-            try:
-                # The torch engine measured a step that already ran; the sim's is slept now.
-                await asyncio.sleep(0 if self.engine.measures_time else step.duration_ms * scale / 1000)
-            finally:
-                self._is_step_in_flight = False
-                self._abandoned_in_step.clear()
-            self._deliver(step)
+    # ----------------------------------------------------------------------- the step loop's sink (workers/engines/step_loop.py)
+    async def step_began(self, step: StepResult) -> None:
+        if self.kv_events is not None:  # at step(), as the engine's state changes
+            self.kv_events.publish_step(step.blocks_stored, step.blocks_removed)
+        self._is_step_in_flight = True
+
+    def sleep_over(self) -> None:
+        self._is_step_in_flight = False
+        self._abandoned_in_step.clear()
+
+    async def step_ended(self, step: StepResult, measured_ms: float) -> None:
+        self._deliver(step)
+
+    async def engine_failed(self, message: str) -> None:
+        self._fail_all(ENGINE_FAILED_CODE, message)
+
+    @property
+    def num_engine_errors(self) -> int:
+        return self.step_loop.num_engine_errors
 
     def _deliver(self, step: StepResult) -> None:
         self.num_steps += 1

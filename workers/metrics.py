@@ -42,6 +42,8 @@ AGENT_COUNTERS = {
     "flexlb_worker_chat_prompt_mismatches": (
         "Chat requests whose prompt the engine server rendered to other token ids than the router (openai agent: "
         "give the router the model's tokenizer directory or --chat-template)", "num_chat_prompt_mismatches"),
+    "flexlb_worker_engine_errors": ("Exceptions raised by engine.step(); each failed every request the engine held "
+                                    "(workers/engines/step_loop.py)", "num_engine_errors"),
     "flexlb_worker_upstream_failures": ("Requests failed at or on the way to the engine server (openai agent)",
                                         "num_upstream_failures"),
 }

@@ -1,10 +1,11 @@
-"""The torch engine: a real transformer (workers/engines/torch_model.py) behind the sim
-engine's contract and scheduler.
+"""The torch engine: a real transformer (workers/engines/torch_model.py) behind the engine
+contract (workers/engines/base.py), on the scheduler it shares with the sim engine.
 
-`TorchEngine` IS the sim engine's scheduler (`SimEngine`, workers/engines/sim.py): the same
-`submit_batch` / `submit_decode` / `cancel` / `step`, the same continuous batching under
-`max_num_batched_tokens`, chunked prefill, `max_num_seqs`, preemption of the newest running
-sequence with recompute, the same `StepResult`s and KV events. What it replaces:
+`TorchEngine` derives from `ScheduledEngine` (workers/engines/scheduler.py), as `SimEngine`
+does: the same `submit_batch` / `submit_decode` / `cancel` / `step`, the same continuous
+batching under `max_num_batched_tokens`, chunked prefill, `max_num_seqs`, preemption of the
+newest running sequence with recompute, the same `StepResult`s and KV events. What it
+brings of its own, through the scheduler's hooks:
 
 - the block accounting: the `PagedKvCache` (workers/engines/paged_kv.py) is the only record
   of which blocks are free, used or evictable, so the scheduler's decisions and the tensors
@@ -52,7 +53,8 @@ import torch
 
 from workers.engines.paged_kv import KvFull, PagedKvCache, SeqKv
 from workers.engines.sampling import SamplingParams, sample
-from workers.engines.sim import EngineRequest, FailedOut, HandoffOut, SimEngine, _Sequence
+from workers.engines.base import EngineRequest, FailedOut, HandoffOut
+from workers.engines.scheduler import ScheduledEngine, _Sequence
 from workers.engines.torch_model import PRESETS, LlamaModel, build_model, load_hf_dir
 
 
@@ -99,8 +101,8 @@ def _request_seed(request: EngineRequest) -> int:
     return int.from_bytes(hashlib.blake2b(request.request_id.encode(), digest_size=8).digest(), "little") >> 1
 
 
-class TorchEngine(SimEngine):
-    """A real model under the sim engine's scheduler (module docstring)."""
+class TorchEngine(ScheduledEngine):
+    """A real model under the shared scheduler (module docstring)."""
 
     measures_time = True
 
@@ -108,8 +110,7 @@ class TorchEngine(SimEngine):
                  max_seq_len_tokens: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  chunked_prefill: bool = True, scheduler: str = "vllm", max_prefill_tokens: int = 16384) -> None:
         cfg = model.cfg
-        super().__init__(profile=None, role=role, num_kv_blocks=num_kv_blocks,  # type: ignore[arg-type]
-                         block_size_tokens=block_size_tokens,
+        super().__init__(role=role, num_kv_blocks=num_kv_blocks, block_size_tokens=block_size_tokens,
                          max_seq_len_tokens=min(max_seq_len_tokens, cfg.max_positions),
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          chunked_prefill=chunked_prefill, scheduler=scheduler, max_prefill_tokens=max_prefill_tokens)
@@ -200,11 +201,8 @@ class TorchEngine(SimEngine):
         return None
 
     # ----------------------------------------------------------------------- KV blocks
-    def _num_hit_blocks(self, seq: _Sequence, cap: bool = True) -> int:
-        n = self.kv.num_cached_prefix_blocks(seq.prompt_block_hashes)
-        if cap and n * self.block_size_tokens >= seq.num_tokens:
-            n = max(0, n - 1)
-        return n
+    def _num_cached_prefix_blocks(self, seq: _Sequence) -> int:
+        return self.kv.num_cached_prefix_blocks(seq.prompt_block_hashes)
 
     def _admit(self, seq: _Sequence, num_hit_blocks: int, num_new: int) -> bool:
         rid = seq.request.request_id
