@@ -64,29 +64,15 @@ arrivals are bursty (queues form below the bound), steps are rarely full, and a 
 bound has unbounded queues: with latency targets the sustainable load is lower, well lower
 when TPOT binds (a decode batch as large as the KV allows steps slower than a 100 ms TPOT).
 
-Until issue 24 the formula charged each prefill token 1/T of a prefill base AND each decode
-token 1/B of a decode base, while a vLLM-like mixed step pays one base for both: that
-over-charged the work (a few % on Azure conv) and was not strictly a bound; it also took the
-KV batch from the whole context, ignoring shared prefixes (strongly pessimistic on a chat
-workload whose turns share their history). Both are fixed above, and the prefill-first mode
-has its own step accounting.
-
-Why runs measured above the bound before, and what the harness does about it
-(bench/peers.py): the formula was not the cause, the slice was. bench/PEERS.md's Azure conv
-slice of 600 rows arrives, at the bound, within about 4 request lifetimes (a request's life
-alone on an idle engine; under load, at a 100 ms TPOT, it lives three times longer): a run is
-a burst that the fleet absorbs in its running batch and drains after the last arrival, so it
-passes loads no fleet sustains. tests/test_capacity.py replays it in virtual time (sim
-engines, round-robin, both engine modes): the 600-row slice still attains 90 % above the
-bound with the vLLM-like engine, while the first slice lasting 10 lifetimes (1,400 rows) is
-far below it there, and already below 90 % at 80 % of the bound. So the slice is fixed, not
-the count: `slice_lifetimes` is how many mean request lifetimes (`mean_zero_load_e2e_ms`:
-alone on an idle engine, cold cache) a slice lasts when it arrives at the bound, and
-bench/peers.py by default replays about the shortest slice that lasts
+Why a slice must be sustained (bench/peers.py): a slice that arrives, at the bound, within a
+few request lifetimes is a burst the fleet absorbs in its running batch and drains after the
+last arrival, so it passes loads no fleet sustains (tests/test_capacity.py replays such a
+slice in virtual time). `slice_lifetimes` is how many mean request lifetimes
+(`mean_zero_load_e2e_ms`: alone on an idle engine, cold cache) a slice lasts when it arrives
+at the bound; bench/peers.py by default replays about the shortest slice that lasts
 `MIN_SLICE_LIFETIMES` (10) of them (`--rows auto`), marks a shorter slice's headlines as a
-burst, and flags any headline above the bound loudly (and exits with status 3). Counting
-attainment only over a steady-state window was the other option: it needs as long a slice
-to have a window at all, and it would have changed what the old figures mean.
+burst, and flags any headline above the bound (exit status 3). How this was found, with its
+figures, and the formula's history: bench/PEERS.md, "The capacity bound".
 
 A companion figure, `zero_load_slo_fraction`: the share of requests that could meet their SLO
 even alone on an idle engine (a ceiling on attainment at any load, however good the router):

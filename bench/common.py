@@ -14,7 +14,7 @@ helper here measures nothing by itself; each harness's docstring says what it me
   their own process groups, stopped by SIGTERM then SIGKILL to the group; `flexlb up`'s state
   file and readiness.
 - `load_rows`: rows of a JSONL trace (Mooncake's format) as dicts, each with its row number.
-- `dump_json`, `fmt`: the reports' JSON layout and table cells.
+- `dump_json`, `fmt`, `print_table`: the reports' JSON layout, table cells and terminal tables.
 """
 
 from __future__ import annotations
@@ -432,3 +432,26 @@ def dump_json(result: dict[str, Any]) -> str:
     for key, rows in rows_by_key.items():
         text = text.replace(json.dumps(key), "[\n" + ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows) + "\n]")
     return text
+
+
+def print_table(title: str, cols: list[str], rows: list[list[str]], left: tuple[str, ...] = ()) -> None:
+    """A table on the terminal: with rich when it is installed (columns in `left` aligned
+    left), else plain right-aligned text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is optional: plain text then
+        Table = None  # noqa: N806
+    if Table is not None:
+        table = Table(title=title, title_justify="left")
+        for c in cols:
+            table.add_column(c, justify="left" if c in left else "right")
+        for r in rows:
+            table.add_row(*r)
+        Console(width=max(200, shutil.get_terminal_size().columns)).print(table)
+    else:
+        print(title)
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+        for r in rows:
+            print("  ".join(v.rjust(w) for v, w in zip(r, widths)))

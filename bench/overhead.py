@@ -64,6 +64,7 @@ from bench.common import (  # noqa: E402
     machine_busy_s,
     parse_metrics,
     percentile,
+    print_table,
     proc_cpu_times,
     wait_http,
     wait_up_state,
@@ -643,24 +644,7 @@ def print_report(result: dict[str, Any]) -> None:
     title = (f"FlexLB control-plane overhead: {m['cores']} cores, Python {m['python']}, {f['workers']} sim workers "
              f"(time-scale 0), max_tokens {f['max_tokens']}, prompt {f['prompt_chars']} chars, "
              f"{'stream' if f['stream'] else 'non-stream'}; the load generator shares the cores")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # rich is optional: plain text then
-        Table = None  # noqa: N806
-    if Table is not None:
-        table = Table(title=title, title_justify="left")
-        for c in cols:
-            table.add_column(c, justify="left" if c in ("errors", "batch sizes") else "right")
-        for r in rows:
-            table.add_row(*r)
-        Console(width=max(200, shutil.get_terminal_size().columns)).print(table)
-    else:
-        print(title)
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-        for r in rows:
-            print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    print_table(title, cols, rows, left=("errors", "batch sizes"))
     for run in result["runs"]:
         idle = run.get("idle", {}).get("idle_cpu_ms_per_s", {})
         checks = []

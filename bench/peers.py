@@ -22,8 +22,8 @@ run-to-run spread. One invocation per workload, then one report over all of them
 
 `--rows` defaults to `auto` (a sustained slice, below); `--quick` (60 rows, two loads at a
 quarter and a half of the capacity bound, the key configurations) is for iterating, its
-slices are bursts and its table says so. Mooncake's headline is taken at 55 % (only about
-60 % of its requests can meet a 2 s TTFT at all).
+slices are bursts and its table says so. Mooncake's headline is taken at a lower target
+(bench/PEERS.md: few of its requests can meet a 2 s TTFT at all).
 
 Configurations (`--configs a,b,...`, default all; the names are stable):
 
@@ -110,11 +110,11 @@ direct round-robin) are taken within a mode, and each mode has its own capacity 
 
 Two offline figures frame the results (bench/capacity.py): the capacity bound per engine
 mode, and the share of requests that could meet the SLO even alone on an idle engine (a
-ceiling on attainment at any load: on Mooncake slices with a 2 s TTFT target it is about
-60 %, because prefilling a 20k-token prompt alone takes longer; the report warns when it is
+ceiling on attainment at any load: low on Mooncake slices with a 2 s TTFT target
+(bench/PEERS.md), because prefilling a 20k-token prompt alone takes longer; the report warns when it is
 below the target). The bound holds only for a sustained load: a slice that arrives within a
 few request lifetimes is a burst the fleet absorbs and drains after the last arrival, and
-used to pass loads no fleet sustains (bench/capacity.py says how that was found). So
+used to pass loads no fleet sustains (bench/PEERS.md, "The capacity bound", says how that was found). So
 `--rows auto` (the default) replays about the shortest slice that lasts
 MIN_SLICE_LIFETIMES (10) request lifetimes at the bound of every mode; a shorter `--rows N`
 is allowed, warned about and its headlines are marked "burst slice"; and any headline above
@@ -131,6 +131,10 @@ nothing passed); with repeats the table adds, in brackets, the headlines of the 
 minimum and maximum attainment (the spread's effect on the figure). It is also given as a
 fraction of the capacity bound, against the best peer router and against direct round-robin.
 Times are ENGINE ms (wall / time scale; = wall at time scale 1).
+
+This file holds the experiment (workload, runs, load search, main); the fleets are in
+bench/peers_fleet.py, the client in bench/loadgen.py, the tables and plots in
+bench/peers_tables.py.
 
 Output: the runs table (every run: attainment, TTFT and TPOT p50/p90/p99, misses by kind,
 hit rate, requests per engine, CPU), the matrix (a row per (mode, workload, configuration):

@@ -18,8 +18,8 @@ expands to a deterministic block of 512 ids (random.Random(hash_id), ids in [0, 
 the concatenation cut to `input_length`, so rows that share leading hash ids share leading
 tokens; max_tokens = max(1, output_length).
 
-Measured per request (client side, a minimal asyncio HTTP/1.1 client: one connection per
-request, no per-chunk framework overhead): TTFT = send → first SSE token chunk, e2e = send →
+Measured per request (client side, bench/loadgen.py's asyncio HTTP/1.1 client: one connection
+per request, no per-chunk framework overhead): TTFT = send → first SSE token chunk, e2e = send →
 `[DONE]`, TPOT = (e2e − TTFT) / (tokens − 1), errors by code. Every time is reported in
 ENGINE time: wall seconds ÷ time_scale (the simulated engine sleeps profile_ms × time_scale).
 
@@ -76,6 +76,7 @@ from bench.common import (  # noqa: E402
     machine_facts,
     parse_metrics,
     percentile,
+    print_table,
     summarize,
     wait_http,
     wait_up_state,
@@ -614,24 +615,7 @@ def print_report(result: dict[str, Any]) -> None:
              f"({t['rate_req_per_engine_s']} req/s, no-cache prefill utilization {t['prefill_utilization_no_cache']}, "
              f"reuse upper bound {t['reuse_upper_bound_unbounded_cache']}); times in ENGINE ms (wall / time-scale); "
              f"{result['machine']['cores']} cores shared by the load generator and the stack")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Table = None  # noqa: N806
-    if Table is not None:
-        tb = Table(title=title, title_justify="left")
-        for c in cols:
-            tb.add_column(c, justify="left" if c in ("policy", "per-worker requests") else "right")
-        for r in rows:
-            tb.add_row(*r)
-        Console(width=max(200, shutil.get_terminal_size().columns)).print(tb)
-    else:
-        print(title)
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-        for r in rows:
-            print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    print_table(title, cols, rows, left=("policy", "per-worker requests"))
     for run in result["runs"]:
         if "client" not in run:
             print(f"{run['policy']}: {run.get('error')}")
