@@ -10,9 +10,9 @@ helper here measures nothing by itself; each harness's docstring says what it me
 - `machine_facts`: cores, CPU model, memory, package versions and the git commit, for reports.
 - `http_get`, `http_body_parts`, `parse_metrics`: blocking GET, an HTTP/1.1 body reader for
   asyncio streams, Prometheus text -> {"name{labels}": value}.
-- `Proc`, `stop_all`, `wait_http`, `wait_up_state`, `flexlb_exe`, `child_env`: children in
-  their own process groups, stopped by SIGTERM then SIGKILL to the group; `flexlb up`'s state
-  file and readiness.
+- `Proc`, `stop_all`, `wait_http`, `wait_up_state`, `UpStack`, `flexlb_exe`, `child_env`:
+  children in their own process groups, stopped by SIGTERM then SIGKILL to the group;
+  `flexlb up`'s state file and readiness.
 - `load_rows`: rows of a JSONL trace (Mooncake's format) as dicts, each with its row number.
 - `dump_json`, `fmt`, `print_table`: the reports' JSON layout, table cells and terminal tables.
 """
@@ -365,6 +365,34 @@ def wait_up_state(up: Proc, state_file: Path, deadline: float, timeout_s: float)
             raise RuntimeError(f"no state file from flexlb up after {timeout_s}s:\n{up.log_tail()}")
         time.sleep(0.1)
     return json.loads(state_file.read_text())
+
+
+class UpStack:
+    """`flexlb up` as a child in its own session: started (its state file, then /readyz
+    answering 200 within `startup_timeout_s`), probed through its state, stopped by SIGTERM
+    (SIGKILL to its group after `stop_timeout_s`)."""
+
+    def __init__(self, up: Proc, state_file: Path, startup_timeout_s: float, stop_timeout_s: float) -> None:
+        self.up, self.state_file = up, state_file
+        self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
+        self.state: dict[str, Any] = {}  # the state file: router_url, nats_url, redis_url, pids
+
+    def start(self) -> None:
+        self.up.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        self.state = wait_up_state(self.up, self.state_file, deadline, self.startup_timeout_s)
+        wait_http(self.url + "/readyz", deadline, [self.up], lambda status, _: status == 200)
+
+    @property
+    def url(self) -> str:
+        return self.state["router_url"]
+
+    def log_tail(self, n: int = 40) -> str:
+        return self.up.log_tail(n)
+
+    def stop(self) -> int | None:
+        """SIGTERM `flexlb up`; returns its exit status (None: it had to be killed)."""
+        return self.up.stop(self.stop_timeout_s)
 
 
 def flexlb_exe() -> list[str]:

@@ -60,14 +60,13 @@ if str(REPO) not in sys.path:
 from bench.common import (  # noqa: E402
     REPORT_PACKAGES,
     Proc,
+    UpStack,
     free_port,
     machine_busy_s,
     parse_metrics,
     percentile,
     print_table,
     proc_cpu_times,
-    wait_http,
-    wait_up_state,
 )
 from bench.common import fmt as common_fmt  # noqa: E402
 from bench.common import machine_facts as common_machine_facts  # noqa: E402
@@ -170,8 +169,8 @@ def machine_facts() -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the stack
-class Stack:
-    """`flexlb up` as a subprocess in its own session: started, probed, stopped."""
+class Stack(UpStack):
+    """`flexlb up` with one batch window, from this tree or a `git archive` (bench/common.py UpStack)."""
 
     def __init__(self, args: argparse.Namespace, batch_wait_ms: float | None, workdir: Path, source: Path | None) -> None:
         self.args = args
@@ -180,11 +179,9 @@ class Stack:
         self.port = free_port()
         name = "default" if batch_wait_ms is None else f"{batch_wait_ms:g}"
         self.state_file = workdir / f"state-{name}.json"
-        self.log_path = workdir / f"up-{name}.log"
-        self.up: Proc | None = None  # `flexlb up`, once started
         self.label = name  # what the report calls this window; set from the router once it runs
-        self.state: dict[str, Any] = {}
-        self.exit_code: int | None = None
+        up = Proc("up", self.argv(), workdir / f"up-{name}.log", self.env(), cwd=source or REPO)
+        super().__init__(up, self.state_file, args.startup_timeout_s, args.stop_timeout_s)
 
     def argv(self) -> list[str]:
         exe = shutil.which("flexlb")
@@ -220,7 +217,7 @@ class Stack:
                         return float(params["wait_ms"])
                 except ValueError:
                     pass
-        code = "from services.core.batcher import FixedWindowParams as P; print(P().wait_ms)"
+        code = "from services.core.batchers import FixedWindowParams as P; print(P().wait_ms)"
         try:
             out = subprocess.run([sys.executable, "-c", code], cwd=self.source or REPO, env=self.env(),
                                  capture_output=True, text=True, timeout=30)
@@ -228,29 +225,8 @@ class Stack:
         except (OSError, ValueError, subprocess.SubprocessError):
             return None
 
-    def start(self) -> None:
-        self.up = Proc("up", self.argv(), self.log_path, self.env(), cwd=self.source or REPO)
-        self.up.start()
-        deadline = time.monotonic() + self.args.startup_timeout_s
-        self.state = wait_up_state(self.up, self.state_file, deadline, self.args.startup_timeout_s)
-        wait_http(self.url + "/readyz", deadline, [self.up], lambda status, _: status == 200)
-
-    @property
-    def url(self) -> str:
-        return self.state["router_url"]
-
     def pids(self) -> dict[str, int]:
         return dict(self.state.get("pids", {}))
-
-    def log_tail(self, n: int = 40) -> str:
-        return self.up.log_tail(n) if self.up is not None else ""
-
-    def stop(self) -> int | None:
-        """SIGTERM `flexlb up`; returns its exit status (None: it had to be killed)."""
-        if self.up is None:
-            return None
-        self.exit_code = self.up.stop(self.args.stop_timeout_s)
-        return self.exit_code
 
 
 # --------------------------------------------------------------------------- counters

@@ -67,6 +67,7 @@ if str(REPO) not in sys.path:
 from bench.common import (  # noqa: E402
     CpuSampler,
     Proc,
+    UpStack,
     dump_json,
     flexlb_exe,
     fmt,
@@ -78,8 +79,6 @@ from bench.common import (  # noqa: E402
     percentile,
     print_table,
     summarize,
-    wait_http,
-    wait_up_state,
 )
 from bench.loadgen import stream_one  # noqa: E402
 
@@ -196,16 +195,16 @@ def trace_facts(rows: list[dict[str, Any]], profile: dict[str, float], workers: 
 
 
 # --------------------------------------------------------------------------- the stack
-class Stack:
-    """`flexlb up` for one policy, as a child in its own session: started, probed, stopped."""
+class Stack(UpStack):
+    """`flexlb up` for one policy (bench/common.py UpStack)."""
 
     def __init__(self, args: argparse.Namespace, policy: str, workdir: Path) -> None:
         self.args = args
         self.policy = policy
         self.port = free_port()
         self.state_file = workdir / f"state-{policy}.json"
-        self.up = Proc("up", self.argv(), workdir / f"up-{policy}.log")  # this environment, FLEXLB_* included
-        self.state: dict[str, Any] = {}
+        up = Proc("up", self.argv(), workdir / f"up-{policy}.log")  # this environment, FLEXLB_* included
+        super().__init__(up, self.state_file, args.startup_timeout_s, args.stop_timeout_s)
 
     def argv(self) -> list[str]:
         a = self.args
@@ -228,25 +227,8 @@ class Stack:
             argv += ["--prefill-policy-params", json.dumps(params)]
         return argv
 
-    def start(self) -> None:
-        self.up.start()
-        deadline = time.monotonic() + self.args.startup_timeout_s
-        self.state = wait_up_state(self.up, self.state_file, deadline, self.args.startup_timeout_s)
-        wait_http(self.url + "/readyz", deadline, [self.up], lambda status, _: status == 200)
-
-    @property
-    def url(self) -> str:
-        return self.state["router_url"]
-
     def pids(self) -> dict[str, int]:
         return {**dict(self.state.get("pids", {})), "up": self.up.pid}
-
-    def log_tail(self, n: int = 40) -> str:
-        return self.up.log_tail(n)
-
-    def stop(self) -> int | None:
-        """SIGTERM `flexlb up`; returns its exit status (None: it had to be killed)."""
-        return self.up.stop(self.args.stop_timeout_s)
 
 
 # --------------------------------------------------------------------------- the client
