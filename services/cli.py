@@ -23,10 +23,19 @@ import sys
 import threading
 import time
 
-from services.settings import RouterSettings, SettingsError, known_env_vars, load
+from services.core.batchers import BATCHERS
+from services.core.policies import DECODE_POLICIES, PREFILL_POLICIES
+from services.settings import SHIPPED_BATCHER, RouterSettings, SettingsError, known_env_vars, load
 
-PREFILL_HELP = "cost-based (default) | cache-aware | least-loaded | power-of-two | round-robin | random"
-DECODE_HELP = "kv-aware (default) | least-loaded | round-robin | random"
+
+def _choices_help(registry, default: str) -> str:  # noqa: ANN001 - a policy or batcher registry
+    """`name (default): summary | ...` from a core registry, so the help lists what exists."""
+    return " | ".join(f"{name}{' (default)' if name == default else ''}: {spec.summary}" for name, spec in registry.items())
+
+
+PREFILL_HELP = _choices_help(PREFILL_POLICIES, RouterSettings().prefill_policy)
+DECODE_HELP = _choices_help(DECODE_POLICIES, RouterSettings().decode_policy)
+BATCHER_HELP = _choices_help(BATCHERS, SHIPPED_BATCHER)
 
 
 def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> None:
@@ -44,7 +53,7 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--prefill-policy-params", help="JSON object of the prefill policy's parameters")
     p.add_argument("--decode-policy", help=DECODE_HELP)
     p.add_argument("--decode-policy-params", help="JSON object of the decode policy's parameters")
-    p.add_argument("--batcher", help="slo-budget (default) | fixed-window")
+    p.add_argument("--batcher", help=BATCHER_HELP)
     p.add_argument("--batcher-params", help="JSON object of the batcher's parameters")
     p.add_argument("--batch-wait-ms", type=float,
                    help="longest wait of a batch (ms): slo-budget window_ms (default 1000), fixed-window wait_ms (10)")

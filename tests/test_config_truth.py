@@ -32,7 +32,7 @@ import msgspec
 import pytest
 
 from schemas.messages import KvBlocksStored, WorkerStatusReported
-from services.core.batcher import (
+from services.core.batchers import (
     BATCHERS,
     FixedWindowParams,
     PollResult,

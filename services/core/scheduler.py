@@ -54,7 +54,7 @@ from schemas.messages import (
     WorkerRegistered,
     WorkerStatusReported,
 )
-from services.core.batcher import Batcher, Closed, WorkerLoad, build_batcher, parse_params
+from services.core.batchers import DEFAULT_BATCHER, Batcher, Closed, WorkerLoad, build_batcher, parse_params
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.pending_prefixes import PendingPrefixes
@@ -91,7 +91,7 @@ class SchedulerConfig:
     prefill_policy_params: dict[str, Any] = field(default_factory=dict)
     decode_policy: str = "kv-aware"
     decode_policy_params: dict[str, Any] = field(default_factory=dict)
-    batcher: str = "fixed-window"
+    batcher: str = DEFAULT_BATCHER
     batcher_params: dict[str, Any] = field(default_factory=dict)
     predictor_coefficients: PrefillCoefficients = field(default_factory=PrefillCoefficients)
     predictor_params: PredictorParams = field(default_factory=PredictorParams)

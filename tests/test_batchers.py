@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.core.batcher import (
+from services.core.batchers import (
     BATCHERS,
     DEFAULT_BATCHER,
     Batchable,
@@ -579,7 +579,7 @@ def test_a_quiet_fixed_window_batcher_is_one_whose_full_poll_finds_nothing(param
     """The scheduler skips polling (and building the load of) a batcher that says it is quiet:
     whenever `quiet` says so, the full algorithm (the poll without its fast path) must find
     nothing to dispatch, expire or refuse, under any load with that padded cap."""
-    from services.core.batcher import _QueueBatcher
+    from services.core.batchers.base import QueueBatcher
 
     b = FixedWindowBatcher(params, Predictor(0.05))
     now = 0
@@ -591,7 +591,7 @@ def test_a_quiet_fixed_window_batcher_is_one_whose_full_poll_finds_nothing(param
         elif op[0] in ("poll", "follow"):
             wl = op[1]
             quiet = b.quiet(now, wl.max_batch_tokens)
-            r = _QueueBatcher.poll(b, now, wl)
+            r = QueueBatcher.poll(b, now, wl)
             if quiet:
                 assert not (r.batches or r.expired or r.too_large), (now, wl)
         else:
@@ -617,7 +617,7 @@ def test_quiet_holds_until_the_window_or_the_queue_changes():
 # ------------------------------------------------------------------ registry and parameters
 def test_the_registry_knows_both_batchers_and_the_default_is_flexlbs():
     assert sorted(BATCHERS) == ["fixed-window", "slo-budget"]
-    assert DEFAULT_BATCHER == "fixed-window"  # defect 15: a default changes only on purpose
+    assert DEFAULT_BATCHER == "fixed-window"  # a default changes only on purpose (services/core/batchers/__init__.py)
     assert default_params("fixed-window") == FixedWindowParams(batch_size_max=8, wait_ms=300.0,
                                                                predicted_ms_threshold=0.0,
                                                                enqueue_deadline_ms=5000.0, max_inflight_batches=0)
