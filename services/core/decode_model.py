@@ -19,18 +19,15 @@ that runs something (`num_running_requests` >= 1, `recent_step_ms` > 0: the work
 step time, or the OpenAI agent's mean gap between tokens, over its last 3 s) moves the log of
 the scale toward log(measured / prior) by (1 − `forgetting_factor`), the residual clipped at
 `outlier_sigmas` robust standard deviations, the scale kept in [1/`max_scale`, `max_scale`].
-A three-coefficient recursive least squares fit was tried first and rejected: on a
-prefill-first engine with long chat histories the token gaps carry prefill pauses that grow
-with the prompts, the fit gave them to the context term (10x its prior, the base at its floor)
-and predicted 87 ms where the engine gave 39, so the TPOT hold refused requests the engine
-could serve (bench/tune.py, the chat workload). One scale cannot be mis-attributed: an engine
-that is uniformly slower or faster than the prior (another model or GPU) is followed, and the
-prefill load mixed into the decodes raises it as much as it raises every request's TPOT.
+One scale (rather than a fitted a, b, c: bench/CORE.md, "Design notes") cannot be
+mis-attributed: an engine that is uniformly slower or faster than the prior (another model
+or GPU) is followed, and the prefill load mixed into the decodes raises it as much as it
+raises every request's TPOT.
 Deterministic: the same reports, the same model (the journal replays them).
 
 What the router does with it (services/core/scheduler.py): predicts the TPOT a worker gives
 now and with one more request (`WorkerLoad.tpot_ms`, `tpot_ms_per_request`), which the
-slo-budget batcher's TPOT hold and the slo-aware policy read; `/admin/workers` and
+slo-budget batcher's TPOT hold and cost-based's `tpot_filter` read; `/admin/workers` and
 `flexlb explain` show the coefficients, the metric `flexlb_decode_model_error_percent` its
 error.
 """

@@ -13,8 +13,8 @@ Model. For a batch of requests, each with n prompt tokens of which p are already
 The prior (`PrefillCoefficients()`) is the Splitwise fit for Llama2-70B on H100 TP8
 (../shared/data/README.md): a = 26.45, b = 0.06414, c = 3.635e-6, d = e = 0. The engine
 profile or the router configuration may give other values. `predict_ms` is the router's hot
-path: one pass over the requests, then five multiply-adds; constant memory (about 1 µs for
-8 requests on CPython 3.11).
+path: one pass over the requests, then five multiply-adds; constant memory (timed in
+bench/CORE.md).
 
 Learning. `observe(requests, measured_ms)` takes the measured time of a completed batch and
 refines the coefficients by recursive least squares (RLS) with exponential forgetting, on
@@ -44,19 +44,15 @@ ln T = ln ŷ(θ) + noise):
 4. RLS step with forgetting factor λ: K = P·u / (λ + uᵀ·P·u); φ' = φ + K·ε_clipped;
    P = (P − K·(P·u)ᵀ) / λ, symmetrised. Anti-windup: forgetting inflates P in directions
    the data do not excite, so each P_ii is capped at its initial value by the congruence
-   D·P·D (D diagonal, ≤ 1 only on the capped coordinates). A uniform cap of the trace was
-   tried and rejected: once it binds it also shrinks the well-excited directions, undoing
-   their forgetting, and a step change of the engine was followed more slowly. A P that
+   D·P·D (D diagonal, ≤ 1 only on the capped coordinates). (A uniform cap of the trace
+   was rejected: bench/CORE.md, "Design notes".) A P that
    becomes non-finite or has a non-positive diagonal is reset to P0
    (`num_covariance_resets`; never seen).
 5. φ' is projected onto the box [0, `max_coefficient_scale`] in the metric of P⁻¹ (the
    estimate projection of constrained Kalman filtering; see `_project_onto_box`): every
    coefficient stays in [0, max_coefficient_scale × ref_i] (`max_coefficients`), so
-   predictions stay finite and ≥ 0 whatever is observed. Clamping each coordinate alone was
-   tried and rejected: with c clamped at 0, the compensating rise of b stayed, the prediction
-   moved away from the measurement, and in 4 of the 40 seeded runs of the engine 2× faster
-   than the prior (tests/test_predictor.py) the error over batches 200-300 was 14 % to
-   250 % instead of <= 2 %.
+   predictions stay finite and ≥ 0 whatever is observed. (Why not clamp each
+   coordinate alone: bench/CORE.md, "Design notes".)
 
 The prior covariance is P0 = `prior_variance` · I. RLS measures P in units of one sample's
 residual variance, so the default 100 gives each φ a prior standard deviation of about
@@ -64,15 +60,11 @@ residual variance, so the default 100 gives each φ a prior standard deviation o
 The prior is the starting point and what the predictor answers before any data; the data
 override it within tens of batches in the directions they excite. Directions they barely
 excite keep it longer: the base cost a is ~1-2 % of a typical batch of thousands of tokens,
-and d stays at its prior while nothing is ever cached. (A prior variance of 1 was tried and
-rejected: in the base direction the prior outweighed hundreds of batches; against a
-noiseless engine 2× off, the base was still 39 % low after 600 batches, and a lone 100-token
-prompt 29 % mispredicted, against 0.5 % with the default.)
+and d stays at its prior while nothing is ever cached. (Why not a smaller prior
+variance: bench/CORE.md, "Design notes".)
 
 Tracking: once P has converged, a step change of the engine is followed with a time
-constant of about 1/(1 − λ) batches (measured, a 1.5× step: error 30 % → 10 % after about
-250 batches at λ = 0.995, about 75 at λ = 0.98, where a burst of absurd values moves the
-predictions about twice as much).
+constant of about 1/(1 − λ) batches (measured: bench/CORE.md, "Design notes").
 
 Error metrics (the shell exports them): `observe` measures the error of the prediction made
 *before* it learns from the sample, so they are honest out-of-sample errors. Accepted
@@ -101,8 +93,7 @@ Parameters (`PredictorParams`, defaults in brackets):
   reference scale (> 1); the lower bound is 0.
 - initial_residual_scale [0.25]: robust σ of the log residuals assumed before any data (in
   [min_residual_scale, 2]): the prior may be e^(4 × 0.25) ≈ 2.7× off either way before its
-  first residuals are clipped. (0.5 was tried: early outliers then went almost unclipped
-  into a still-uncertain estimate; the worst of 40 seeded runs was 2× worse.)
+  first residuals are clipped.
 - min_residual_scale [0.01]: floor of σ (in (0, 2]), so that a noiseless engine that later
   changes is still followed.
 - error_ema_alpha [0.05]: EMA weight of the error metrics and of the robust scale σ, in (0, 1].

@@ -13,11 +13,8 @@ Admission mode (what to do with a request whose best predicted TTFT exceeds its 
   target itself (body `slo_ttft_ms` or the header); a target from the buckets is admitted
   best-effort (marked so). A client that states a deadline gets a fast, retryable "no"
   instead of an answer that is late anyway, and the fleet's time goes to requests that can
-  still make it. Chosen on goodput (README "Defaults, and the numbers that chose them"): on
-  Mooncake rows 0-299, 4 engines, SLO 2 s / 100 ms in the body, bench/tune.py gives 0.633
-  attainment at 0.6x the trace's rate against 0.023 with best-effort (about 37 % of those
-  prompts cannot meet 2 s even alone; admitted, they stall everything behind them), and
-  the same attainment as best-effort on Azure conv and code, where TTFT is rarely the miss.
+  still make it. Chosen on goodput (README "Defaults, and the numbers that chose them";
+  bench/CORE.md, "Design notes").
 - `best-effort`: admit it and mark it best-effort (what FlexLB did before).
 - `reject`: refuse it, whatever set the target. The bucket targets are below the idle
   prefill time of long prompts on the default engine profile (a 16k-token prompt needs about
@@ -28,12 +25,7 @@ Admission mode (what to do with a request whose best predicted TTFT exceeds its 
   > 0 it also refuses any request while the worker that would decode it has a recent step
   time (`recent_step_ms` of its status: the engine's own step time, i.e. the time per output
   token its running requests get now) above `tpot_guard` × the request's TPOT target. The
-  guard is off by default (0): on Azure conv at 3.5x it cost 6 points of attainment (0.845
-  vs 0.906), because a 3 s mean of step times is a poor forecast of the TPOT a new request
-  will see over its life, and each refusal is a miss. (We also tried admitting an
-  unattainable request when some worker is idle: on Mooncake rows 0-799 at the trace's rate
-  it cost 3 points, 0.599 vs 0.627: a long prompt on an idle worker still stalls the
-  requests that follow.)
+  guard is off by default (0; why: bench/CORE.md, "Design notes").
 Rejections count as misses for the client; under overload they keep the admitted requests
 inside their targets instead of letting every request miss.
 """

@@ -4,15 +4,15 @@
 cycle (the shell calls it every `liveness_sync_ms`). A worker whose `boot_id` changes has
 restarted: its counters reset.
 
-Liveness, per worker, kept across sync cycles (the original's defect 1 was a missed-beat
-counter recreated every cycle, so nothing ever died):
+Liveness, per worker, kept across sync cycles (a missed-beat counter that restarted every
+cycle would never reach N):
 - pending: registered, no status report yet; gets no work.
 - ready: reported during the last cycle; gets work.
 - suspect: missed 1..N−1 consecutive cycles; still gets work (one late beat must not move
   load), shown as suspect.
-- dead: missed N (default 3) consecutive cycles; gets no work; its requests are recovered
+- dead: missed N (`dead_after_missed_syncs`, default 3) consecutive cycles; gets no work; its requests are recovered
   by the shell (re-routed if not started, failed retryable if started).
-- expired: no report for `expire_ms` (default 10 s): removed from the view (and by the
+- expired: no report for `expire_after_ms` (default 10,000): removed from the view (and by the
   scheduler from every other structure).
 A report moves a pending, suspect or dead worker back to ready.
 "state" (what the worker says: ready | draining | stopping) is separate from liveness.
@@ -79,7 +79,9 @@ class WorkerInfo:
         return self.num_free_kv_blocks + self.num_cached_kv_blocks
 
     def is_live(self, now_ns: int = 0, timeout_ns: int = 0) -> bool:
-        """Eligible for new work: heard recently enough, reports ready, not drained."""
+        """Eligible for new work: liveness ready or suspect (state folded by `sync`, not a clock
+        comparison), reporting ready, not drained. Both arguments are ignored; they remain
+        only because shell callers still pass them (services/shell/admin.py)."""
         return self.liveness in LIVE_STATES and self.state == "ready" and not self.draining
 
     def serves_prefill(self) -> bool:
@@ -162,6 +164,7 @@ class WorkerView:
         return info
 
     def live(self, now_ns: int = 0, timeout_ns: int = 0) -> list[WorkerInfo]:
+        """The workers `is_live` admits; the arguments are ignored (see `is_live`)."""
         return [w for w in self.workers.values() if w.is_live()]
 
     def sync(self, now_ns: int, dead_after_missed: int, expire_ns: int) -> tuple[list[str], list[str]]:
@@ -225,7 +228,8 @@ class WorkerView:
         worker, then the workers of those roles with why each is not live (at most
         READINESS_WORKERS_SHOWN of them, each why cut at READINESS_WHY_MAX chars), e.g.
         "no live worker for role pd_fusion: w0 not_ready (engine server http://x unreachable:
-        connection refused); w1 dead (no status for 3 liveness cycles)"."""
+        connection refused); w1 dead (no status for 3 liveness cycles)". The arguments are
+        ignored (see `WorkerInfo.is_live`); shell callers still pass them."""
         roles = self.roles_in_use()
         if not roles:
             return False, "no worker has reported yet"

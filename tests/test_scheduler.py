@@ -173,7 +173,7 @@ def test_disaggregated_mode_picks_decode_first_then_prefill():
 
 def test_pd_mode_without_decode_workers_is_not_ready_and_rejects():
     s = make_scheduler(("p0",), role="prefill")
-    assert s.view.readiness(0, s.timeout_ns) == (False, "no live worker for role decode")
+    assert s.view.readiness() == (False, "no live worker for role decode")
     assert s.admit(req("r"), 0).code == "no_worker"
 
 
