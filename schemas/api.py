@@ -153,3 +153,39 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageWithDetails | None = None  # only on the include_usage chunk
+
+
+# --------------------------------------------------------------------------- vLLM's token ids
+# vLLM >= 0.10.2 with `return_token_ids: true`: each choice carries its token ids, and a chat
+# answer the prompt's (`prompt_token_ids`: in the first chunk of a stream, or in the body).
+# The sim-server (workers/sim_formats.py) answers so; the router's own answers do not.
+class CompletionChoiceWithTokenIds(CompletionChoice, kw_only=True):
+    token_ids: list[int]  # this chunk's (a stream) or the whole output's (a body)
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One streamed `/v1/completions` chunk as vLLM sends it: no `usage` key but on the
+    include_usage chunk (`choices: []`)."""
+
+    id: str
+    object: str  # "text_completion" (no default: omit_defaults would drop it)
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageWithDetails | None = None
+
+
+class ChatChoiceWithTokenIds(ChatChoice, kw_only=True):
+    token_ids: list[int]
+
+
+class ChatCompletionResponseWithPromptIds(ChatCompletionResponse, kw_only=True):
+    prompt_token_ids: list[int]  # the server's rendering of the messages
+
+
+class ChatChunkChoiceWithTokenIds(ChatChunkChoice, kw_only=True):
+    token_ids: list[int]
+
+
+class ChatCompletionChunkWithPromptIds(ChatCompletionChunk, kw_only=True):
+    prompt_token_ids: list[int] | None = None  # the first chunk's only

@@ -335,15 +335,9 @@ class ScheduledEngine:
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            preempted_itself = False
-            while not self._grow(seq, seq.num_computed_tokens + num_new):
-                victim = self._running.pop()
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is seq:
-                    preempted_itself = True
-                    break
-            if preempted_itself:
+            is_grown, n = self._grow_preempting(seq, seq.num_computed_tokens + num_new)
+            num_preempted += n
+            if not is_grown:
                 break  # nothing older is left to preempt: nothing more runs this step
             scheduled.append((seq, num_new))
             budget -= num_new
@@ -425,19 +419,25 @@ class ScheduledEngine:
             if not self._is_decoding(seq):
                 i += 1
                 continue
-            preempted_itself = False
-            while not self._grow(seq, seq.num_computed_tokens + 1):
-                victim = self._running.pop()
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is seq:
-                    preempted_itself = True
-                    break
-            if preempted_itself:
+            is_grown, n = self._grow_preempting(seq, seq.num_computed_tokens + 1)
+            num_preempted += n
+            if not is_grown:
                 break
             scheduled.append((seq, 1))
             i += 1
         return scheduled, num_preempted, []
+
+    def _grow_preempting(self, seq: _Sequence, num_tokens_with_kv: int) -> tuple[bool, int]:
+        """Grow a running sequence's KV, preempting the newest running sequences until it
+        fits: (False when `seq` itself had to go, the number preempted)."""
+        num_preempted = 0
+        while not self._grow(seq, num_tokens_with_kv):
+            victim = self._running.pop()
+            self._preempt(victim)
+            num_preempted += 1
+            if victim is seq:
+                return False, num_preempted
+        return True, num_preempted
 
     @staticmethod
     def _is_decoding(seq: _Sequence) -> bool:

@@ -53,16 +53,8 @@ from typing import Annotated, Iterable
 
 import msgspec
 
-from workers.engines.base import (  # noqa: F401  (the contract's records, importable from here as before)
-    BatchPrefilled,
-    EngineBatch,
-    EngineRequest,
-    FailedOut,
-    FinishedOut,
-    HandoffOut,
-    StepResult,
-    TokenOut,
-)
+# The contract's records, importable from here as before (the what-if runner, tests):
+from workers.engines.base import BatchPrefilled, EngineBatch, EngineRequest, FailedOut, StepResult  # noqa: F401
 from workers.engines.scheduler import SCHEDULERS, ScheduledEngine, _Sequence  # noqa: F401  (SCHEDULERS: as before)
 
 DEFAULT_PROFILE_FILE = "llama2-70b-h100-tp8.json"  # under workers/profiles/
