@@ -5,7 +5,8 @@ Loops (one asyncio task each):
   from this worker's durable work-queue consumer; dedupe by batch id (a redelivery after a
   lost ack is acked and ignored); refuse a command whose fencing epoch is older than the
   newest seen (each of its requests fails with `dispatch_failed`, retryable); ack.
-- engine: `engine.step()`, sleep `duration_ms × time_scale`, then publish the step:
+- engine: the shared step loop (workers/engines/step_loop.py) with this agent as its sink:
+  `engine.step()`, sleep `duration_ms × time_scale`, then publish the step:
   `BatchStarted` (before the sleep) for each batch whose first chunk runs in it, token
   chunks (the last of a request carries `finish_reason`): the step's chunks in one
   `TokensBatch` per router where the dispatch named the router's batch subject, else one
@@ -14,7 +15,9 @@ Loops (one asyncio task each):
   the sum over the steps its chunks ran in of the step's measured time × the batch's share
   of that step (`StepResult.prefill_ms_by_batch`; with continuous batching a batch shares
   steps with other batches and with decodes, and the router's predictor learns its part),
-  `StartDecode` hand-offs to the decode worker (PD mode), and terminal events.
+  `StartDecode` hand-offs to the decode worker (PD mode), and terminal events. An exception
+  from `engine.step()` fails every request the worker holds with `worker_failed`
+  (retryable), counted in `flexlb_worker_engine_errors_total`; the loop goes on.
 - heartbeat: `WorkerStatusReported` every `heartbeat_interval_ms` on
   `flexlb.evt.status.<worker>`; it lists the running request ids (authoritative).
 - cancel: core-NATS `CancelRequest` -> the engine drops the request -> `RequestCancelled`.
@@ -276,7 +279,7 @@ class WorkerAgent:
         # held until then, or a long step (a big prefill chunk) would make the router's
         # calibration settle them as lost while their terminal events are on their way.
         self.unpublished_request_ids: list[str] = []
-        self.recent_steps: deque[tuple[float, float]] = deque()  # (monotonic end s, engine ms) of the last second's steps
+        self.recent_steps: deque[tuple[float, float]] = deque()  # (monotonic end s, engine ms) of the steps of the last RECENT_STEPS_WINDOW_S
         self.batch_members: dict[str, list[str]] = {}  # batch id -> request ids, until its prefill ends
         self.batch_prefill_ms: dict[str, float] = {}  # batch id -> measured prefill ms so far (its steps' shares)
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
@@ -445,7 +448,7 @@ class WorkerAgent:
         return kv_from_bytes(result.data)
 
     def recent_step_ms(self) -> float:
-        """Mean engine ms of the steps that ended in the last second (0: none)."""
+        """Mean engine ms of the steps that ended in the last RECENT_STEPS_WINDOW_S (3 s; 0: none)."""
         horizon = time.monotonic() - RECENT_STEPS_WINDOW_S
         while self.recent_steps and self.recent_steps[0][0] < horizon:
             self.recent_steps.popleft()
