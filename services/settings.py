@@ -82,11 +82,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reuse_port: bool = False
     own_port: int = 0  # with reuse_port: a second port only this process listens on (its /metrics, its view); 0: none
     model_name: str = "flexlb-sim"  # what /v1/models lists and completions accept
-    prefill_policy: str = "cost-based"  # see services/core/policies.py
+    prefill_policy: str = "cost-based"  # see services/core/policies/
     prefill_policy_params: dict[str, Any] = {}  # JSON object of the policy's parameters
     decode_policy: str = "kv-aware"
     decode_policy_params: dict[str, Any] = {}
-    batcher: str = SHIPPED_BATCHER  # slo-budget | fixed-window (services/core/batcher.py)
+    batcher: str = SHIPPED_BATCHER  # slo-budget | fixed-window (services/core/batchers/)
     batcher_params: dict[str, Any] = {}  # JSON object of the batcher's parameters (over the shipped ones)
     # Shortcuts: the longest wait of a batch (fixed-window wait_ms, slo-budget window_ms) and
     # the most requests in one (batch_size_max of either).

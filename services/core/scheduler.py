@@ -161,11 +161,6 @@ class Scheduler:
         self.settled: list[tuple[str, str]] = []  # see take_settled
         self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
 
-    @property
-    def timeout_ns(self) -> int:
-        """Kept for callers of the view's (now state-based) queries; unused by them."""
-        return self.config.expire_after_ms * 1_000_000
-
     # ---------------------------------------------------------------- inputs
     def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
         info = self.view.apply(event, now_ns, stale)

@@ -78,10 +78,9 @@ class WorkerInfo:
         Counting them as used made a decode worker look full once its cache had filled."""
         return self.num_free_kv_blocks + self.num_cached_kv_blocks
 
-    def is_live(self, now_ns: int = 0, timeout_ns: int = 0) -> bool:
+    def is_live(self) -> bool:
         """Eligible for new work: liveness ready or suspect (state folded by `sync`, not a clock
-        comparison), reporting ready, not drained. Both arguments are ignored; they remain
-        only because shell callers still pass them (services/shell/admin.py)."""
+        comparison), reporting ready, not drained."""
         return self.liveness in LIVE_STATES and self.state == "ready" and not self.draining
 
     def serves_prefill(self) -> bool:
@@ -163,8 +162,8 @@ class WorkerView:
             self.routing_version += 1
         return info
 
-    def live(self, now_ns: int = 0, timeout_ns: int = 0) -> list[WorkerInfo]:
-        """The workers `is_live` admits; the arguments are ignored (see `is_live`)."""
+    def live(self) -> list[WorkerInfo]:
+        """The workers `is_live` admits."""
         return [w for w in self.workers.values() if w.is_live()]
 
     def sync(self, now_ns: int, dead_after_missed: int, expire_ns: int) -> tuple[list[str], list[str]]:
@@ -222,18 +221,17 @@ class WorkerView:
             roles |= {"prefill", "decode"}
         return roles
 
-    def readiness(self, now_ns: int = 0, timeout_ns: int = 0) -> tuple[bool, str]:
+    def readiness(self) -> tuple[bool, str]:
         """Ready when every role in use has at least one live worker. The reason says why
         not in one line of at most READINESS_REASON_MAX chars: the roles without a live
         worker, then the workers of those roles with why each is not live (at most
         READINESS_WORKERS_SHOWN of them, each why cut at READINESS_WHY_MAX chars), e.g.
         "no live worker for role pd_fusion: w0 not_ready (engine server http://x unreachable:
-        connection refused); w1 dead (no status for 3 liveness cycles)". The arguments are
-        ignored (see `WorkerInfo.is_live`); shell callers still pass them."""
+        connection refused); w1 dead (no status for 3 liveness cycles)"."""
         roles = self.roles_in_use()
         if not roles:
             return False, "no worker has reported yet"
-        live_roles = {w.role for w in self.live(now_ns, timeout_ns)}
+        live_roles = {w.role for w in self.live()}
         missing = sorted(roles - live_roles)
         if not missing:
             return True, "ok"

@@ -105,7 +105,7 @@ class Admin:
         now = time.time_ns()
         out = []
         for w in sorted(self.s.scheduler.view.workers.values(), key=lambda w: w.worker_id):
-            live = w.is_live(now, self.s.scheduler.timeout_ns)
+            live = w.is_live()
             out.append({
                 "id": w.worker_id, "role": w.role,
                 "live": live, "liveness": w.liveness, "num_missed_syncs": w.num_missed_syncs,

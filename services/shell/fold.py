@@ -76,7 +76,7 @@ class Fold:
             await self.settle(worker_id, rid)
         if self.s.settings.prefix_index == "exact" and info.worker_id not in self.s.scheduler.index.workers():
             await self.request_snapshot(info.worker_id, "no KV state for this worker yet", now)
-        if self.s.view_ready_after_ms is None and self.s.scheduler.view.readiness(now, self.s.scheduler.timeout_ns)[0]:
+        if self.s.view_ready_after_ms is None and self.s.scheduler.view.readiness()[0]:
             self.s.view_ready_after_ms = round((now - self.s.started_ns) / 1e6, 1)
             log.info("worker view complete %.1f ms after start", self.s.view_ready_after_ms)
 

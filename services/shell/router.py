@@ -278,7 +278,7 @@ class RouterService:
                 return False, "no leader router holds the scheduling lease (failover in progress)"
         except Exception as exc:  # any failure of the ping is a "not ready" with its reason
             return False, f"redis not answering: {exc.__class__.__name__}: {exc}"
-        return s.scheduler.view.readiness(time.time_ns(), s.scheduler.timeout_ns)
+        return s.scheduler.view.readiness()
 
     def _stream_specs(self) -> tuple:
         st = self.s.settings
