@@ -27,6 +27,9 @@ the report says how many cores there are and how much CPU each side used, and ma
 during which other processes kept the machine busy (`perturbed`; it is rerun up to
 `--retries` times).
 Exit status: 0 when every level ran without errors and the stack stopped cleanly, 1 otherwise.
+
+One module over 500 lines: the counter probes it reads between levels belong to this one
+experiment only; what other harnesses share is in bench/common.py.
 """
 
 from __future__ import annotations

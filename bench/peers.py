@@ -147,6 +147,10 @@ line, per-request records with `--per-request`. `--plot PREFIX`: PREFIX_attainme
 PREFIX_cdf.png (TTFT and TPOT CDFs of every configuration at `--cdf-rate`; runs it if
 needed). Exit status 0 when every run started and stopped cleanly (request failures are
 results), 1 when one did not, 3 when a headline is above the capacity bound.
+
+One module over 500 lines: it is one experiment end to end (slice choice, the runs, the load
+search, main); its fleets (bench/peers_fleet.py), load generator (bench/loadgen.py) and
+tables (bench/peers_tables.py) are their own modules.
 """
 
 from __future__ import annotations

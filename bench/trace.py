@@ -39,6 +39,9 @@ Then it SIGTERMs `flexlb up` and checks it exits 0.
 
 Exit status: 0 when every policy ran and its stack stopped with status 0 (request failures
 are results, not harness failures), 1 otherwise.
+
+One module over 500 lines: most of it is the analysis of this experiment's event log (TTFT
+parts, batches, hit rates), used by no other harness; shared helpers are in bench/common.py.
 """
 
 from __future__ import annotations
