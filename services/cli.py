@@ -4,6 +4,10 @@
 log), `replay`, `explain` and `whatif` (the flight recorder, services/eventlog.py and
 services/whatif.py), `schema` (the JSON Schema of every bus message).
 
+One module over 500 lines: the parser of ten commands and the run function of each, whose
+stop handling (SIGTERM, SIGINT at any moment) is the bulk; what a command does lives in the
+module it names.
+
 Flags override `FLEXLB_*` environment variables, which override defaults; every value is
 validated at start and a bad one exits with status 2 and a message naming it.
 `up`, `router` and `worker` stop on SIGTERM or SIGINT at any moment (starting, waiting for
