@@ -99,7 +99,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 PROFILE_KEYS = ("prefill_base_ms", "prefill_per_token_ms", "prefill_per_token_sq_ms", "decode_base_ms",
                 "decode_per_seq_ms", "decode_per_context_token_ms")

@@ -103,11 +103,11 @@ def bench_replay(num_records: int, num_workers: int) -> dict:
 
 
 async def bench_export(num_events: int) -> dict:
+    import nats
+
     from services.eventlog import export
     from services.infra import start_nats
     from services.shell.bus import ensure_streams
-
-    import nats
 
     data_dir = tempfile.mkdtemp(prefix="flexlb-bench-nats-")
     server = start_nats(data_dir)

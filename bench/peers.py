@@ -34,11 +34,15 @@ Configurations (`--configs a,b,...`, default all; the names are stable):
 | `flexlb-slo-budget` | `--batcher slo-budget` |
 | `flexlb-cache-aware` | `--prefill-policy cache-aware` |
 | `flexlb-round-robin` | `--prefill-policy round-robin` |
-| `flexlb-openai` | FlexLB through its OpenAI adapter in front of the peers' very engines: K `flexlb sim-server` processes (each also publishing vLLM's KV events over ZMQ) and `flexlb up --engine openai --engine-url URL --kv-events-endpoint PUB --kv-events-replay-endpoint REPLAY` per server (`AdapterFleet`) |
+| `flexlb-openai` | FlexLB through its OpenAI adapter in front of the peers' very engines (`AdapterFleet`) |
 | `sglang-<policy>` | `python -m sglang_router.launch_router --policy <policy>` (round_robin, cache_aware, power_of_two) |
 | `vllm-<policy>` | `python -m vllm_router.launch_router --policy <policy>` (the same three) |
 | `direct-round-robin` | no router: the load generator sends request i to engine i mod K |
 | `<name>@PpDd` | FlexLB or sglang-router on a disaggregated fleet of P prefill + D decode engines, P + D = K (`with_pd`) |
+
+`flexlb-openai` runs K `flexlb sim-server` processes (each also publishing vLLM's KV events
+over ZMQ) and `flexlb up --engine openai --engine-url URL --kv-events-endpoint PUB
+--kv-events-replay-endpoint REPLAY` per server.
 
 `--flexlb-args "..."` is appended to every FlexLB command line of the run (after the
 configuration's own flags, so it wins), which is then reported as `--name` (or

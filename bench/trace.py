@@ -525,7 +525,7 @@ async def run_policy(stack: Stack, reqs: list[TraceRequest], args: argparse.Name
     await asyncio.sleep(1.0)  # let cancellations and the last events land
     metrics = await router_metrics(stack.url)
     client = client_summary(results, args.time_scale)
-    print(f"  reading the event log ...", file=sys.stderr, flush=True)
+    print("  reading the event log ...", file=sys.stderr, flush=True)
     envs = await read_events(stack.state["nats_url"])
     if args.export_dir:  # the flight recorder's export, for `flexlb replay` / `flexlb whatif`
         from services.eventlog import DEFAULT_STREAMS, export

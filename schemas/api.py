@@ -9,9 +9,10 @@ import msgspec
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
     """`POST /v1/completions`. Unknown OpenAI fields (logprobs, echo false, ...) are accepted and
-    ignored (the chat endpoint refuses them; this one keeps accepting what it always did). Sampling (temperature, top_p, seed, ignore_eos) reaches the engine; the sim
-    engine's output does not depend on it. Absent temperature is greedy (0), not OpenAI's 1:
-    the same request gives the same tokens unless asked otherwise."""
+    ignored (the chat endpoint refuses them; this one keeps accepting what it always did).
+    Sampling (temperature, top_p, seed, ignore_eos) reaches the engine; the sim engine's
+    output does not depend on it. Absent temperature is greedy (0), not OpenAI's 1: the same
+    request gives the same tokens unless asked otherwise."""
 
     prompt: Union[str, list[int]]
     model: str | None = None

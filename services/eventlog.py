@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import os
 import sys
 import time
@@ -26,8 +27,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import metadata
 from typing import Any, TextIO
-
-import logging
 
 import msgspec
 

@@ -8,7 +8,8 @@ Servers run in their own session, so a terminal's Ctrl-C reaches only `flexlb up
 stops the router and workers first (they publish their final reports) and the servers
 last. On Linux every server started from the main thread is also told to end with its
 parent (`die_with_parent`: the kernel sends it SIGTERM when the process that started it
-dies, even by SIGKILL), so a killed `flexlb up` or test session leaves no server behind. Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
+dies, even by SIGKILL), so a killed `flexlb up` or test session leaves no server behind.
+Servers listen on loopback only; Redis keeps nothing on disk (no RDB, no AOF): the router
 rebuilds what it needs from worker status reports.
 """
 

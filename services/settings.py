@@ -153,7 +153,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise SettingsError(f"setting nats_replicas must be 1..5 (JetStream's limit), got {self.nats_replicas!r}")
         positive = [
             "port", "max_prompt_tokens", "max_output_tokens", "max_body_bytes",
-            "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs", "settle_after_missed_reports", "expire_after_ms", "token_buffer_max",
+            "max_queue_per_worker", "max_inflight_requests", "liveness_sync_ms", "dead_after_missed_syncs",
+            "settle_after_missed_reports", "expire_after_ms", "token_buffer_max",
             "ledger_ttl_s", "ledger_sweep_s", "request_timeout_s",
         ]
         for name in positive:
@@ -202,7 +203,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return params
 
     def scheduler_config(self):
-        from services.core.predictor import PrefillCoefficients, PredictorParams
+        from services.core.predictor import PredictorParams, PrefillCoefficients
         from services.core.scheduler import SchedulerConfig
         from services.core.slo import SloParams
 

@@ -7,8 +7,9 @@ workers (`--workers N` colocated, or `--prefill N --decode M` disaggregated) and
 router. `--engine openai --engine-url URL [--engine-url URL ...]` starts one worker agent
 per OpenAI-compatible server instead (workers/openai_agent.py; colocated; the i-th
 `--kv-events-endpoint` / `--kv-events-replay-endpoint` goes to the i-th server; without
-any, the router's prefix index is `approximate` unless `--prefix-index` says otherwise). It waits until the router's `/readyz` says ready, prints the URLs, writes them and
-every started pid to `--state-file` (JSON); `--routers 2` starts a second router on the
+any, the router's prefix index is `approximate` unless `--prefix-index` says otherwise).
+It waits until the router's `/readyz` says ready, prints the URLs, writes them and every
+started pid to `--state-file` (JSON); `--routers 2` starts a second router on the
 next port (a standby that forwards to the leader and takes over if it dies); `--http-workers N`
 starts N routers on the one `--port` instead (SO_REUSEPORT: the kernel spreads connections
 among them; the first is the leader, the others standbys that forward to it, so the HTTP side
@@ -282,9 +283,10 @@ def run_up(args, settings: RouterSettings) -> int:
                 redis_url = servers[-1].url
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
         worker_flags: list[str] = []
-        for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens",
-                     "max_seq_len_tokens", "profile", "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs",
-                     "scheduler", "max_prefill_tokens", "engine_model", "engine_protocol", "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
+        for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms",
+                     "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens", "profile",
+                     "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "scheduler", "max_prefill_tokens",
+                     "engine_model", "engine_protocol", "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]

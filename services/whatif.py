@@ -38,7 +38,7 @@ from typing import Any, TextIO
 
 from schemas import messages as m
 from services.core.journal import config_from_builtins, request_from_builtins, split_journals
-from services.core.scheduler import Admitted, AdmitRequest, Scheduler, SchedulerConfig
+from services.core.scheduler import AdmitRequest, Admitted, Scheduler, SchedulerConfig
 from workers.agent import RECENT_STEPS_WINDOW_S
 from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, load_profile
 

@@ -12,8 +12,8 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from schemas.chat_template import ChatTemplates
-from schemas.tokens import BYTE_TOKENIZER
 from schemas.http import HttpError
+from schemas.tokens import BYTE_TOKENIZER
 from services.chat import ChatShape, StopMatcher, parse_chat
 from services.infra import free_port
 from services.settings import RouterSettings

@@ -13,10 +13,10 @@ import pytest
 from schemas import messages as m
 from schemas.subjects import (
     DLQ_STREAM,
-    cancel_subject,
     HDR_DLQ_REASON,
     HDR_DLQ_SUBJECT,
     STATUS_STREAM,
+    cancel_subject,
     dispatch_subject,
     dlq_subject,
     status_subject,

@@ -11,17 +11,16 @@ import httpx
 import pytest
 import redis
 
+from schemas import messages as m
 from tests.stack import (
     expected_text,
-    stream_completion,
     make_bodies,
     read_event_log,
     run_concurrent_streams,
+    stream_completion,
     terminal_counts,
     wait_async,
 )
-
-from schemas import messages as m
 
 N_CONCURRENT = 200
 

@@ -186,8 +186,8 @@ async def test_one_nats_server_frozen_for_3_s_kills_no_healthy_worker(flexlb_up)
         [silent] = [float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("flexlb_bus_silent_cycles_total")]
         assert silent >= 1, "the router did not notice the silent bus"
-        from tests.stack import read_event_log
         from schemas import messages as m
+        from tests.stack import read_event_log
 
         deaths = [e for e in await read_event_log(nats_url) if isinstance(e.payload, m.WorkerLivenessChanged)
                   and e.payload.liveness == "dead"]

@@ -11,7 +11,7 @@ import pytest
 from schemas import messages as m
 from schemas.messages import KvBlocksStored, WorkerStatusReported
 from services.core.journal import Recorder, replay, split_journals
-from services.core.scheduler import Admitted, AdmitRequest, Scheduler, SchedulerConfig
+from services.core.scheduler import AdmitRequest, Scheduler, SchedulerConfig
 
 MS = 1_000_000
 

@@ -19,7 +19,7 @@ from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes, encode_text
 from services.infra import free_port
 from tests.conftest import wait_for
-from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async
+from tests.stack import expected_text, make_bodies, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async
 from workers.openai_agent import STATUS_METRICS, parse_prometheus, refusal_of, server_status
 
 

@@ -139,7 +139,7 @@ def test_an_expired_worker_is_removed_from_every_structure():
     assert "w0" in s.batchers and "w0" in s.predictors and "w0" in s.ledger.workers
     for cycle in range(1, 6):
         s.on_worker_event(status("w1"), cycle * 500 * MS)
-        res = s.sync(cycle * 500 * MS)
+        s.sync(cycle * 500 * MS)
     assert "w0" not in s.view.workers and "w0" not in s.batchers and "w0" not in s.predictors
     assert "w0" not in s.ledger.workers and "w0" not in s.index.workers()
 

@@ -13,7 +13,6 @@ from schemas.errors import ERROR_CODES
 from schemas.messages import ROLES
 from schemas.tokens import block_hashes
 from workers.engines.sim import (
-    BatchPrefilled,
     EngineBatch,
     EngineRequest,
     SimEngine,

@@ -28,7 +28,7 @@ from schemas.subjects import (
     token_batch_subject,
     token_subject,
 )
-from tests.stack import expected_text, run_concurrent_streams, start_sim_server, wait_async
+from tests.stack import expected_text, start_sim_server, wait_async
 from workers.engines.sim import sim_token_id
 from workers.upstream_http import UpstreamClient, UpstreamFailure
 

@@ -19,17 +19,19 @@ import sys
 
 import httpx
 import pytest
-from hypothesis import given, settings as hyp_settings, strategies as st
+import tokenizers  # noqa: E402, F401  (the openai extra; the README test command installs it)
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from schemas import messages as m
+from schemas.http import HttpError
 from schemas.subjects import JOURNAL_STREAM
 from schemas.tokens import BYTE_TOKENIZER, HFTokenizer, block_hashes, encode_text, load_tokenizer
-from services.api import BadRequest, parse_completion
+from services.api import parse_completion
 from services.infra import free_port
 from services.settings import RouterSettings, SettingsError, load
 from tests.stack import read_event_log, start_sim_server, wait_async
-
-import tokenizers  # noqa: E402  (the openai extra; the README test command installs it)
 
 CORPUS = [
     "The router receives a completion request, tokenizes the prompt, and hashes its blocks. "
@@ -162,11 +164,11 @@ def test_parse_completion_tokenizes_text_with_the_given_tokenizer_and_bounds_it_
     _, given_ids = parse_completion(json.dumps({"prompt": [5, 6, 7]}).encode(), settings, hf)
     assert given_ids == [5, 6, 7]  # token ids are the client's: never re-tokenized
     too_long = json.dumps({"prompt": "a" * (64 * hf.max_chars_per_token + 1)}).encode()
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(HttpError) as err:
         parse_completion(too_long, settings, hf)
     assert err.value.code == "too_large" and "characters" in err.value.message
     # Within the character bound but over the token limit: refused after tokenizing.
-    with pytest.raises(BadRequest, match="tokens exceeds"):
+    with pytest.raises(HttpError, match="tokens exceeds"):
         parse_completion(json.dumps({"prompt": "日本" * 40}).encode(), settings, hf)
 
 

@@ -14,13 +14,12 @@ from collections import Counter
 
 import httpx
 import nats
-import pytest
 import redis
 
 from schemas import messages as m
-from services.core.predictor import PredictorParams, PrefillCoefficients, PrefillPredictor
 from schemas.subjects import KV_BUCKET
 from schemas.tokens import decode_tokens, encode_text
+from services.core.predictor import PredictorParams, PrefillCoefficients, PrefillPredictor
 from tests.stack import make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
 from workers.engines.sim import EngineBatch, EngineRequest
 from workers.engines.torch_engine import TorchEngine, load_model

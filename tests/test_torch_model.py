@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-
 import transformers  # the reference (the `torch-reference` extra, installed by the README's test command)
 
 from workers.engines.torch_model import PRESETS, DenseKv, LlamaConfig, build_model, load_hf_dir, save_hf_dir

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 import nats
-from nats.js.api import AckPolicy, ConsumerConfig, ObjectStoreConfig, StreamConfig
 from nats.errors import OutboundBufferLimitError
+from nats.js.api import AckPolicy, ConsumerConfig, ObjectStoreConfig, StreamConfig
 from nats.js.errors import BadRequestError
 
 from schemas import messages as m
@@ -56,20 +56,20 @@ from schemas.subjects import (
     DISPATCH_STREAM,
     HDR_DLQ_REASON,
     HDR_DLQ_SUBJECT,
-    cancel_subject,
-    decode_consumer,
     KV_BUCKET,
     KV_BUCKET_TTL_S,
+    cancel_subject,
+    decode_consumer,
     decode_subject,
     dispatch_consumer,
     dispatch_subject,
-    nats_servers,
-    resend_subject,
     dlq_subject,
     epoch_subject,
     kv_events_subject,
     kv_object_name,
     kv_snapshot_request_subject,
+    nats_servers,
+    resend_subject,
     status_subject,
     validate_token,
     worker_events_subject,
@@ -733,7 +733,7 @@ class WorkerAgent:
 
     async def _on_snapshot_request(self, msg) -> None:
         try:
-            cmd = m.decode_as(msg.data, m.RequestKvSnapshot).payload
+            m.decode_as(msg.data, m.RequestKvSnapshot)  # only checked: any valid request gets the whole view
         except m.DecodeError as exc:
             await self._dead_letter(msg, str(exc))
             return

@@ -142,7 +142,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from schemas.chat_template import ChatTemplates
-from schemas.http import ClientGone, HttpError, Receive, Scope, Send, SSE_DONE, error_body, read_body, send_bytes, send_error, send_json, sse
+from schemas.http import SSE_DONE, ClientGone, HttpError, Receive, Scope, Send, error_body, read_body, send_bytes, send_error, send_json, sse
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.agent import WorkerConfig
 from workers.sim_formats import ABORT_MESSAGE, ChatFormat, OpenAIFormat, Output, SGLangFormat

@@ -13,8 +13,9 @@ then (that step may still carry its tokens).
   /_sim/metrics`, which `--bare-openai` keeps). vLLM's names, label
   `model_name`: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (used / total blocks, 0..1; cached-but-free blocks count as
-  free, as in vLLM), `vllm:cache_config_info{block_size, num_gpu_blocks}` (value 1), `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
-  (prompt tokens / cached prompt tokens of finished requests), `vllm:prompt_tokens_total`,
+  free, as in vLLM), `vllm:cache_config_info{block_size, num_gpu_blocks}` (value 1),
+  `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (prompt tokens /
+  cached prompt tokens of finished requests), `vllm:prompt_tokens_total`,
   `vllm:generation_tokens_total`, `vllm:num_preemptions_total` (when the engine reports
   preemptions). Ours: `flexlb_sim_requests_total` (accepted into the engine, health checks
   excluded), `flexlb_sim_requests_finished_total`, `flexlb_sim_requests_cancelled_total`,

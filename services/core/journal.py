@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from schemas import messages as m
-from services.core.scheduler import Admitted, AdmitRequest, Rejected, Scheduler, SchedulerConfig, SyncResult, TickResult
+from services.core.scheduler import AdmitRequest, Admitted, Rejected, Scheduler, SchedulerConfig, SyncResult, TickResult
 
 Sink = Callable[[str, int, dict[str, Any], dict[str, Any]], None]  # (op, now_ns, args, out)
 

@@ -59,11 +59,11 @@ from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeMo
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.pending_prefixes import PendingPrefixes
 from services.core.policies import Candidate, RouteContext, RoutingPolicy, build_policy
-from services.core.predictor import PrefillCoefficients, PrefillPredictor, PredictorParams
+from services.core.predictor import PredictorParams, PrefillCoefficients, PrefillPredictor
 from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex
 from services.core.records import (  # (re-exported: the shell, the journal and tests import them from here)
-    Admitted,
     AdmitRequest,
+    Admitted,
     FormedBatch,
     QueuedRequest,
     QueueFailure,

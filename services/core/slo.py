@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import msgspec
 
-
 SLO_MODES = ("reject-explicit", "best-effort", "reject", "shed")
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from schemas.messages import EngineSignals, WorkerRegistered, WorkerStatusReported
 
-
 LIVE_STATES = frozenset(("ready", "suspect"))  # liveness states that get new work
 
 

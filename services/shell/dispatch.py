@@ -18,7 +18,7 @@ from schemas import messages as m
 from schemas.acked import publish_until_acked
 from schemas.subjects import dispatch_subject, token_batch_subject, token_subject
 from services.core.scheduler import FormedBatch, QueueFailure
-from services.shell.ledger import kv_field, LedgerEntry, prefill_field
+from services.shell.ledger import LedgerEntry, kv_field, prefill_field
 from services.shell.state import RequestHandle, RouterState
 
 if TYPE_CHECKING:

@@ -16,13 +16,13 @@ import time
 from typing import TYPE_CHECKING
 
 from schemas import messages as m
-from schemas.subjects import ALL_STATUS, kv_snapshot_request_subject, STATUS_STREAM
+from schemas.subjects import ALL_STATUS, STATUS_STREAM, kv_snapshot_request_subject
 from services.shell.ledger import kv_field, prefill_field
 from services.shell.state import RouterState
 
 if TYPE_CHECKING:
-    from services.shell.relay import Relay
     from services.shell.recovery import Recovery
+    from services.shell.relay import Relay
     from services.shell.upkeep import Upkeep
 
 log = logging.getLogger("flexlb.router")
@@ -210,7 +210,8 @@ class Fold:
         if not ours and request_id not in self.s.handles:
             return  # another router's request, or one we forgot across a restart
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
-        outcome = {m.RequestFinished: "finished", m.RequestFailed: "failed", m.RequestCancelled: "cancelled", m.RequestTimedOut: "timed_out"}[type(ev)]
+        outcome = {m.RequestFinished: "finished", m.RequestFailed: "failed", m.RequestCancelled: "cancelled",
+                   m.RequestTimedOut: "timed_out"}[type(ev)]
         code = getattr(ev, "code", None) or ("timed_out" if outcome == "timed_out" else ("cancelled" if outcome == "cancelled" else ""))
         self.s.metrics.requests.labels(outcome, code).inc()
         handle = self.s.handles.get(request_id)

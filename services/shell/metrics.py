@@ -23,7 +23,8 @@ class RouterMetrics:
             "flexlb_ttft_seconds", "Time from arrival to first token at the router",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
         )
-        self.best_effort = Counter("flexlb_best_effort_admissions_total", "Requests admitted although their predicted TTFT exceeded the SLO", registry=r)
+        self.best_effort = Counter("flexlb_best_effort_admissions_total",
+                                   "Requests admitted although their predicted TTFT exceeded the SLO", registry=r)
         self.predictor_error_pct = Histogram(
             "flexlb_prefill_prediction_error_percent", "Absolute error of predicted vs measured batch prefill time, percent",
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r,
@@ -32,7 +33,9 @@ class RouterMetrics:
         self.cached_tokens = Counter("flexlb_prefill_cached_tokens_total", "Prompt tokens served from workers' prefix caches", registry=r)
         self.kv_events = Counter("flexlb_kv_events_total", "KV-cache events by how the prefix index took them", ["status"], registry=r)
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
-        self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total", "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart", registry=r)
+        self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total",
+                                      "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart",
+                                      registry=r)
         self.ledger_evictions = Counter("flexlb_ledger_evictions_total", "Ledger entries evicted by the TTL sweep (unconfirmed)", registry=r)
         self.journal_records = Counter("flexlb_journal_records_total", "Core journal records published", registry=r)
         self.journal_lost = Counter("flexlb_journal_lost_total", "Core journal records the bus refused (replay sees a gap)",

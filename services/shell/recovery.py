@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from schemas import messages as m
 from schemas.errors import error_code
-from schemas.subjects import cancel_subject, DISPATCH_STREAM, dispatch_subject
+from schemas.subjects import DISPATCH_STREAM, cancel_subject, dispatch_subject
 from services.core.scheduler import Admitted
 from services.shell.state import RequestHandle, RouterState, decision_event
 

@@ -70,9 +70,9 @@ from schemas.subjects import (
     EVENTS_STREAM,
     JOURNAL_STREAM,
     all_tokens_subject,
-    token_batch_subject,
     nats_servers,
     router_events_consumer,
+    token_batch_subject,
 )
 from services.core.journal import Recorder
 from services.core.scheduler import Rejected, Scheduler

@@ -13,7 +13,7 @@ import logging
 import time
 
 from schemas import messages as m
-from services.shell.ledger import kv_field, LedgerEntry, prefill_field
+from services.shell.ledger import LedgerEntry, kv_field, prefill_field
 from services.shell.state import RouterState
 
 log = logging.getLogger("flexlb.router")

@@ -87,8 +87,10 @@ report is a zero-duration step of kind "report"; nothing at all: None.
 
 Not modelled: speculative decoding, priority scheduling, long-prefill thresholds, SGLang's
 mixed chunking and its KV reservation for future decode tokens (new_token_ratio; admission
-here needs the blocks of the tokens computed now, under both schedulers), swapping to CPU, KV transfer time (PD), per-step CPU overhead, and output-length-dependent stop rules
-(a request always generates exactly max_tokens: finish_reason "length").
+here needs the blocks of the tokens computed now, under both schedulers), swapping to CPU,
+KV transfer time (PD), per-step CPU overhead, and, in the sim engine, output-dependent stop
+rules (a request generates exactly max_tokens: finish_reason "length"; the torch engine
+also stops at the model's end token).
 
 Submissions are validated at once: prompt empty or max_tokens < 1 -> "invalid_request";
 prompt + max_tokens > max_seq_len_tokens, or more blocks than num_kv_blocks (a request must

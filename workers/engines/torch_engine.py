@@ -51,9 +51,9 @@ import time
 
 import torch
 
+from workers.engines.base import EngineRequest, FailedOut, HandoffOut
 from workers.engines.paged_kv import KvFull, PagedKvCache, SeqKv
 from workers.engines.sampling import SamplingParams, sample
-from workers.engines.base import EngineRequest, FailedOut, HandoffOut
 from workers.engines.scheduler import ScheduledEngine, _Sequence
 from workers.engines.torch_model import PRESETS, LlamaModel, build_model, load_hf_dir
 
