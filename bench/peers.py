@@ -54,7 +54,7 @@ agents stream from the sim-servers; every other configuration runs K
 `--scheduler`). Engine flags (`--num-kv-blocks`, `--block-size-tokens`, `--max-seq-len-tokens`,
 `--max-num-batched-tokens`, `--max-num-seqs`, `--max-prefill-tokens`, `--no-chunked-prefill`,
 `--profile`) go to every engine of every configuration, and only when given: by default every
-engine runs its shipped defaults (`workers/agent.py` WorkerConfig), except `--scheduler MODE`,
+engine runs its shipped defaults (`workers/config.py` WorkerConfig), except `--scheduler MODE`,
 the cell's engine mode, which every engine always gets (below). The time scale (default 1, because a router's overhead is
 wall time) is the same for all.
 
@@ -447,7 +447,7 @@ def engine_defaults(args: argparse.Namespace) -> tuple[dict[str, EngineLimits], 
     try:
         import msgspec.structs
 
-        from workers.agent import WorkerConfig
+        from workers.config import WorkerConfig
 
         for f in msgspec.structs.fields(WorkerConfig):
             if f.name in defaults and f.default is not msgspec.NODEFAULT:

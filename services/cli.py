@@ -249,14 +249,14 @@ def _overrides(args: argparse.Namespace, cls) -> dict:
 
 
 def router_settings(args: argparse.Namespace, environ=None) -> RouterSettings:
-    from workers.agent import WorkerConfig
+    from workers.config import WorkerConfig
 
     return load(RouterSettings, environ, _overrides(args, RouterSettings),
                 known_elsewhere=known_env_vars(WorkerConfig) | CLI_ENV_VARS)
 
 
 def worker_config(args: argparse.Namespace, environ=None):
-    from workers.agent import WorkerConfig
+    from workers.config import WorkerConfig
 
     cfg = load(WorkerConfig, environ, _overrides(args, WorkerConfig), known_elsewhere=known_env_vars(RouterSettings) | CLI_ENV_VARS)
     return cfg

@@ -3,7 +3,7 @@
 Every value is validated at start; a bad value stops the process with a message that names
 the setting (`SettingsError`). An unknown `FLEXLB_*` variable is warned about, never
 silently ignored. The same loader serves the router (`RouterSettings`) and the worker
-(`workers.agent.WorkerConfig`), so compose files and `flexlb up` speak one language.
+(`workers.config.WorkerConfig`), so compose files and `flexlb up` speak one language.
 """
 
 from __future__ import annotations

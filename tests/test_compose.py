@@ -29,7 +29,7 @@ import yaml
 
 from services.cli import build_parser, router_settings, worker_config
 from services.settings import ENV_PREFIX, RouterSettings, known_env_vars
-from workers.agent import WorkerConfig
+from workers.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "docker-compose.yml"

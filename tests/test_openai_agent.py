@@ -185,7 +185,8 @@ def test_vllm_kv_events_drive_the_exact_prefix_index(spawn, flexlb_up):
 
 def relay_of(rid: str = "r1"):
     """An agent (not started: no bus, no server) holding one released request, and its stream's relay."""
-    from workers.agent import ReqMeta, WorkerConfig
+    from workers.agent import ReqMeta
+    from workers.config import WorkerConfig
     from workers.openai_agent import OpenAIAgent, OpenBatch, StreamRelay
 
     agent = OpenAIAgent(WorkerConfig(worker_id="w9", engine="openai", engine_url="http://127.0.0.1:9").validate())
@@ -235,3 +236,15 @@ def test_bytes_for_a_request_that_left_the_agent_close_its_stream():
     with pytest.raises(UpstreamFailure):
         relay.on_data(b'{"choices": [{"text": "a", "token_ids": [97], "finish_reason": null}]}')
     assert not agent.token_batches and "r1" not in agent.first_token_ns
+
+
+def test_the_openai_agent_replaces_only_the_engine_backend_of_the_agent():
+    """An engine kind replaces the EngineBackend methods and nothing else of the agent (the
+    bus side stays one implementation); both kinds implement the whole Protocol."""
+    from workers.agent import EngineBackend, WorkerAgent
+    from workers.openai_agent import OpenAIAgent
+
+    backend = {n for n in EngineBackend.__dict__ if not n.startswith("_")}
+    replaced = {n for n, v in OpenAIAgent.__dict__.items() if callable(v) and n in WorkerAgent.__dict__} - {"__init__"}
+    assert replaced <= backend, f"overridden outside EngineBackend: {sorted(replaced - backend)}"
+    assert backend <= set(dir(WorkerAgent)) and backend <= set(dir(OpenAIAgent))

@@ -29,7 +29,8 @@ from schemas.subjects import STATUS_STREAM, dispatch_subject, status_subject, to
 from services.infra import free_port
 from tests.conftest import wait_for
 from tests.stack import expected_text, make_bodies, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async
-from workers.agent import ReqMeta, WorkerConfig
+from workers.agent import ReqMeta
+from workers.config import WorkerConfig
 from workers.openai_agent import OpenAIAgent, OpenBatch, SGLangRelay, StreamRelay, parse_prometheus
 from workers.upstream_http import UpstreamFailure
 

@@ -409,7 +409,7 @@ async def test_a_running_request_shows_in_the_load_refuses_its_duplicate_and_a_d
 
 async def test_an_engine_bug_mid_stream_ends_the_stream_with_an_error_chunk_not_a_hang():
     """In process (no socket): the ASGI app with an engine that raises after two steps."""
-    from workers.agent import WorkerConfig
+    from workers.config import WorkerConfig
     from workers.http_front import SimFront, SimHttpApp
 
     front = SimFront(WorkerConfig(worker_id="inproc", time_scale=0).validate())

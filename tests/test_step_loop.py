@@ -12,7 +12,8 @@ import nats
 
 from schemas import messages as m
 from schemas.subjects import dispatch_subject, worker_events_subject
-from workers.agent import WorkerAgent, WorkerConfig
+from workers.agent import WorkerAgent
+from workers.config import WorkerConfig
 from workers.engines.base import StepResult
 from workers.engines.step_loop import StepLoop
 

@@ -449,7 +449,7 @@ async def test_the_sim_servers_kv_events_give_the_engines_cache_in_our_hashes(so
     small cache (so blocks are evicted too); the subscriber's view equals the engine's cache."""
     import json
 
-    from workers.agent import WorkerConfig
+    from workers.config import WorkerConfig
     from workers.http_front import SimFront, SimHttpApp
     from workers.vllm_kv_zmq import vllm_block_hash
 

@@ -30,6 +30,11 @@ Start-up waits for NATS as long as it takes, logging "waiting for NATS at URL: w
 (retrying)" every WAIT_LOG_INTERVAL_S, but a SIGTERM meanwhile stops it at once.
 
 Imports: `schemas` and the engines only (never `services`).
+
+One module over 500 lines: the bus side every engine kind shares (commands, dedupe, fencing,
+withdrawals, deadlines, drain, the token outbox and resends, status, start-up and stop) is
+one state machine over one set of per-request maps; the engine side is workers/engines/,
+the settings workers/config.py.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ import socket
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-import msgspec
 import nats
 from nats.errors import OutboundBufferLimitError
 from nats.js.api import AckPolicy, ConsumerConfig, ObjectStoreConfig, StreamConfig
@@ -71,13 +76,11 @@ from schemas.subjects import (
     nats_servers,
     resend_subject,
     status_subject,
-    validate_token,
     worker_events_subject,
 )
 from schemas.tokens import TextDecoder
+from workers.config import WorkerConfig, make_engine
 from workers.engines.base import Engine, EngineBatch, EngineRequest, StepResult
-from workers.engines.scheduler import SCHEDULERS
-from workers.engines.sim import SimEngine, load_profile
 from workers.engines.step_loop import StepLoop
 
 log = logging.getLogger("flexlb.worker")
@@ -90,138 +93,48 @@ SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (b
 WAIT_LOG_INTERVAL_S = 10.0  # while start-up waits for NATS, one "waiting for NATS" line this often
 
 
-class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    worker_id: str
-    role: str = "pd_fusion"
-    engine: str = "sim"  # sim | torch (workers/engines/torch_engine.py; the `torch` extra) | openai (below)
-    # torch: a preset (tiny, 1b: seeded random weights) or a local Hugging Face Llama
-    # directory; every worker of a PD fleet must run the same model (the KV crosses over).
-    model: str = "tiny"
-    device: str = "cpu"  # torch: cpu | cuda | cuda:N
-    model_seed: int = 0  # torch: seed of a preset's random weights
-    dtype: str | None = None  # torch: float32 | bfloat16 | float16; default: the preset's (HF directory: float32)
-    # torch on a CPU: intra-op threads (0: torch's default, every core). Several CPU workers on
-    # one machine must share the cores (`flexlb up` gives each cores / workers): oversubscribed
-    # OpenMP threads spin against each other and a 0.1 s step takes seconds, missing heartbeats.
-    torch_threads: int = 0
-    nats_url: str = "nats://127.0.0.1:4222"  # a cluster: every server's URL, comma-separated
-    nats_replicas: int = 1  # copies of each stream it creates if it starts first (the router's setting)
-    time_scale: float = 1.0  # engine time multiplier: 0 = instant, 0.01 = 100x faster than the profile
-    heartbeat_interval_ms: int = 200
-    metrics_port: int = 0  # > 0: the worker's own Prometheus /metrics here (workers/metrics.py)
-    metrics_host: str = "127.0.0.1"
-    num_kv_blocks: int = 16384  # KV capacity (blocks of block_size_tokens)
-    block_size_tokens: int = 16
-    max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch
-    max_seq_len_tokens: int = 40960  # longest prompt + output
-    # The engine's scheduler (workers/engines/sim.py): tokens one step may compute (prefill
-    # chunks + one per decoding sequence), vLLM's max_num_batched_tokens; most sequences
-    # running at once (max_num_seqs); chunked prefill on (a prompt is split over steps).
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    chunked_prefill: bool = True
-    # vllm: decodes and prompt chunks share each step (vLLM V1); sglang: prefill-first, a
-    # waiting prompt runs as a step of its own before the decodes go on (SGLang's default),
-    # max_num_batched_tokens then being its chunked_prefill_size and max_prefill_tokens its
-    # per-step input budget (workers/engines/sim.py; the sim and torch engines).
-    scheduler: str = "vllm"
-    max_prefill_tokens: int = 16384
-    profile: str | None = None  # timing profile JSON; default: llama2-70b H100 TP8 (Splitwise fit)
-    # While NATS is away, outputs wait in the client's buffer, up to this many bytes (shared by
-    # all requests). A request whose tokens do not fit is stopped and failed with
-    # stream_overflow (counted in num_stream_overflows), never silently truncated.
-    outbound_buffer_bytes: int = 2 * 1024 * 1024
-    # openai: the agent executes on an OpenAI-compatible server (vLLM, SGLang) instead of an
-    # engine of its own (workers/openai_agent.py). Its base URL; the served model name
-    # (default: the first of its GET /v1/models); the most requests open to it at once; how long
-    # a stream may go without a byte before it is failed (upstream_error).
-    engine_url: str = ""
-    engine_model: str = ""
-    # openai: how the agent talks to the server: openai (/v1/completions with token ids, and
-    # /v1/chat/completions for chat) | sglang (SGLang's native /generate with input_ids).
-    engine_protocol: str = "openai"
-    upstream_max_concurrency: int = 256
-    upstream_stall_timeout_s: float = 60.0
-    # openai + vLLM's KV events (`vllm serve --kv-events-config`): the ZMQ PUB endpoint to
-    # subscribe to, its replay endpoint (optional) and topic. Empty: no events (run the router
-    # with prefix_index approximate). `flexlb sim-server`: where it publishes such events
-    # itself. A NATS worker of the sim or torch engine publishes on NATS: refused there.
-    kv_events_endpoint: str = ""
-    kv_events_replay_endpoint: str = ""
-    kv_events_topic: str = ""
-
-    def validate(self) -> "WorkerConfig":
-        validate_token("worker_id", self.worker_id)
-        nats_servers(self.nats_url)
-        if not 1 <= self.nats_replicas <= 5:
-            raise ValueError(f"nats_replicas must be 1..5 (JetStream's limit), got {self.nats_replicas}")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
-        self.role = m.parse_role(self.role)
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler {self.scheduler!r} is not known; known: {', '.join(SCHEDULERS)}")
-        if self.engine not in ("sim", "torch", "openai"):
-            raise ValueError(f"engine {self.engine!r} is not available; known: sim, torch, openai")
-        if self.engine == "openai":
-            if not self.engine_url.startswith(("http://", "https://")):
-                raise ValueError(f"engine openai needs engine_url, an http:// or https:// base URL, got {self.engine_url!r}")
-            if self.role != "pd_fusion":
-                raise ValueError("engine openai serves colocated (pd_fusion) only: PD through a server's own KV "
-                                 "connector (vLLM kv_transfer_params) is not supported")
-            if self.engine_protocol not in ("openai", "sglang"):
-                raise ValueError(f"engine_protocol must be openai or sglang, got {self.engine_protocol!r}")
-            if self.upstream_max_concurrency <= 0 or self.upstream_stall_timeout_s <= 0:
-                raise ValueError("upstream_max_concurrency and upstream_stall_timeout_s must be > 0")
-            if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
-                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-        if self.engine == "torch":
-            try:
-                import torch  # noqa: F401  (the torch extra)
-            except ImportError:
-                raise ValueError("engine torch needs torch: pip install -e '.[torch]'") from None
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
-        if self.time_scale < 0:
-            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
-        for name in ("heartbeat_interval_ms", "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens",
-                     "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "max_prefill_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        return self
-
-
-def make_engine(cfg: WorkerConfig) -> Engine:
-    """The engine a worker config describes: one construction path for the NATS worker and
-    the HTTP front (workers/http_front.py), so both run the very same engine."""
-    if cfg.engine == "openai":
-        raise ValueError("engine openai has no engine of its own: it forwards to the server at engine_url")
-    if cfg.engine == "torch":
-        import torch
-
-        from workers.engines.torch_engine import TorchEngine, load_model
-
-        if cfg.torch_threads:
-            torch.set_num_threads(cfg.torch_threads)
-        return TorchEngine(
-            load_model(cfg.model, device=cfg.device, seed=cfg.model_seed, dtype=cfg.dtype), role=cfg.role,
-            num_kv_blocks=cfg.num_kv_blocks, block_size_tokens=cfg.block_size_tokens,
-            max_seq_len_tokens=cfg.max_seq_len_tokens, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, chunked_prefill=cfg.chunked_prefill, scheduler=cfg.scheduler,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-        )
-    return SimEngine(
-        profile=load_profile(cfg.profile), role=cfg.role, num_kv_blocks=cfg.num_kv_blocks,
-        block_size_tokens=cfg.block_size_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        chunked_prefill=cfg.chunked_prefill, scheduler=cfg.scheduler, max_prefill_tokens=cfg.max_prefill_tokens,
-    )
-
-
 def engine_request(request_id: str, prompt_token_ids: list[int], max_tokens: int,
                    sampling: m.Sampling | None) -> EngineRequest:
     s = sampling or m.Sampling()
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
                          temperature=s.temperature, top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos)
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """Where the agent's requests run: the methods the agent calls on itself for that, and
+    the only ones an engine kind replaces. `WorkerAgent` implements them over a stepped
+    `Engine` (workers/engines/base.py: sim, torch) and the shared step loop;
+    `OpenAIAgent` (workers/openai_agent.py) over an engine server's HTTP API. Everything
+    else (the bus, dedupe, fencing, withdrawals, deadlines, drain, token relay) is the
+    agent's and the same for every kind."""
+
+    def build_engine(self) -> Engine | None:
+        """The engine, at construction; None: the requests run elsewhere (a server)."""
+
+    async def prepare_engine(self) -> None:
+        """Before the worker registers: learn what it must report (a server's KV geometry,
+        its model); may change the config. Must not fail for a server that is not up yet."""
+
+    def engine_loops(self) -> list:
+        """The coroutines that run the requests (the step loop; a server's release, status and
+        KV-event loops), each started as a task after registration and cancelled at stop."""
+
+    def submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
+        """Take a dispatched batch (already deduped, fenced and not withdrawn); never blocks."""
+
+    def cancel_request(self, request_id: str) -> bool:
+        """Stop running `request_id`: True if it was held (the caller reports the end)."""
+
+    def cached_block_hashes(self) -> list[int]:
+        """Our block hashes of the prefix cache now (answers a router's snapshot request)."""
+
+    def status(self) -> m.WorkerStatusReported:
+        """The heartbeat: what runs, what is queued, the KV use, the signals it has."""
+
+    def close_engine(self) -> None:
+        """At the end of `run`, whatever happened (also after a stop during start-up):
+        release what `prepare_engine` and the loops opened (connections, sockets)."""
 
 
 @dataclass
@@ -243,8 +156,9 @@ class WorkerAgent:
         self.cfg = config
         self.boot_id = secrets.token_hex(4)
         self.host = socket.gethostname()
-        self.engine = self._make_engine()
+        self.engine = self.build_engine()
         self.work = asyncio.Event()  # set when the engine has something new to do
+        self.tokens_queued = asyncio.Event()  # set when the outbox gets a chunk (a backend that flushes on a timer waits on it)
         # The engine's step loop (workers/engines/step_loop.py), with this agent as its sink.
         self.step_loop = (StepLoop(self.engine, self, config.time_scale, f"worker {config.worker_id}", self.work)
                           if self.engine is not None else None)
@@ -287,18 +201,17 @@ class WorkerAgent:
         self.js = None
         self._waiting_for = "starting"  # what start-up waits for now (said if it is stopped meanwhile)
 
-    # ------------------------------------------------------------------ what an engine kind overrides
-    # (workers/openai_agent.py: the same agent in front of an HTTP server instead of an engine)
-    def _make_engine(self):
+    # ------------------------------------------------------------------ EngineBackend (see the Protocol)
+    def build_engine(self) -> Engine | None:
         return make_engine(self.cfg)
 
-    async def _prepare(self) -> None:
-        """Before the worker registers (its config may still change)."""
+    async def prepare_engine(self) -> None:
+        pass  # a stepped engine is ready once built
 
-    def _engine_loops(self) -> list:
+    def engine_loops(self) -> list:
         return [self.step_loop.run()]
 
-    def _submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
+    def submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
         self.engine.submit_batch(EngineBatch(batch_id=batch_id, requests=[
             engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling) for r in requests
         ]))
@@ -313,15 +226,17 @@ class WorkerAgent:
         the new one is the request now (its withdrawal, late, names the old batch)."""
         if request_id in self.meta:
             log.info("request %s came again in a new command: its earlier copy is dropped", request_id)
-            self._cancel(request_id)
+            self.cancel_request(request_id)
             self._forget(request_id)
 
-    def _cancel(self, request_id: str) -> bool:
-        """Drop the request from the engine: True if it held it."""
+    def cancel_request(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)
 
-    def _cached_block_hashes(self) -> list[int]:
+    def cached_block_hashes(self) -> list[int]:
         return self.engine.all_cached_block_hashes()
+
+    def close_engine(self) -> None:
+        pass  # a stepped engine holds nothing outside the process
 
     # ------------------------------------------------------------------ plumbing
     def _forget(self, request_id: str) -> ReqMeta | None:
@@ -352,6 +267,7 @@ class WorkerAgent:
                 batch.append(chunk)
         else:
             self.token_singles.append((meta.token_subject, chunk))
+        self.tokens_queued.set()
 
     async def _flush_tokens(self) -> None:
         """Publish the outbox (core NATS): one TokensBatch per router subject (split in
@@ -494,7 +410,7 @@ class WorkerAgent:
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._command_loop(psub), name="commands"),
             asyncio.create_task(self.acked.run(), name="acked"),
-        ] + [asyncio.create_task(loop, name="engine") for loop in self._engine_loops()]
+        ] + [asyncio.create_task(loop, name="engine") for loop in self.engine_loops()]
         await stop.wait()
         self.state, self.not_ready_reason = "stopping", "worker stopping (told to: SIGTERM or SIGINT)"
         for t in tasks:
@@ -511,6 +427,7 @@ class WorkerAgent:
         is away is left to the process's exit: nats-py's close then flushes the pending bytes
         into the dead socket and waits for them, swallowing a cancel (asyncio.wait_for on it
         never returned: a worker ignored SIGTERM while NATS was away)."""
+        self.close_engine()
         if self.nc is not None and self.nc.is_connected:
             closing = asyncio.create_task(self.nc.close(), name="nats-close")
             done, _ = await asyncio.wait({closing}, timeout=SHUTDOWN_TIMEOUT_S / 3)
@@ -558,7 +475,7 @@ class WorkerAgent:
             self._waiting_for = f"setting up the JetStream streams at {cfg.nats_url}"
             await self._ensure_streams()
             self._waiting_for = "preparing the engine"
-            await self._prepare()
+            await self.prepare_engine()
             self._waiting_for = "registering"
             await self.nc.subscribe(cancel_subject(cfg.worker_id), cb=self._on_cancel)
             await self.nc.subscribe(kv_snapshot_request_subject(cfg.worker_id), cb=self._on_snapshot_request)
@@ -598,7 +515,7 @@ class WorkerAgent:
 
     async def _fail_everything(self, reason: str) -> None:
         for request_id in list(self.meta):
-            self._cancel(request_id)
+            self.cancel_request(request_id)
             self._forget(request_id)
             await self._event(m.RequestFailed(
                 request_id=request_id, worker_id=self.cfg.worker_id, code="worker_failed", message=reason, retryable=True,
@@ -675,7 +592,7 @@ class WorkerAgent:
                                                   r.sampling, batch_id=cmd.batch_id,
                                                   token_batch_subject=r.token_batch_subject)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
-            self._submit_batch(cmd.batch_id, requests)
+            self.submit_batch(cmd.batch_id, requests)
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
             key = f"{cmd.batch_id}:{cmd.request_id}"
             if key in self.seen_batches or self._is_withdrawn(cmd.request_id, cmd.batch_id):
@@ -714,10 +631,10 @@ class WorkerAgent:
             if len(self.withdrawn) > WITHDRAWN_MAX:
                 self.withdrawn.popitem(last=False)
             meta = self.meta.get(cmd.request_id)
-            if meta is not None and cmd.batch_id in ("", meta.batch_id) and self._cancel(cmd.request_id):
+            if meta is not None and cmd.batch_id in ("", meta.batch_id) and self.cancel_request(cmd.request_id):
                 self._forget(cmd.request_id)  # the router owns its terminal event
             return
-        if self._cancel(cmd.request_id):
+        if self.cancel_request(cmd.request_id):
             self._forget(cmd.request_id)
             await self._event(m.RequestCancelled(request_id=cmd.request_id, worker_id=self.cfg.worker_id, reason=cmd.reason))
 
@@ -740,7 +657,7 @@ class WorkerAgent:
         # Consistent with every KV event published so far (kv_seq does not advance).
         await self.nc.publish(kv_events_subject(self.cfg.worker_id), self._env(m.KvSnapshot(
             worker_id=self.cfg.worker_id, boot_id=self.boot_id, kv_seq=self.kv_seq,
-            block_hashes=self._cached_block_hashes(), block_size_tokens=self.cfg.block_size_tokens,
+            block_hashes=self.cached_block_hashes(), block_size_tokens=self.cfg.block_size_tokens,
         )))
 
     async def _publish_kv(self, step: StepResult) -> None:
@@ -800,7 +717,7 @@ class WorkerAgent:
         so. The failure event may not fit either; then the router learns it from the status
         reports, which stop listing the request (calibration), or from the token gap."""
         self.num_stream_overflows += 1
-        self._cancel(request_id)
+        self.cancel_request(request_id)
         self._forget(request_id)
         log.warning("request %s: outbound buffer of %d bytes full; stopped (stream_overflow)", request_id,
                     self.cfg.outbound_buffer_bytes)
@@ -816,7 +733,7 @@ class WorkerAgent:
         now = time.time_ns()
         late = [rid for rid, meta in self.meta.items() if 0 < meta.deadline_ns <= now]
         for rid in late:
-            if self._cancel(rid):
+            if self.cancel_request(rid):
                 self._forget(rid)
                 await self._event(m.RequestTimedOut(request_id=rid, worker_id=self.cfg.worker_id, phase="running"))
 

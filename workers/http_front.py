@@ -1,7 +1,7 @@
 """An HTTP front for the simulated engine, so peer routers can drive the very same engine.
 
 `flexlb sim-server --port P [engine flags]` serves one `SimEngine` (built by
-`workers.agent.make_engine`, exactly as the NATS worker builds it) over the HTTP dialects
+`workers.config.make_engine`, exactly as the NATS worker builds it) over the HTTP dialects
 that sglang-router and vllm-router speak to their workers, so a benchmark can put FlexLB,
 sglang-router (cache_aware, power_of_two, ...) and vllm-router (cache_aware, round_robin,
 ...) in front of identical engines and compare routing alone.
@@ -144,7 +144,7 @@ from typing import Any, Awaitable, Callable
 from schemas.chat_template import ChatTemplates
 from schemas.http import SSE_DONE, ClientGone, HttpError, Receive, Scope, Send, error_body, read_body, send_bytes, send_error, send_json, sse
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
-from workers.agent import WorkerConfig
+from workers.config import WorkerConfig
 from workers.sim_formats import ABORT_MESSAGE, ChatFormat, OpenAIFormat, Output, SGLangFormat
 from workers.sim_front import DEFAULT_MODEL_NAME, Delta, OpenRequest, SimFront  # noqa: F401  (SimFront: this module's API)
 from workers.sim_pd import BOOTSTRAP_WAIT_S, bootstrap_of, fetch_handoff

@@ -1,10 +1,12 @@
 """The worker agent in front of an OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, ...):
 `--engine openai`.
 
-The bus side is the agent's own (workers/agent.py, unchanged): it pulls `DispatchBatch`
-from its JetStream consumer, dedupes, honours fencing epochs, withdrawals, cancel,
-deadlines and drain, and publishes lifecycle, token, status and KV events. What differs is
-where a request runs: on the server at `engine_url`, over HTTP.
+The bus side is the agent's own (workers/agent.py): it pulls `DispatchBatch` from its
+JetStream consumer, dedupes, honours fencing epochs, withdrawals, cancel, deadlines and
+drain, and publishes lifecycle, token, status and KV events. What differs is where a
+request runs: on the server at `engine_url`, over HTTP. This class is the agent's
+`EngineBackend` (build, prepare, loops, submit, cancel, cached blocks, status, close) for
+such a server, and replaces nothing else of it.
 
 Execution. A batch is queued in the agent, then released to the server whole: every
 member's POST starts at once (the server batches them itself), when
@@ -202,21 +204,17 @@ class OpenAIAgent(WorkerAgent):
         # Requests let go of whose terminal event is being published: still reported as held
         # until it is out, or the router's calibration settles them as lost meanwhile.
         self.ending: set[str] = set()
-        self.tokens_queued = asyncio.Event()  # the outbox has chunks (_token_flush_loop)
 
-    def _make_engine(self):
+    def build_engine(self):
         return None  # the server is the engine
 
     # ------------------------------------------------------------------ start
-    async def run(self, stop: asyncio.Event) -> None:
-        try:
-            await super().run(stop)
-        finally:
-            if self.kv_feed is not None:
-                self.kv_feed.close()
-            self.upstream.close()
+    def close_engine(self) -> None:
+        if self.kv_feed is not None:
+            self.kv_feed.close()
+        self.upstream.close()
 
-    async def _prepare(self) -> None:
+    async def prepare_engine(self) -> None:
         """Learn the model name and the KV geometry before registering (non-fatal: a server
         that is not up yet is waited for by the status loop, not-ready meanwhile)."""
         cfg = self.cfg
@@ -246,17 +244,13 @@ class OpenAIAgent(WorkerAgent):
         log.info("worker %s in front of %s (model %r, %s metrics, %d KV blocks of %d)", cfg.worker_id, self.base_url,
                  cfg.engine_model, st.flavour or "no known", cfg.num_kv_blocks, cfg.block_size_tokens)
 
-    def _engine_loops(self) -> list:
+    def engine_loops(self) -> list:
         loops = [self._release_loop(), self._status_loop(), self._token_flush_loop()]
         if self.kv_feed is not None:
             loops.append(self._kv_loop())
         return loops
 
     # ------------------------------------------------------------------ tokens
-    def _queue_tokens(self, meta, chunk: m.TokensGenerated) -> None:
-        super()._queue_tokens(meta, chunk)
-        self.tokens_queued.set()
-
     async def _token_flush_loop(self) -> None:
         while True:
             await self.tokens_queued.wait()
@@ -349,7 +343,7 @@ class OpenAIAgent(WorkerAgent):
         self.token_gaps.append((now_s, ms_per_token))
         self.token_gaps_sum_ms += ms_per_token
 
-    def recent_step_ms(self) -> float:
+    def stream_step_ms(self) -> float:
         horizon = time.monotonic() - STREAM_GAPS_WINDOW_S
         while self.token_gaps and self.token_gaps[0][0] < horizon:
             self.token_gaps_sum_ms -= self.token_gaps.popleft()[1]
@@ -361,7 +355,7 @@ class OpenAIAgent(WorkerAgent):
     def status(self) -> m.WorkerStatusReported:
         cfg, st = self.cfg, self.server
         held = [r.request_id for b in self.queued for r in b.requests] + list(self.streams) + list(self.ending)
-        step_ms = self.recent_step_ms()
+        step_ms = self.stream_step_ms()
         used = min(cfg.num_kv_blocks, round(st.kv_usage * cfg.num_kv_blocks))
         return m.WorkerStatusReported(
             worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id,
@@ -381,14 +375,14 @@ class OpenAIAgent(WorkerAgent):
         )
 
     # ------------------------------------------------------------------ commands
-    def _submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
+    def submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
         batch = OpenBatch(batch_id, list(requests))
         for r in requests:
             self.batch_of[r.request_id] = batch
         self.queued.append(batch)
         self.wake.set()
 
-    def _cancel(self, request_id: str) -> bool:
+    def cancel_request(self, request_id: str) -> bool:
         batch = self.batch_of.pop(request_id, None)
         if batch is None:
             return False
@@ -403,7 +397,7 @@ class OpenAIAgent(WorkerAgent):
         self._first_or_end(batch, request_id, None)
         return True
 
-    def _cached_block_hashes(self) -> list[int]:
+    def cached_block_hashes(self) -> list[int]:
         return list(self.kv_view)
 
     async def _fail_held(self, message: str) -> None:
@@ -417,7 +411,7 @@ class OpenAIAgent(WorkerAgent):
     async def _fail(self, request_id: str, failure: UpstreamFailure) -> None:
         self.ending.add(request_id)
         try:
-            if not self._cancel(request_id):
+            if not self.cancel_request(request_id):
                 return
             self._forget(request_id)
             self.num_upstream_failures += 1

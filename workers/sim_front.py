@@ -1,4 +1,4 @@
-"""The sim-server's engine side (`SimFront`): one engine (built by `workers.agent.make_engine`,
+"""The sim-server's engine side (`SimFront`): one engine (built by `workers.config.make_engine`,
 exactly as the NATS worker builds it), driven by the shared step loop
 (workers/engines/step_loop.py), and the open requests' streams; no transport. The ASGI app
 (workers/http_front.py) submits requests and reads their deltas.
@@ -45,7 +45,7 @@ from typing import Any
 
 from schemas.http import HttpError
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
-from workers.agent import WorkerConfig, make_engine
+from workers.config import WorkerConfig, make_engine
 from workers.engines.base import EngineBatch, EngineRequest, FailedOut, FinishedOut, StepResult
 from workers.engines.step_loop import ENGINE_FAILED_CODE, StepLoop
 from workers.sim_pd import MAX_ROOMS

@@ -83,6 +83,9 @@ PUB socket refuses is logged and counted (`num_publish_errors`), the engine goes
 data-parallel rank.
 
 Imports: `schemas` and `workers` only (and pyzmq, the `openai` extra).
+
+One module over 500 lines: both ends of vLLM's KV-event wire (the subscriber the agent runs
+and the publisher the sim-server runs) share its frame format, sequence and replay rules.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ passes (admission, growth, preemption), with the scheduler's own `_Sequence` rec
 both engines share every line of that; a separate "KV policy" object would have to see the
 same records anyway. Nothing here reads a clock, draws a random number or does I/O.
 
-Parameters (the worker builds the engine from its config: `workers.agent.make_engine`):
+Parameters (the worker builds the engine from its config: `workers.config.make_engine`):
 - role: "pd_fusion" | "prefill" | "decode" (parsed by `schemas.messages.parse_role`).
 - num_kv_blocks: KV capacity in blocks; block_size_tokens: tokens per block (and per hashed
   prefix block); max_seq_len_tokens: longest prompt + max_tokens one request may have.
@@ -112,6 +112,10 @@ Hooks (a subclass implements them; each is called only as said):
   `_note_cache_change` (the step's `blocks_stored` / `blocks_removed`).
 - optional: `_finish_reason` (default: "length" at max_tokens), `_handoff` (default: no
   K/V), `_validate` (call super first), and the KV introspection properties.
+
+One module over 500 lines: admission, chunking, preemption and the prefix cache act on the
+same running set and block table within one step; split, one invariant (every block
+accounted once) would span modules.
 """
 
 from __future__ import annotations
