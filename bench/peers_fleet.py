@@ -197,7 +197,7 @@ class FlexlbFleet(Fleet):
     async def event_log_facts(self, before: dict[str, Any] | None) -> dict[str, Any]:
         """Prefix hits and per-worker requests from the event log (warm-ups left out)."""
         from schemas import messages as m
-        from tests.stack import read_event_log
+        from tests.integration.stack import read_event_log
 
         envs = await asyncio.wait_for(read_event_log(self.state["nats_url"]), self.args.startup_timeout_s)
         per_worker: Counter = Counter()

@@ -44,7 +44,7 @@ The parts, one module and one class each, sharing one RouterState (services/shel
 This module only builds them, starts and stops them, and is the one face the HTTP API
 (services/api.py) talks to. Calls go one way: admin → recovery → upkeep; liveness →
 recovery, admin, upkeep, leadership; fold → relay, recovery, upkeep; dispatch → recovery,
-upkeep; leadership → intake; every part → state. tests/test_layering.py checks it.
+upkeep; leadership → intake; every part → state. tests/unit/test_layering.py checks it.
 """
 
 from __future__ import annotations

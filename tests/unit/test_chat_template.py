@@ -447,5 +447,5 @@ def test_importing_the_module_does_not_import_jinja():
 
     code = "import sys, schemas.chat_template; print('jinja2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=str(Path(__file__).resolve().parent.parent))
+                         cwd=str(Path(__file__).resolve().parent.parent.parent))
     assert out.stdout.strip() == "False"

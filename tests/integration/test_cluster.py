@@ -24,8 +24,7 @@ from schemas.subjects import (
     worker_events_subject,
 )
 from services.infra import free_port
-from tests.conftest import wait_for
-from tests.stack import expected_text, read_event_log, wait_async
+from tests.integration.stack import expected_text, read_event_log, wait_async, wait_for
 
 
 def _ids(prefix: str) -> str:
@@ -236,7 +235,7 @@ async def test_two_routers_standby_forwards_and_takes_over_within_3_s_when_the_l
     # The standby serves clients by forwarding scheduling to the leader; tokens come straight to it.
     complete(b_url, "through the standby")
     async with httpx.AsyncClient(timeout=60) as c:
-        from tests.stack import stream_completion
+        from tests.integration.stack import stream_completion
 
         res = await stream_completion(c, b_url, {"prompt": "streamed via standby", "max_tokens": 7})
     assert res["done"] and not res["errors"] and "".join(res["texts"]) == expected_text(res["request_id"], 7)

@@ -31,7 +31,7 @@ from services.cli import build_parser, router_settings, worker_config
 from services.settings import ENV_PREFIX, RouterSettings, known_env_vars
 from workers.config import WorkerConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"

@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from schemas.messages import WorkerStatusReported
-from services.core.view import READINESS_REASON_MAX, WorkerView
 from services.infra import free_port
-from tests.conftest import wait_for
+from tests.integration.stack import wait_for
 
 STOP_S = 5.0  # the bound: exit within this of SIGTERM / SIGINT
+
+
 # A stop that includes the router's own under load: uvicorn's 1 s for open streams, then the
 # router's stop (its NATS drain waits out its 3 s limit: a pull subscription's queue is never
 # joined), ~3.5 s measured here. Asserted with room for a loaded 2-core machine; printed.
@@ -87,45 +87,6 @@ def marker(tmp_path) -> str:
 def assert_nothing_left(marker: str, within_s: float = 3.0, pids=(), cmdline_needles=()) -> None:
     wait_for(lambda: not pids_marked(marker, pids, cmdline_needles), within_s,
              "no process started by flexlb up to be left")
-
-
-# ---------------------------------------------------------------------------- the reason (pure core)
-def status(worker_id: str, state: str = "ready", reason: str = "") -> WorkerStatusReported:
-    return WorkerStatusReported(worker_id=worker_id, role="pd_fusion", boot_id="b", state=state,
-                                not_ready_reason=reason)
-
-
-def view_of(*events, dead: tuple[str, ...] = (), drained: tuple[str, ...] = ()) -> WorkerView:
-    view = WorkerView()
-    for e in events:
-        view.apply(e, 1)
-    for w in dead:
-        view.workers[w].liveness, view.workers[w].num_missed_syncs = "dead", 3
-    view.set_drain_flags(set(drained))
-    return view
-
-
-@pytest.mark.parametrize("view, reason", [
-    (view_of(), "no worker has reported yet"),
-    (view_of(status("w0", "not_ready", "engine server http://x unreachable: connection refused")),
-     "no live worker for role pd_fusion: w0 not_ready (engine server http://x unreachable: connection refused)"),
-    (view_of(status("w0", "not_ready", "no\nserver"), status("w1"), dead=("w1",)),
-     "no live worker for role pd_fusion: w0 not_ready (no server); w1 dead (no status for 3 liveness cycles)"),
-    (view_of(status("w0", "stopping"), status("w1"), drained=("w1",)),
-     "no live worker for role pd_fusion: w0 stopping; w1 drained by an operator"),
-    (view_of(*(status(f"w{i}", "not_ready", "x" * 500) for i in range(9))),
-     None),  # nine long reasons: four shown (cut), five counted, the whole cut to the bound
-    (view_of(status("w0"), status("w1", "not_ready", "busy")), "ok"),
-], ids=["nobody", "one-not-ready", "not-ready-and-dead", "stopping-and-drained", "bounded", "one-live-is-enough"])
-def test_readiness_reason_names_each_worker_not_live_and_why(view, reason):
-    ready, said = view.readiness()
-    assert ready == (reason == "ok")
-    assert "\n" not in said and len(said) <= READINESS_REASON_MAX
-    if reason is not None:
-        assert said == reason
-    else:
-        assert said.startswith("no live worker for role pd_fusion: w0 not_ready (xxx") and "w3 not_ready" in said
-        assert "w4 " not in said and said.endswith(("5 more", "..."))
 
 
 # ---------------------------------------------------------------------------- flexlb worker

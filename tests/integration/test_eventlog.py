@@ -16,7 +16,7 @@ import sys
 import httpx
 
 from schemas import messages as m
-from tests.stack import run_concurrent_streams, wait_async
+from tests.integration.stack import run_concurrent_streams, wait_async
 
 
 def shared_prefix_bodies(n: int, seed: int, length: tuple[int, int] = (300, 900)) -> list[dict]:
@@ -286,7 +286,7 @@ def test_a_journal_recorded_before_the_core_was_reorganised_replays_identically(
     replay it to the same decisions: a move that changes behaviour shows here."""
     from services.eventlog import replay_file
 
-    summary, _ = replay_file(str(pathlib.Path(__file__).parent / "golden" / "journal-before-issue26.jsonl.gz"),
+    summary, _ = replay_file(str(pathlib.Path(__file__).parent.parent / "golden" / "journal-before-issue26.jsonl.gz"),
                              progress=False)
     assert summary["journals"] == 1 and summary["decisions"] == 114
     assert summary["matched"] == summary["decisions"] and summary["first_divergence"] is None

@@ -20,7 +20,7 @@ from schemas import messages as m
 from schemas.subjects import KV_BUCKET
 from schemas.tokens import decode_tokens, encode_text
 from services.core.predictor import PredictorParams, PrefillCoefficients, PrefillPredictor
-from tests.stack import make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
+from tests.integration.stack import make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
 from workers.engines.sim import EngineBatch, EngineRequest
 from workers.engines.torch_engine import TorchEngine, load_model
 
@@ -29,7 +29,7 @@ TORCH_FLEET = ("--engine", "torch", "--model", "tiny", "--num-kv-blocks", "4096"
 
 def reference_texts(bodies: list[dict]) -> list[str]:
     """What the tiny model (seed 0) generates for each prompt, greedy: one engine, one batch
-    (tests/test_torch_engine.py shows batching does not change a request's tokens)."""
+    (tests/unit/test_torch_engine.py shows batching does not change a request's tokens)."""
     eng = TorchEngine(load_model("tiny"), "pd_fusion", num_kv_blocks=8192, block_size_tokens=16, max_seq_len_tokens=2048)
     eng.submit_batch(EngineBatch(batch_id="ref", requests=[
         EngineRequest(request_id=f"r{i}", prompt_token_ids=encode_text(b["prompt"]), max_tokens=b["max_tokens"])

@@ -27,8 +27,7 @@ import pytest
 from schemas import messages as m
 from schemas.subjects import STATUS_STREAM, dispatch_subject, status_subject, token_batch_subject, token_subject
 from services.infra import free_port
-from tests.conftest import wait_for
-from tests.stack import expected_text, make_bodies, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async
+from tests.integration.stack import expected_text, make_bodies, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async, wait_for
 from workers.agent import ReqMeta
 from workers.config import WorkerConfig
 from workers.openai_agent import OpenAIAgent, OpenBatch, SGLangRelay, StreamRelay, parse_prometheus

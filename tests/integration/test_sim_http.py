@@ -32,7 +32,7 @@ import pytest
 
 from services.infra import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 MODEL = "flexlb-sim"
 MAX_SEQ_LEN_TOKENS = 4096
 STARTUP_TIMEOUT_S = 45  # generous: a cold start on a loaded CI machine

@@ -31,7 +31,7 @@ from schemas.tokens import BYTE_TOKENIZER, HFTokenizer, block_hashes, encode_tex
 from services.api import parse_completion
 from services.infra import free_port
 from services.settings import RouterSettings, SettingsError, load
-from tests.stack import read_event_log, start_sim_server, wait_async
+from tests.integration.stack import read_event_log, start_sim_server, wait_async
 
 CORPUS = [
     "The router receives a completion request, tokenizes the prompt, and hashes its blocks. "

@@ -9,7 +9,6 @@ import asyncio
 import secrets
 
 import nats
-import pytest
 from nats.js.api import StreamConfig
 
 from schemas.acked import AckedPublisher
@@ -64,10 +63,3 @@ async def test_a_fact_never_acked_is_given_up_counted_and_reported(nats_url):
         assert pub.num_lost == 1 and lost == [(subject + ".x", "id-x")] and not pub.pending
     finally:
         await nc.close()
-
-
-def test_the_timeouts_must_fit_the_duplicate_window():
-    with pytest.raises(ValueError, match="duplicate window"):
-        AckedPublisher(None, "x", ack_timeout_s=2, give_up_s=300)
-    with pytest.raises(ValueError):
-        AckedPublisher(None, "x", ack_timeout_s=5, give_up_s=2)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.stack import make_bodies, run_concurrent_streams, wait_async
+from tests.integration.stack import make_bodies, run_concurrent_streams, wait_async
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "services/monitoring/grafana/dashboards/flexlb.json"
+DASHBOARD = Path(__file__).resolve().parent.parent.parent / "services/monitoring/grafana/dashboards/flexlb.json"
 METRIC = re.compile(r"\bflexlb_[a-z0-9_]+")
 
 

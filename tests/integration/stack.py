@@ -8,6 +8,7 @@ import random
 import string
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import nats
@@ -15,6 +16,8 @@ import nats
 from schemas import messages as m
 from schemas.subjects import EVENTS_STREAM
 from workers.engines.sim import sim_token_id
+
+REPO = Path(__file__).resolve().parent.parent.parent
 
 
 async def read_event_log(nats_url: str, stream: str = EVENTS_STREAM.name) -> list[m.Envelope]:
@@ -123,7 +126,6 @@ def start_sim_server(spawn, *args: str, timeout_s: float = 45) -> tuple[str, obj
     """`flexlb sim-server ARGS` on a free loopback port (through the `spawn` fixture); returns
     (its URL, the process) once /health answers 200, or fails with the server's log tail."""
     from services.infra import free_port
-    from tests.conftest import wait_for
 
     port = free_port()
     proc = spawn("sim-server", "--port", str(port), *args, name=f"sim-{port}")
@@ -194,3 +196,15 @@ async def settled_cleanly(url: str, nats_url: str, results: list[dict], timeout_
             return (await c.get(url + "/admin/ledger")).json()["num_entries"] == 0
 
         await wait_async(ledger_empty, timeout_s, "an empty ledger")
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll until predicate() is truthy (bounded, generous); return its value or fail."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")

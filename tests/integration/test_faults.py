@@ -12,7 +12,7 @@ import time
 import httpx
 
 from schemas import messages as m
-from tests.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
+from tests.integration.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
 
 DETECTION_S = 3 * 0.5  # dead_after_missed_syncs x liveness_sync_ms (the defaults)
 
@@ -338,7 +338,7 @@ async def test_a_worker_outbound_buffer_overflow_stops_the_request_visibly(flexl
     url, nats_url = state["router_url"], state["nats_url"]
     port = int(nats_url.rsplit(":", 1)[1])
     async with httpx.AsyncClient(timeout=120) as c:
-        from tests.stack import stream_completion
+        from tests.integration.stack import stream_completion
 
         stream = asyncio.create_task(stream_completion(c, url, {"prompt": "a long answer", "max_tokens": 3000}))
         await asyncio.sleep(1.5)  # streaming by now

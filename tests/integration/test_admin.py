@@ -12,8 +12,7 @@ import redis
 
 from schemas import messages as m
 from services.infra import free_port
-from tests.conftest import REPO, wait_for
-from tests.stack import make_bodies, read_event_log, run_concurrent_streams
+from tests.integration.stack import REPO, make_bodies, read_event_log, run_concurrent_streams, wait_for
 
 
 def cli(*argv: str) -> tuple[int, dict]:

@@ -16,7 +16,7 @@ import time
 import httpx
 import nats
 
-from tests.stack import fault_outcome, make_bodies, settled_cleanly, stream_completion, wait_async
+from tests.integration.stack import fault_outcome, make_bodies, settled_cleanly, stream_completion, wait_async
 
 NUM_REQUESTS = 340
 MIN_IN_FLIGHT = 300
@@ -76,7 +76,7 @@ def _check(summary: dict, what: str) -> None:
 
 def _replays_identically(state: dict, path: str) -> dict:
     """Export the run (through the cluster's URLs) and replay it: every decision matches."""
-    from tests.test_eventlog import export, replay_json
+    from tests.integration.test_eventlog import export, replay_json
 
     export(state, path)
     rc, summary = replay_json(path)
@@ -187,7 +187,7 @@ async def test_one_nats_server_frozen_for_3_s_kills_no_healthy_worker(flexlb_up)
                     if line.startswith("flexlb_bus_silent_cycles_total")]
         assert silent >= 1, "the router did not notice the silent bus"
         from schemas import messages as m
-        from tests.stack import read_event_log
+        from tests.integration.stack import read_event_log
 
         deaths = [e for e in await read_event_log(nats_url) if isinstance(e.payload, m.WorkerLivenessChanged)
                   and e.payload.liveness == "dead"]
@@ -238,7 +238,7 @@ class Partition:
 async def test_a_leader_cut_off_from_redis_past_its_lease_stops_dispatching_and_a_standby_takes_over(spawn, tmp_path):
     from schemas import messages as m
     from services.infra import free_port, start_nats, start_redis
-    from tests.stack import read_event_log
+    from tests.integration.stack import read_event_log
 
     nats_srv, redis_srv = start_nats(str(tmp_path / "nats")), start_redis()
     relay = await Partition(redis_srv.port).start()
@@ -342,7 +342,7 @@ async def test_the_redis_primary_killed_sentinel_promotes_the_replica_and_schedu
 
     from schemas import messages as m
     from services.infra import SENTINEL_MASTER
-    from tests.stack import read_event_log
+    from tests.integration.stack import read_event_log
 
     proc, state = flexlb_up("--redis-sentinel", "--time-scale", "0.5", "--workers", "2")
     url, nats_url = state["router_url"], state["nats_url"]

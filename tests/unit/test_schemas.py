@@ -15,7 +15,7 @@ from schemas.errors import ERROR_CODES, ErrorBody, error_code
 from schemas.subjects import ALL_STREAMS, dispatch_subject, token_subject, validate_token
 from schemas.tokens import TextDecoder, block_hashes, decode_tokens, encode_text
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parent.parent / "golden"
 GOLDEN_FILES = sorted(GOLDEN.glob("*.json"))
 
 

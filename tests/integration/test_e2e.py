@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from schemas import messages as m
-from tests.stack import (
+from tests.integration.stack import (
     expected_text,
     make_bodies,
     read_event_log,
