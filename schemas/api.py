@@ -39,12 +39,6 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class Usage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 class CompletionResponse(msgspec.Struct, kw_only=True):
     id: str
     object: str = "text_completion"

@@ -52,14 +52,14 @@ from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_toke
 from services.chat import (
     ChatShape,
     CompletionShape,
-    StopMatcher,
+    OutputCursor,
     check_max_tokens,
     check_options,
+    decode_request,
     parse_chat,
     resolve_chat_templates,
     sampling_of,
     stop_strings,
-    usage_of,
 )
 from services.core.scheduler import Rejected
 from services.shell.router import RequestHandle, RouterService
@@ -80,16 +80,7 @@ def parse_completion(body: bytes, settings,
                      tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> tuple[CompletionRequest, list[int]]:
     """Decode and validate a completion body; raise HttpError with a design code. A text
     prompt becomes `tokenizer`'s ids."""
-    if not body:
-        raise HttpError("invalid_request", "empty body; expected a JSON object with a prompt")
-    try:
-        req = _REQ_DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise HttpError("invalid_request", f"invalid body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
-    if req.model is not None and req.model != settings.model_name:
-        raise HttpError("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+    req = decode_request(body, _REQ_DECODER, settings, "a prompt")
     check_max_tokens(req.max_tokens, settings)
     if req.stream_options is not None and not req.stream:
         raise HttpError("invalid_request", "stream_options: only with stream true")
@@ -351,8 +342,7 @@ class CompletionsFront:
     async def stream(self, handle: RequestHandle, receive, send, shape) -> None:
         service = self.service
         rid = handle.request_id
-        stops = StopMatcher(handle.stop) if handle.stop else None
-        num_tokens, cached = 0, None
+        cursor = OutputCursor(handle.stop)
 
         async def watch_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -379,23 +369,15 @@ class CompletionsFront:
                                 return  # finally: cancel the work
                             if isinstance(item, m.TokensGenerated):
                                 handle.num_buffered -= 1
-                                num_tokens += item.num_chunk_tokens
-                                text, reason = item.text, item.finish_reason
-                                if reason is not None and item.num_cached_tokens is not None:
-                                    cached = item.num_cached_tokens
-                                if stops is not None:
-                                    text, hit = stops.feed(text)
-                                    if hit:
-                                        reason = "stop"
-                                        await service.cancel(handle, "stop string")  # nothing if it already ended
-                                    elif reason is not None:
-                                        text += stops.flush()
+                                text, reason, stopped = cursor.take(item)
+                                if stopped:
+                                    await service.cancel(handle, "stop string")  # nothing if it already ended
                                 if text or reason is not None or not shape.skips_empty:
                                     out.append(shape.chunk(text, reason))
-                                if reason is not None and (stops is not None or shape.include_usage):
+                                if reason is not None and (handle.stop or shape.include_usage):
                                     # The end is known: with a stop string the Terminal may never come.
                                     if shape.include_usage:
-                                        out.append(shape.usage_chunk(usage_of(len(handle.prompt_token_ids), num_tokens, cached)))
+                                        out.append(shape.usage_chunk(cursor.usage(len(handle.prompt_token_ids))))
                                     out.append(SSE_DONE)
                                     finished = True
                                     break
@@ -423,39 +405,27 @@ class CompletionsFront:
     async def collect(self, handle: RequestHandle, send, shape) -> None:
         service = self.service
         parts: list[str] = []
-        num_tokens, cached, reason = 0, None, None
-        stops = StopMatcher(handle.stop) if handle.stop else None
+        cursor = OutputCursor(handle.stop)
+        stopped = False
         try:
             async with asyncio.timeout_at(self._deadline(handle)):
-                while True:
+                while not stopped:
                     item = await handle.queue.get()
                     if not isinstance(item, m.TokensGenerated):
                         break
                     handle.num_buffered -= 1
-                    num_tokens += item.num_chunk_tokens
-                    text, reason = item.text, item.finish_reason
-                    if reason is not None and item.num_cached_tokens is not None:
-                        cached = item.num_cached_tokens
-                    if stops is not None:
-                        text, hit = stops.feed(text)
-                        if hit:
-                            parts.append(text)
-                            reason = "stop"
-                            await service.cancel(handle, "stop string")
-                            break
-                        if reason is not None:
-                            text += stops.flush()
+                    text, reason, stopped = cursor.take(item)
                     parts.append(text)
+                    if stopped:
+                        await service.cancel(handle, "stop string")
         except TimeoutError:
             await service.cancel(handle, "router request timeout")
             await send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", _id_header(handle.request_id))
             return
-        if isinstance(item, m.TokensGenerated):  # stopped at a stop string
-            pass
-        elif item.outcome != "finished":
-            await send_error(send, item.code or "worker_failed", item.message, _id_header(handle.request_id))
-            return
-        else:
+        if not stopped:
+            if item.outcome != "finished":
+                await send_error(send, item.code or "worker_failed", item.message, _id_header(handle.request_id))
+                return
             reason = item.finish_reason
-        body = shape.body("".join(parts), reason, usage_of(len(handle.prompt_token_ids), num_tokens, cached))
+        body = shape.body("".join(parts), reason, cursor.usage(len(handle.prompt_token_ids)))
         await send_bytes(send, 200, body, JSON_TYPE, _id_header(handle.request_id))

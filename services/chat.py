@@ -78,6 +78,22 @@ _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _ENC = msgspec.json.Encoder()
 
 
+def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: str):
+    """A request body decoded by `decoder` and checked to name this router's model (or
+    none); HttpError invalid_request otherwise. `wants` says what an empty body lacks."""
+    if not body:
+        raise HttpError("invalid_request", f"empty body; expected a JSON object with {wants}")
+    try:
+        req = decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise HttpError("invalid_request", f"invalid body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
+    if req.model is not None and req.model != settings.model_name:
+        raise HttpError("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+    return req
+
+
 def check_options(req, settings) -> None:
     """The FlexLB fields both endpoints share (request_id, priority, timeout_s, SLO targets)."""
     if req.request_id is not None:
@@ -209,16 +225,7 @@ def _for_template(messages: list[dict]) -> list[dict]:
 def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
                templates: ChatTemplates | None) -> ParsedChat:
     """Decode, validate and render a chat completion body; HttpError with a design code."""
-    if not body:
-        raise HttpError("invalid_request", "empty body; expected a JSON object with messages")
-    try:
-        req = _CHAT_DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise HttpError("invalid_request", f"invalid body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
-    if req.model is not None and req.model != settings.model_name:
-        raise HttpError("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
+    req = decode_request(body, _CHAT_DECODER, settings, "messages")
     _refuse_unhonoured(req)
     _check_messages(req.messages)
     check_options(req, settings)
@@ -301,6 +308,36 @@ def resolve_chat_templates(settings, tokenizer: ByteTokenizer | HFTokenizer) -> 
     if templates is None and isinstance(tokenizer, ByteTokenizer):
         templates = ChatTemplates.builtin()
     return templates
+
+
+class OutputCursor:
+    """What a request's client has been given so far: its output tokens, the cached prompt
+    tokens its engine reported (on the last chunk), and its text cut at a stop string."""
+
+    __slots__ = ("stops", "num_tokens", "num_cached_tokens")
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = StopMatcher(stops) if stops else None
+        self.num_tokens = 0
+        self.num_cached_tokens: int | None = None
+
+    def take(self, chunk: m.TokensGenerated) -> tuple[str, str | None, bool]:
+        """-> (the text that may go out now, the finish reason if the output ends here, whether
+        a stop string ended it: the caller then cancels the rest of the work)."""
+        self.num_tokens += chunk.num_chunk_tokens
+        text, reason = chunk.text, chunk.finish_reason
+        if reason is not None and chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
+        if self.stops is not None:
+            text, hit = self.stops.feed(text)
+            if hit:
+                return text, "stop", True
+            if reason is not None:
+                text += self.stops.flush()
+        return text, reason, False
+
+    def usage(self, num_prompt_tokens: int) -> UsageWithDetails:
+        return usage_of(num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
 
 
 def usage_of(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None) -> UsageWithDetails:

@@ -47,6 +47,8 @@ from urllib.parse import urlsplit
 import httptools
 import msgspec
 
+from schemas.http import HttpError
+
 CONNECT_TIMEOUT_S = 5.0
 IDLE_MAX_S = 2.0  # a pooled connection idle longer than this is closed, not reused
 DONE_GRACE_S = 1.0  # after [DONE], how long the end of the body is waited for (to reuse the connection)
@@ -55,13 +57,8 @@ ERROR_BODY_MAX_BYTES = 65536  # of a non-200 answer, kept for its message
 _decode_json = msgspec.json.Decoder().decode
 
 
-class UpstreamFailure(Exception):
+class UpstreamFailure(HttpError):
     """The request failed at or on the way to the engine server; `code` is a schemas/errors.py code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def refusal_of(status: int, body: bytes) -> UpstreamFailure:

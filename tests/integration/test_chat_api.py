@@ -93,6 +93,11 @@ def test_turn_two_hits_the_prefix_cache_turn_one_filled(flexlb_up):
     msgs = [long_system, {"role": "user", "content": "Name three colours, please."}]
     one = client.chat.completions.create(model="flexlb-sim", messages=msgs, max_tokens=8)
     assert one.usage.prompt_tokens_details.cached_tokens == 0
+    # The router has folded turn 1's end (its prefill and its hold on the worker are over):
+    # a turn sent within the fold's lag may be priced as queued behind turn 1 (README, chat).
+    wait_for(lambda: any(e["what"] == "request.finished" for e in httpx.get(
+        f"{state['router_url']}/admin/requests/{one.id}", timeout=10).json().get("timeline", [])),
+        30, "the router to fold turn 1's end")
     msgs += [{"role": "assistant", "content": one.choices[0].message.content},
              {"role": "user", "content": "And three more?"}]
     two = client.chat.completions.create(model="flexlb-sim", messages=msgs, max_tokens=8)

@@ -269,7 +269,7 @@ def test_drain_returns_every_queued_item_and_leaves_nothing(make):
     b = make()
     add_all(b, *(req(f"r{i}", t_ms=i, deadline_ms=5000) for i in range(5)))
     assert batch_ids(b.poll(0, load(inflight=3))) == []  # held: all five still queued
-    assert ids(b.drain()) == ["r0", "r1", "r2", "r3", "r4"]  # defect 4: nothing lost at shutdown
+    assert ids(b.drain()) == ["r0", "r1", "r2", "r3", "r4"]  # nothing lost at shutdown
     assert len(b) == 0 and b.next_due_ns(0, load()) is None
     r = b.poll(10_000 * MS, load())
     assert (r.batches, r.expired, r.too_large) == ([], [], [])
@@ -419,7 +419,7 @@ def test_a_late_head_takes_a_full_batch_instead_of_going_alone():
 
 
 def test_slack_order_is_derived_after_removes_and_adds():
-    """FlexLB defect 3: a sorted cache not invalidated on add/remove dispatched stale items."""
+    """A sorted cache not invalidated on add/remove would dispatch stale items."""
     predict = Predictor()
     b = slo(predict=predict, batch_size_max=1, max_inflight_batches=0)
     add_all(b, req("a", 100, deadline_ms=900), req("b", 100, deadline_ms=300))

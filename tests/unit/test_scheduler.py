@@ -101,7 +101,7 @@ def test_per_worker_queue_bound_gives_queue_full():
 
 
 def test_missed_heartbeats_accumulate_across_sync_cycles_to_dead_then_expired():
-    # The original's defect 1: the counter was recreated every cycle and nothing ever died.
+    # The missed-sync counter lives across cycles (recreated every cycle, nothing would ever die).
     s = make_scheduler(("w0", "w1"), dead_after_missed_syncs=3, expire_after_ms=10_000)
     s.sync(0)  # the cycle that saw both initial reports
     states = []
