@@ -208,3 +208,26 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+def streams_complete_across(state: dict, n: int, seed: int, workers: tuple[str, ...] = ("w0", "w1")):
+    """`n` streamed completions through a `flexlb up` of these (sim-engine) workers: every one
+    complete with the engine's text and its token count, spread over all of them, the ledger
+    empty. -> (bodies, client results, terminal events, RequestFinished by request id)."""
+    router = state["router_url"]
+    wait_for(lambda: sum(w["state"] == "ready" for w in httpx.get(router + "/admin/workers", timeout=10).json()["workers"])
+             == len(workers), 60, f"{len(workers)} ready workers")
+    bodies = make_bodies(n, seed=seed)
+    results = asyncio.run(run_concurrent_streams(router, bodies))
+    for r, b in zip(results, bodies):
+        assert r["status"] == 200 and r["done"] and not r["errors"], r
+        assert r["finish_reason"] == "length"
+        assert "".join(r["texts"]) == expected_text(r["request_id"], b["max_tokens"])
+    envs = asyncio.run(wait_all_terminal(state["nats_url"], {r["request_id"] for r in results}))
+    finished = {e.payload.request_id: e.payload for e in envs if isinstance(e.payload, m.RequestFinished)}
+    assert {r["request_id"] for r in results} == set(finished)
+    for r, b in zip(results, bodies):
+        assert finished[r["request_id"]].num_output_tokens == b["max_tokens"]
+    assert {f.worker_id for f in finished.values()} == set(workers)
+    wait_for(lambda: httpx.get(router + "/admin/ledger", timeout=10).json()["num_entries"] == 0, 30, "an empty ledger")
+    return bodies, results, envs, finished

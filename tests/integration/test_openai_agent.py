@@ -17,7 +17,16 @@ from schemas import messages as m
 from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes, encode_text
 from services.infra import free_port
-from tests.integration.stack import expected_text, make_bodies, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async, wait_for
+from tests.integration.stack import (
+    expected_text,
+    make_bodies,
+    run_concurrent_streams,
+    start_sim_server,
+    streams_complete_across,
+    wait_all_terminal,
+    wait_async,
+    wait_for,
+)
 from workers.openai_agent import parse_prometheus
 
 
@@ -43,23 +52,14 @@ def test_200_streamed_completions_through_the_adapter(spawn, flexlb_up):
     router = state["router_url"]
     ready_fleet(router, 2)
     assert {w["engine"] for w in workers(router).values()} == {"openai"}
-    bodies = make_bodies(200, seed=13)
-    results = asyncio.run(run_concurrent_streams(router, bodies))
+    # The servers generate it: the text depends on the request id the agent passed on.
+    bodies, results, envs, finished = streams_complete_across(state, 200, seed=13)
     for r, b in zip(results, bodies):
-        assert r["status"] == 200 and r["done"] and not r["errors"], r
-        assert r["finish_reason"] == "length"
-        # The server generated it: its text depends on the request id the agent passed on.
-        assert "".join(r["texts"]) == expected_text(r["request_id"], b["max_tokens"])
-    envs = asyncio.run(wait_all_terminal(state["nats_url"], {r["request_id"] for r in results}))
-    finished = {e.payload.request_id: e.payload for e in envs if isinstance(e.payload, m.RequestFinished)}
-    for r, b in zip(results, bodies):
-        assert finished[r["request_id"]].num_output_tokens == b["max_tokens"]
         assert finished[r["request_id"]].num_prompt_tokens == len(encode_text(b["prompt"]))
     prefills = [e.payload for e in envs if isinstance(e.payload, m.PrefillCompleted)]
     assert prefills and all(p.measured_ms > 0 for p in prefills)  # measured, for the predictor
     assert metric(url_a, "flexlb_sim_requests_finished_total") + metric(url_b, "flexlb_sim_requests_finished_total") == 200
     assert min(metric(url_a, "flexlb_sim_requests_finished_total"), metric(url_b, "flexlb_sim_requests_finished_total")) > 0
-    wait_for(lambda: httpx.get(router + "/admin/ledger", timeout=10).json()["num_entries"] == 0, 30, "an empty ledger")
 
 
 def test_a_killed_server_ends_its_requests_with_a_code_and_the_rest_reroute(spawn, flexlb_up):

@@ -27,7 +27,12 @@ import pytest
 from schemas import messages as m
 from schemas.subjects import STATUS_STREAM, dispatch_subject, status_subject, token_batch_subject, token_subject
 from services.infra import free_port
-from tests.integration.stack import expected_text, make_bodies, run_concurrent_streams, start_sim_server, wait_all_terminal, wait_async, wait_for
+from tests.integration.stack import (
+    expected_text,
+    start_sim_server,
+    streams_complete_across,
+    wait_async,
+)
 from workers.agent import ReqMeta
 from workers.config import WorkerConfig
 from workers.openai_agent import OpenAIAgent, OpenBatch, SGLangRelay, StreamRelay, parse_prometheus
@@ -222,25 +227,6 @@ def worker_statuses(nats_url: str, worker_ids: list[str]) -> dict[str, m.WorkerS
     return asyncio.run(read())
 
 
-def routed_streams_complete(state: dict, n: int, seed: int) -> None:
-    router = state["router_url"]
-    wait_for(lambda: sum(w["state"] == "ready" for w in httpx.get(router + "/admin/workers", timeout=10).json()["workers"])
-             == 2, 60, "2 ready workers")
-    bodies = make_bodies(n, seed=seed)
-    results = asyncio.run(run_concurrent_streams(router, bodies))
-    for r, b in zip(results, bodies):
-        assert r["status"] == 200 and r["done"] and not r["errors"], r
-        assert r["finish_reason"] == "length"
-        assert "".join(r["texts"]) == expected_text(r["request_id"], b["max_tokens"])
-    envs = asyncio.run(wait_all_terminal(state["nats_url"], {r["request_id"] for r in results}))
-    finished = {e.payload.request_id: e.payload for e in envs if isinstance(e.payload, m.RequestFinished)}
-    assert {r["request_id"] for r in results} == set(finished)
-    for r, b in zip(results, bodies):
-        assert finished[r["request_id"]].num_output_tokens == b["max_tokens"]
-    assert {f.worker_id for f in finished.values()} == {"w0", "w1"}
-    wait_for(lambda: httpx.get(router + "/admin/ledger", timeout=10).json()["num_entries"] == 0, 30, "an empty ledger")
-
-
 def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_up):
     (url_a, _), (url_b, _) = (start_sim_server(spawn, "--time-scale", "0.05", "--bare-openai") for _ in range(2))
     assert httpx.get(url_a + "/metrics", timeout=5).status_code == 404
@@ -249,7 +235,7 @@ def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_
     assert chat.status_code == 200 and "prompt_token_ids" not in chat.json()  # asked for, not given
     assert "token_ids" not in chat.json()["choices"][0] and len(chat.json()["choices"][0]["message"]["content"]) == 2
     _, state = flexlb_up("--engine", "openai", "--engine-url", url_a, "--engine-url", url_b)
-    routed_streams_complete(state, 100, seed=31)
+    streams_complete_across(state, 100, seed=31)
     statuses = worker_statuses(state["nats_url"], ["w0", "w1"])
     for st in statuses.values():
         assert st.state == "ready" and st.not_ready_reason == ""
@@ -271,7 +257,7 @@ def test_100_streams_through_sglangs_generate_cumulative_and_incremental(spawn, 
     (url_a, _), (url_b, _) = (start_sim_server(spawn, "--time-scale", "0.05", *extra)
                               for extra in ((), ("--incremental-streaming-output",)))
     _, state = flexlb_up("--engine", "openai", "--engine-protocol", "sglang", "--engine-url", url_a, "--engine-url", url_b)
-    routed_streams_complete(state, 100, seed=32)
+    streams_complete_across(state, 100, seed=32)
     for st in worker_statuses(state["nats_url"], ["w0", "w1"]).values():
         assert (st.signals.protocol, st.signals.token_ids, st.signals.liveness) == ("sglang", True, "metrics")
     for url in (url_a, url_b):
