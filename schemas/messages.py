@@ -62,6 +62,10 @@ class WorkerRegistered(_Event, tag="worker.registered"):
     max_batch_tokens: int  # most prompt tokens one prefill batch may hold
     max_seq_len_tokens: int  # longest prompt + output one sequence may have
     heartbeat_interval_ms: int
+    # The model it serves (the name requests give as `model`); "": a worker before this field,
+    # which serves the router's default model (its `model_name`).
+    model: str = ""
+    lora_adapters: list[str] = []  # the LoRA adapters it has loaded (names requests may give as `model`)
 
 
 class WorkerStatusReported(_Event, tag="worker.status_reported"):
@@ -101,6 +105,8 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     # What the worker learns from its engine (None: a worker before this field; read it as
     # EngineSignals()): /admin/workers shows it per worker.
     signals: EngineSignals | None = None
+    model: str = ""  # the model it serves; "": a worker before this field (the router's default model)
+    lora_adapters: list[str] = []  # the LoRA adapters it has loaded
 
 
 class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):

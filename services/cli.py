@@ -91,6 +91,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
     else:
         p.add_argument("--engine-url", help="openai: the server's base URL, e.g. http://127.0.0.1:8001")
     p.add_argument("--engine-model", help="openai: the served model name (default: the server's first /v1/models)")
+    p.add_argument("--served-model-name", help="the model name the worker reports and requests name as `model` "
+                                               "(default: sim flexlb-sim, torch the preset or model directory's name, "
+                                               "openai the server's)")
     p.add_argument("--engine-protocol", choices=["openai", "sglang"],
                    help="openai: how the agent drives the server: openai (default; /v1/completions, and "
                         "/v1/chat/completions for chat: vLLM, SGLang, any OpenAI-compatible server) | sglang "

@@ -286,7 +286,8 @@ def run_up(args, settings: RouterSettings) -> int:
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms",
                      "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens", "profile",
                      "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "scheduler", "max_prefill_tokens",
-                     "engine_model", "engine_protocol", "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
+                     "engine_model", "served_model_name", "engine_protocol",
+                     "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]

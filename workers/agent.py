@@ -171,6 +171,7 @@ class WorkerAgent:
         self.withdrawn: OrderedDict[str, str] = OrderedDict()
         self.state = "ready"
         self.not_ready_reason = ""  # one line, with a state other than ready: why (WorkerStatusReported)
+        self.lora_adapters: list[str] = []  # LoRA adapters its engine has loaded (reported; sim and torch load none)
         self.num_batches_executed = 0
         self.num_requests_finished = 0
         self.num_undecodable = 0
@@ -388,6 +389,7 @@ class WorkerAgent:
             num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
             last_step_ms=self.last_step_ms, recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
             not_ready_reason=self.not_ready_reason if self.state != "ready" else "",
+            model=self.cfg.served_model(), lora_adapters=list(self.lora_adapters),
         )
 
     # ------------------------------------------------------------------ run
@@ -493,7 +495,8 @@ class WorkerAgent:
                 worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id, engine=cfg.engine, pid=os.getpid(),
                 host=self.host, block_size_tokens=cfg.block_size_tokens, num_kv_blocks=cfg.num_kv_blocks,
                 max_batch_tokens=cfg.max_batch_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
-                heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+                heartbeat_interval_ms=cfg.heartbeat_interval_ms, model=cfg.served_model(),
+                lora_adapters=list(self.lora_adapters),
             )
             await self.js.publish(worker_events_subject(cfg.worker_id), self._env(registered))
             await self.nc.publish(status_subject(cfg.worker_id), self._env(self.status()))

@@ -23,6 +23,8 @@ Imports: `schemas` and `workers.engines` only.
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from schemas import messages as m
@@ -31,6 +33,9 @@ from workers.engines.base import Engine
 from workers.engines.scheduler import SCHEDULERS
 
 ENGINES = ("sim", "torch", "openai")
+# The model a sim worker serves unless `served_model_name` says otherwise: the router's
+# default `model_name` (services/settings.py), so a plain stack needs neither set.
+SIM_MODEL_NAME = "flexlb-sim"
 PROTOCOLS = ("openai", "sglang")
 
 
@@ -127,6 +132,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics_port: int = 0  # > 0: the worker's own Prometheus /metrics here (workers/metrics.py)
     metrics_host: str = "127.0.0.1"
     max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch (reported to the router)
+    # The model name it reports (requests name it as `model`; the router routes by it). "": the
+    # engine's own (served_model()): sim "flexlb-sim", torch the preset or the model
+    # directory's basename, openai the server's (engine_model, or its first /v1/models id).
+    served_model_name: str = ""
     # While NATS is away, outputs wait in the client's buffer, up to this many bytes (shared by
     # all requests). A request whose tokens do not fit is stopped and failed with
     # stream_overflow (counted in num_stream_overflows), never silently truncated.
@@ -162,6 +171,16 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+
+    def served_model(self) -> str:
+        """The model this worker serves and reports (`served_model_name`'s comment)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine == "torch":
+            return os.path.basename(os.path.normpath(self.model))  # a preset's name is its own basename
+        if self.engine == "openai":
+            return self.engine_model  # learned from the server before registering (prepare_engine)
+        return SIM_MODEL_NAME
 
     def scheduler_settings(self) -> SchedulerSettings:
         return _group(SchedulerSettings, self)

@@ -225,6 +225,8 @@ class OpenAIAgent(WorkerAgent):
             models = _decode_json(body).get("data") or []
             if models and not cfg.engine_model:
                 cfg.engine_model = str(models[0].get("id", ""))
+            # vLLM lists each loaded LoRA adapter as a model with a `parent` (its base model).
+            self.lora_adapters = [str(x["id"]) for x in models if isinstance(x, dict) and x.get("parent") and x.get("id")]
             if models and isinstance(models[0].get("max_model_len"), int):
                 cfg.max_seq_len_tokens = models[0]["max_model_len"]
         except (UpstreamFailure, msgspec.DecodeError, AttributeError) as exc:
@@ -372,6 +374,7 @@ class OpenAIAgent(WorkerAgent):
             recent_step_ms=step_ms, heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             not_ready_reason=self.server_not_ready_reason if not self.server_ok else
             getattr(self, "not_ready_reason", "") if self.state != "ready" else "", signals=self.signals(),
+            model=cfg.served_model(), lora_adapters=list(self.lora_adapters),
         )
 
     # ------------------------------------------------------------------ commands
