@@ -25,6 +25,7 @@ _CODES = [
     ErrorCode("draining", 503, True),
     ErrorCode("not_ready", 503, True),
     ErrorCode("not_found", 404, False),
+    ErrorCode("model_not_found", 404, False),  # a request names a model no worker serves (nor the default)
     ErrorCode("unauthorized", 401, False),
     ErrorCode("conflict", 409, False),
     ErrorCode("queue_timeout", 504, True),

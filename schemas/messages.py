@@ -456,6 +456,7 @@ class SubmitRequest(_Event, tag="cmd.submit_request"):
     sampling: Sampling | None = None
     stop: list[str] = []  # as BatchRequest.stop
     chat: ChatForward | None = None  # as BatchRequest.chat
+    model: str = ""  # the model the client named ("": none, the default pool)
 
 
 class SubmitReply(_Event, tag="cmd.submit_reply"):

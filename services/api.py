@@ -68,6 +68,11 @@ log = logging.getLogger("flexlb.api")
 
 _REQ_DECODER = msgspec.json.Decoder(CompletionRequest)
 _ENC = msgspec.json.Encoder()
+# Retry-After (seconds) of a `no_worker` refusal (no live worker serves the request's model):
+# a worker that restarts is routable on its first status report (heartbeats come every
+# 200 ms by default) and a dead one is declared dead within a second, so 1 s is soon enough
+# to find one back and long enough not to spin a client against an empty pool.
+NO_WORKER_RETRY_AFTER_S = b"1"
 
 
 def _error(code: str, message: str, request_id: str | None = None) -> Response:
@@ -100,6 +105,16 @@ def parse_completion(body: bytes, settings,
         raise HttpError("too_large", f"prompt of {len(tokens)} tokens exceeds the limit of {settings.max_prompt_tokens}")
     check_options(req, settings)
     return req, tokens
+
+
+def models_body(models: dict[str, list[str]]) -> dict:
+    """/v1/models (OpenAI's list, as vLLM gives it): every model (model -> its workers' loaded
+    LoRA adapters, WorkerView.models), then each adapter as a model with its `parent`."""
+    data: list[dict] = [{"id": model, "object": "model", "owned_by": "flexlb", "root": model, "parent": None}
+                        for model in models]
+    data += [{"id": adapter, "object": "model", "owned_by": "flexlb", "root": adapter, "parent": model}
+             for model, adapters in models.items() for adapter in adapters]
+    return {"object": "list", "data": data}
 
 
 def _header_ms(raw: str | None, name: str) -> float | None:
@@ -192,7 +207,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "owned_by": "flexlb"}]}
+        return models_body(service.models())
 
     @app.get("/admin/workers")
     async def admin_workers(by: str = Depends(admin_auth)):
@@ -324,11 +339,15 @@ class CompletionsFront:
             return
         request_id = request_id or service.new_request_id()
         outcome = await service.submit(request_id, tokens, max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
-                                       sampling=sampling, stop=stop, chat=forward)
+                                       sampling=sampling, stop=stop, chat=forward, model=req.model or "")
         if isinstance(outcome, Rejected):
-            await send_error(send, outcome.code, outcome.message, _id_header(request_id))
+            headers = _id_header(request_id) or []
+            if outcome.code == "no_worker":
+                headers.append((b"retry-after", NO_WORKER_RETRY_AFTER_S))
+            await send_error(send, outcome.code, outcome.message, headers)
             return
-        shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), self.settings.model_name, include_usage)
+        shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), req.model or self.settings.model_name,
+                                                         include_usage)
         if req.stream:
             await self.stream(outcome, receive, send, shape)
         else:

@@ -79,8 +79,9 @@ _ENC = msgspec.json.Encoder()
 
 
 def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: str):
-    """A request body decoded by `decoder` and checked to name this router's model (or
-    none); HttpError invalid_request otherwise. `wants` says what an empty body lacks."""
+    """A request body decoded by `decoder`; HttpError invalid_request otherwise. `wants` says
+    what an empty body lacks. (Its `model` picks a pool: the scheduler refuses one no worker
+    serves, model_not_found.)"""
     if not body:
         raise HttpError("invalid_request", f"empty body; expected a JSON object with {wants}")
     try:
@@ -89,8 +90,6 @@ def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: 
         raise HttpError("invalid_request", f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
-    if req.model is not None and req.model != settings.model_name:
-        raise HttpError("invalid_request", f"unknown model {req.model!r}; this router serves {settings.model_name!r}")
     return req
 
 

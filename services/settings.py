@@ -81,7 +81,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rest standbys that forward to it over NATS).
     reuse_port: bool = False
     own_port: int = 0  # with reuse_port: a second port only this process listens on (its /metrics, its view); 0: none
-    model_name: str = "flexlb-sim"  # what /v1/models lists and completions accept
+    model_name: str = "flexlb-sim"  # the default model: of requests that name none and workers that report none
     prefill_policy: str = "cost-based"  # see services/core/policies/
     prefill_policy_params: dict[str, Any] = {}  # JSON object of the policy's parameters
     decode_policy: str = "kv-aware"
@@ -221,6 +221,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),
             predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),
             slo=SloParams(mode=self.slo_mode, tpot_guard=self.slo_tpot_guard), prefix_index=self.prefix_index, seed=self.seed,
+            model_name=self.model_name,
         )
 
 

@@ -75,13 +75,13 @@ def _event_in(d: dict[str, Any]):
 def _request_out(req: AdmitRequest) -> dict[str, Any]:
     return {"request_id": req.request_id, "num_prompt_tokens": req.num_prompt_tokens, "max_tokens": req.max_tokens,
             "block_hashes": list(req.block_hashes), "priority": req.priority, "slo_ttft_ms": req.slo_ttft_ms,
-            "slo_tpot_ms": req.slo_tpot_ms}
+            "slo_tpot_ms": req.slo_tpot_ms, "model": req.model}
 
 
 def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
     return AdmitRequest(request_id=d["request_id"], num_prompt_tokens=d["num_prompt_tokens"], max_tokens=d["max_tokens"],
                         block_hashes=tuple(d["block_hashes"]), priority=d["priority"], slo_ttft_ms=d["slo_ttft_ms"],
-                        slo_tpot_ms=d["slo_tpot_ms"])
+                        slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""))  # (no model: recorded before pools)
 
 
 # ------------------------------------------------------------------ the operations

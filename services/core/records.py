@@ -45,6 +45,9 @@ class AdmitRequest:
     slo_ttft_ms: float | None = None  # override
     slo_tpot_ms: float | None = None  # override
     payload: object = None
+    # The model the request names ("": none, the router's default `model_name`): only workers
+    # serving it are candidates.
+    model: str = ""
 
 
 class RouteDecision:

@@ -9,7 +9,10 @@ One request (`admit`):
 1. limits: `duplicate_request`, `too_large` (router limit, or beyond every live worker's
    max sequence length, or a prompt longer than every prefill worker's `max_batch_tokens`:
    rejected at arrival rather than failed after queueing), `queue_full` (global cap);
-2. candidates: live workers of each role, each scored with its prefix hit, predicted
+   `model_not_found` (the request names a model no worker has reported and not the
+   default `model_name`), `no_worker` (none of that model's workers is live);
+2. candidates: live workers of the request's model (its pool: `model`, "" for the default)
+   of each role, each scored with its prefix hit, predicted
    prefill, inflight wait, batcher-queue wait, pending count and KV (services/core/policies/);
 3. disaggregated: the decode policy picks first (it reserves KV), then the prefill policy;
    colocated (pd_fusion): the prefill policy picks the one worker; `no_worker` when a role
@@ -59,6 +62,7 @@ from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeMo
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.pending_prefixes import PendingPrefixes
 from services.core.policies import Candidate, RouteContext, RoutingPolicy, build_policy
+from services.core.policies.protocol import Pick, Score
 from services.core.predictor import PredictorParams, PrefillCoefficients, PrefillPredictor
 from services.core.prefix_index import ApproximatePrefixIndex, IndexUpdate, PrefixIndex
 from services.core.records import (  # (re-exported: the shell, the journal and tests import them from here)
@@ -107,6 +111,10 @@ class SchedulerConfig:
     settle_after_missed_reports: int = 2  # calibration: a running request missing from this many reports is settled
     expire_after_ms: int = 10_000  # liveness: removed everywhere after this long without a report
     seed: int = 0
+    # The router's default model (its `model_name`): the pool of requests that name no model
+    # and of workers that report none. (A journal recorded before this field replays with
+    # the default: its workers and requests named none, so every worker stays a candidate.)
+    model_name: str = "flexlb-sim"
 
     def validate(self) -> "SchedulerConfig":
         if self.prefix_index not in ("exact", "approximate"):
@@ -142,7 +150,7 @@ class Scheduler:
         # The batcher's TPOT hold (slo-budget's tpot_headroom; 0: none): the policy may leave
         # out workers that would only hold a request for it.
         self.tpot_headroom: float = getattr(parse_params(config.batcher, config.batcher_params), "tpot_headroom", 0.0)
-        self.view = WorkerView()
+        self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
         self.pending_index = PendingPrefixes(ttl_ms=config.pending_prefix_ttl_ms)
@@ -464,12 +472,22 @@ class Scheduler:
         return out
 
     def _decide(self, stage: str, policy: RoutingPolicy, req: AdmitRequest, cands: list[Candidate], now_ns: int,
-                slo_ttft_ms: float, tpot_limit_ms: float = 0.0) -> RouteDecision:
+                slo_ttft_ms: float, tpot_limit_ms: float = 0.0, others: list[WorkerInfo] | None = None) -> RouteDecision:
+        """One policy's pick among `cands`; `others` (live workers of other models than the
+        request's) join its score cards, filtered by "model"."""
         self.decision_seq += 1
         seed = decision_seed(self.config.seed, self.decision_seq)
         ctx = RouteContext(req.request_id, req.num_prompt_tokens, req.max_tokens, cands, now_ns, seed,
                            len(req.block_hashes), slo_ttft_ms, tpot_limit_ms)
-        return RouteDecision(stage, policy.name, self.decision_seq, seed, policy.select(ctx))
+        pick = policy.select(ctx)
+        if others:  # the model filter's cards, after the policy's (built when read, as the policy's are)
+            inner = pick
+
+            def cards() -> list[Score]:
+                return inner.scores + [Score(w.worker_id, 0.0, {}, "model") for w in others]
+
+            pick = Pick(inner.worker_id, reason_fn=lambda: inner.reason, cards=cards)
+        return RouteDecision(stage, policy.name, self.decision_seq, seed, pick)
 
     # ---------------------------------------------------------------- admission
     def admit(self, req: AdmitRequest, now_ns: int) -> Admitted | Rejected:
@@ -481,9 +499,17 @@ class Scheduler:
             return Rejected("too_large", f"prompt of {n} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         if len(self.inflight) >= cfg.max_inflight_requests:
             return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
-        # Live workers that can hold the request, by role (the view caches the partition;
-        # only a request beyond the smallest limit among them needs a filtering pass).
-        routable = self.view.routable()
+        if not self.view.is_known_model(req.model):
+            return Rejected("model_not_found", f"model {req.model!r} is not served here: no worker has reported it "
+                                               f"(the router's default model is {cfg.model_name!r})")
+        # Live workers of the request's model that can hold it, by role (the view caches the
+        # partition per model; only a request beyond the smallest limit among them needs a
+        # filtering pass). Live workers of other models are shown filtered by "model".
+        model = self.view.resolve_model(req.model)
+        routable = self.view.routable(model)
+        if not routable.num_live:
+            return Rejected("no_worker", f"no live worker serves model {model!r}"
+                            if routable.other_models else "no live worker can serve this request")
         total = n + req.max_tokens
         colocated, prefill_workers, decode_workers = routable.colocated, routable.prefill, routable.decode
         if 0 < routable.min_seq_len_tokens < total or 0 < routable.min_batch_tokens < n:
@@ -499,7 +525,8 @@ class Scheduler:
         slo_ttft, slo_tpot = slo_targets(cfg.slo, n, priority, req.slo_ttft_ms, req.slo_tpot_ms)
         decisions: list[RouteDecision] = []
         if decode_workers and prefill_workers:
-            d = self._decide("decode", self.decode_policy, req, self._decode_candidates(decode_workers), now_ns, slo_ttft)
+            d = self._decide("decode", self.decode_policy, req, self._decode_candidates(decode_workers), now_ns, slo_ttft,
+                             others=routable.other_models)
             decisions.append(d)
             if d.pick.worker_id is None:
                 return Rejected("no_worker", f"no decode worker can take it: {d.pick.reason}", decisions)
@@ -513,7 +540,7 @@ class Scheduler:
         if not cands:
             return Rejected("queue_full", f"every prefill worker's queue holds {cfg.max_queue_per_worker} requests", decisions)
         p = self._decide("prefill", self.prefill_policy, req, cands, now_ns, slo_ttft,
-                         self.tpot_headroom * slo_tpot if self.tpot_headroom else 0.0)
+                         self.tpot_headroom * slo_tpot if self.tpot_headroom else 0.0, routable.other_models)
         decisions.append(p)
         if p.pick.worker_id is None:
             return Rejected("no_worker", f"no prefill worker can take it: {p.pick.reason}", decisions)

@@ -16,11 +16,22 @@ cycle would never reach N):
   scheduler from every other structure).
 A report moves a pending, suspect or dead worker back to ready.
 "state" (what the worker says: ready | draining | stopping) is separate from liveness.
+
+Models (pools): each worker serves one model (`WorkerInfo.model`; a worker that reports none
+serves `default_model`, the router's `model_name`). `routable(model)` partitions the live
+workers of that model only, and lists the live workers of other models apart (the scheduler
+shows them filtered by "model" on its score cards). `models_seen` is every model a worker
+has ever reported to this view (never shrinks): a request for a model outside it (and not
+the default) names no pool, while one inside it whose workers are all gone names an empty one.
+The default names the pool of that name; but while no worker has reported it and every worker
+has reported one same model (a torch or openai fleet of one model behind a router left at its
+default name), it names that model's pool: a single-model fleet takes requests that name no
+model, or the default, as before pools, and `resolve_model` says which pool a name is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas.messages import EngineSignals, WorkerRegistered, WorkerStatusReported
 
@@ -38,6 +49,7 @@ class Routable:
     num_live: int
     min_seq_len_tokens: int
     min_batch_tokens: int
+    other_models: list["WorkerInfo"] = field(default_factory=list)  # live workers serving another model
 
 
 @dataclass
@@ -46,6 +58,8 @@ class WorkerInfo:
     role: str
     boot_id: str
     engine: str = "sim"
+    model: str = ""  # the model it serves (the view's default_model when it reports none)
+    lora_adapters: list[str] = field(default_factory=list)  # the LoRA adapters it has loaded
     pid: int = 0
     host: str = ""
     state: str = "ready"  # as the worker reports it: ready | not_ready | draining | stopping
@@ -90,15 +104,17 @@ class WorkerInfo:
 
 
 class WorkerView:
-    def __init__(self) -> None:
+    def __init__(self, default_model: str = "") -> None:
+        self.default_model = default_model  # the model of a worker that reports none (module docstring)
         self.workers: dict[str, WorkerInfo] = {}  # worker id -> info
         self.roles_seen: set[str] = set()
+        self.models_seen: set[str] = set()  # every model a worker ever reported here (never shrinks)
         self.drain_flags: set[str] = set()  # worker ids an operator drained (may not be known yet)
         # Bumped whenever who may get work, or what a request must fit, can have changed
         # (liveness, state, drain, role, limits, membership): keys the scheduler's cache of
         # routable workers. Every write of those fields goes through this class.
         self.routing_version = 0
-        self._routable: tuple[int, Routable] | None = None
+        self._routable: dict[str, tuple[int, Routable]] = {}  # model -> (routing_version, its partition)
 
     def set_drain_flags(self, worker_ids: set[str]) -> None:
         """The operator's drain flags, as stored (Redis): applied to known and future workers."""
@@ -125,13 +141,16 @@ class WorkerView:
             self.workers[event.worker_id] = info
             before = None
         else:
-            before = (info.role, info.state, info.liveness, info.max_seq_len_tokens, info.max_batch_tokens)
+            before = (info.role, info.state, info.liveness, info.max_seq_len_tokens, info.max_batch_tokens, info.model)
         if info.boot_id != event.boot_id:
             info.boot_id = event.boot_id
             info.num_restarts += 1
         info.role = event.role
         self.roles_seen.add(event.role)
         info.engine = event.engine
+        info.model = event.model or self.default_model
+        self.models_seen.add(info.model)
+        info.lora_adapters = event.lora_adapters
         info.pid = event.pid
         info.host = event.host
         info.block_size_tokens = event.block_size_tokens
@@ -157,7 +176,7 @@ class WorkerView:
                 info.liveness = "ready"
         else:
             info.num_kv_blocks = event.num_kv_blocks
-        if before != (info.role, info.state, info.liveness, info.max_seq_len_tokens, info.max_batch_tokens):
+        if before != (info.role, info.state, info.liveness, info.max_seq_len_tokens, info.max_batch_tokens, info.model):
             self.routing_version += 1
         return info
 
@@ -193,12 +212,16 @@ class WorkerView:
         self.routing_version += 1
         return self.workers.pop(worker_id, None)
 
-    def routable(self) -> "Routable":
-        """Live workers by role, with the smallest limits among them (cached per routing_version)."""
-        cached = self._routable
+    def routable(self, model: str) -> "Routable":
+        """The live workers serving `model` (a pool: resolve_model's) by role, with the smallest
+        limits among them, and the live workers of other models apart (cached per routing_version)."""
+        cached = self._routable.get(model)
         if cached is not None and cached[0] == self.routing_version:
             return cached[1]
-        live = [w for w in self.workers.values() if w.is_live()]
+        live, others = [], []
+        for w in self.workers.values():
+            if w.is_live():
+                (live if w.model == model else others).append(w)
         r = Routable(
             colocated=[w for w in live if w.role == "pd_fusion"],
             prefill=[w for w in live if w.role == "prefill"],
@@ -207,9 +230,31 @@ class WorkerView:
             min_seq_len_tokens=min((w.max_seq_len_tokens for w in live if w.max_seq_len_tokens > 0), default=0),
             min_batch_tokens=min((w.max_batch_tokens for w in live if w.role != "decode" and w.max_batch_tokens > 0),
                                  default=0),
+            other_models=others,
         )
-        self._routable = (self.routing_version, r)
+        if len(self._routable) > 2 * len(self.models_seen) + 8:  # (requests may name models no worker serves)
+            self._routable.clear()
+        self._routable[model] = (self.routing_version, r)
         return r
+
+    def resolve_model(self, model: str) -> str:
+        """The pool a request's `model` names ("" and the default: module docstring)."""
+        model = model or self.default_model
+        if model == self.default_model and len(self.models_seen) == 1 and model not in self.models_seen:
+            return next(iter(self.models_seen))
+        return model
+
+    def is_known_model(self, model: str) -> bool:
+        """A pool exists for `model` ("": the default): it is the default or a worker reported it."""
+        return not model or model == self.default_model or model in self.models_seen
+
+    def models(self) -> dict[str, list[str]]:
+        """Every model of the workers in the view, and the default, each with the LoRA adapters
+        its workers have loaded (sorted, once each): what /v1/models lists."""
+        out: dict[str, set[str]] = {self.default_model: set()} if self.default_model else {}
+        for w in self.workers.values():
+            out.setdefault(w.model, set()).update(w.lora_adapters)
+        return {model: sorted(adapters) for model, adapters in sorted(out.items())}
 
     def roles_in_use(self) -> set[str]:
         """pd_fusion if colocated workers were seen; prefill+decode if either PD role was."""

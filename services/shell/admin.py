@@ -107,7 +107,7 @@ class Admin:
         for w in sorted(self.s.scheduler.view.workers.values(), key=lambda w: w.worker_id):
             live = w.is_live()
             out.append({
-                "id": w.worker_id, "role": w.role,
+                "id": w.worker_id, "role": w.role, "model": w.model, "lora_adapters": list(w.lora_adapters),
                 "live": live, "liveness": w.liveness, "num_missed_syncs": w.num_missed_syncs,
                 "draining": w.draining, "state": self.worker_state(w.worker_id), "reported_state": w.state,
                 "not_ready_reason": w.not_ready_reason,

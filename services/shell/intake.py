@@ -37,20 +37,22 @@ class Intake:
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
         slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
         sampling: m.Sampling | None = None, stop: list[str] | None = None, chat: m.ChatForward | None = None,
+        model: str = "",
     ) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching. A
-        standby router forwards it to the leader and relays its tokens and outcome."""
+        standby router forwards it to the leader and relays its tokens and outcome. `model`:
+        the one the client named ("": none, the default pool)."""
         if not self.s.is_leader:
             return await self.forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                                       sampling, stop=stop or [], chat=chat)
+                                       sampling, stop=stop or [], chat=chat, model=model)
         return await self.admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                       timeout_s, sampling=sampling, stop=stop or [], chat=chat)
+                                       timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model)
 
     async def admit_local(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None,
         slo_ttft_ms: float | None, slo_tpot_ms: float | None, timeout_s: float | None,
         token_subject_override: str = "", sampling: m.Sampling | None = None, stop: list[str] | None = None,
-        chat: m.ChatForward | None = None,
+        chat: m.ChatForward | None = None, model: str = "",
     ) -> RequestHandle | Rejected:
         now = time.time_ns()
         if request_id in self.s.handles:
@@ -62,7 +64,7 @@ class Intake:
         hashes = tuple(block_hashes(prompt_token_ids, self.s.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
-            priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, payload=handle,
+            priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, payload=handle, model=model,
         )
         decision = self.s.scheduler.admit(handle.admit, now)
         rec = self.s.records.open(request_id, now, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
@@ -105,7 +107,7 @@ class Intake:
         return handle
 
     async def forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                       sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None):
+                       sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None, model: str = ""):
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
                                timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
                                stop=stop or [], chat=chat)
@@ -113,7 +115,7 @@ class Intake:
         cmd = m.SubmitRequest(
             request_id=request_id, router_id=self.s.router_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             token_subject=token_subject(self.s.router_id, request_id), priority=priority, slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s, sampling=sampling, stop=stop or [], chat=chat,
+            slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model,
         )
         try:
             msg = await self.s.nc.request(submit_subject(self.s.settings.cluster), m.encode(self.s.envelopes.wrap(cmd, time.time_ns())),
@@ -145,7 +147,7 @@ class Intake:
             request_id=rid, router_id=self.s.router_id, prompt_token_ids=handle.prompt_token_ids,
             max_tokens=handle.max_tokens, token_subject=token_subject(self.s.router_id, rid), priority=adm.priority,
             slo_ttft_ms=adm.slo_ttft_ms, slo_tpot_ms=adm.slo_tpot_ms, timeout_s=remaining_s, sampling=handle.sampling,
-            stop=handle.stop, chat=handle.chat,
+            stop=handle.stop, chat=handle.chat, model=adm.model,
         )
         try:
             msg = await self.s.nc.request(submit_subject(self.s.settings.cluster),
@@ -175,7 +177,7 @@ class Intake:
         else:
             out = await self.admit_local(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.priority,
                                           cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s, token_subject_override=cmd.token_subject,
-                                          sampling=cmd.sampling, stop=cmd.stop, chat=cmd.chat)
+                                          sampling=cmd.sampling, stop=cmd.stop, chat=cmd.chat, model=cmd.model)
             if isinstance(out, Rejected):
                 reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=False,
                                       code=out.code, message=out.message)

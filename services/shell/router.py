@@ -147,9 +147,9 @@ class RouterService:
     async def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
                      slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
                      sampling: m.Sampling | None = None, stop: list[str] | None = None,
-                     chat: m.ChatForward | None = None) -> RequestHandle | Rejected:
+                     chat: m.ChatForward | None = None, model: str = "") -> RequestHandle | Rejected:
         return await self.intake.submit(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                        timeout_s, sampling, stop=stop or [], chat=chat)
+                                        timeout_s, sampling, stop=stop or [], chat=chat, model=model)
 
     async def reject(self, request_id: str, code: str, message: str) -> Rejected:
         return await self.intake.reject(request_id, code, message)
@@ -168,6 +168,10 @@ class RouterService:
 
     def workers_view(self) -> list[dict[str, Any]]:
         return self.admin.workers_view()
+
+    def models(self) -> dict[str, list[str]]:
+        """Every model the view has (and the default), each with its workers' LoRA adapters."""
+        return self.s.scheduler.view.models()
 
     def refresh_gauges(self) -> None:
         """Gauges read from the view at scrape time (a worker gone from the view leaves them)."""

@@ -101,7 +101,7 @@ BAD_BODIES = [
     ("not-an-object", b'[1, 2, 3]', 400, "invalid_request"),
     ("invalid-json", b'{"prompt": "hi",', 400, "invalid_request"),
     ("empty-body", b"", 400, "invalid_request"),
-    ("unknown-model", b'{"prompt": "hi", "model": "gpt-9"}', 400, "invalid_request"),
+    ("unknown-model", b'{"prompt": "hi", "model": "gpt-9"}', 404, "model_not_found"),
     ("bad-request-id", b'{"prompt": "hi", "request_id": "a.b c"}', 400, "invalid_request"),
     ("10MB-prompt", b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}', 413, "too_large"),
     ("prompt-over-token-limit", b'{"prompt": "' + b"a" * 40000 + b'"}', 413, "too_large"),
