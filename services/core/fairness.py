@@ -56,7 +56,13 @@ the class, so a quiet tenant beside it is still queued) and `max_queued_total` (
 `queue_full`. An offer that finds the total full is queued anyway when it is critical or
 standard and a sheddable request is queued: the newest sheddable request is evicted and
 refused `shed`. A sheddable offer that finds the total full is refused `shed`; any other
-is refused `queue_full`. Every refusal carries `retry_after_ms` (default 1,000 ms, the
+is refused `queue_full`. `max_queue_wait_ms` (critical, standard, sheddable; default 60,000,
+60,000, 30,000 ms): `expire(now_ns)` refuses `queue_timeout` every request that has waited
+longer. Why: without it a full sheddable queue is served one request per starvation bound,
+so what it holds waits for hours (bench/fairness.py measured a 10-minute p99 before this
+bound existed); a client has long given up by then (60 s is the usual gateway and
+load-balancer idle timeout), and a refusal with Retry-After tells it so. Sheddable work, the
+first to give way, gets half. Every refusal carries `retry_after_ms` (default 1,000 ms, the
 `Retry-After` hint; the router may replace it with its own drain estimate).
 """
 
@@ -68,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 PriorityClass = Literal["critical", "standard", "sheddable"]
+RefusalCode = Literal["queue_full", "shed", "queue_timeout"]
 CLASSES: tuple[PriorityClass, ...] = ("critical", "standard", "sheddable")  # highest first
 _RANK = {c: i for i, c in enumerate(CLASSES)}
 
@@ -99,6 +106,7 @@ class FairnessParams:
     max_queued_per_class: tuple[int, int, int] = (1_024, 1_024, 1_024)  # critical, standard, sheddable
     max_queued_per_tenant: int = 256  # per tenant per class
     max_queued_total: int = 2_048  # all classes
+    max_queue_wait_ms: tuple[float, float, float] = (60_000.0, 60_000.0, 30_000.0)  # critical, standard, sheddable
     retry_after_ms: int = 1_000  # the hint every refusal carries
     default_weight: float = 1.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight
@@ -112,6 +120,8 @@ class FairnessParams:
             raise ValueError(f"fairness max_queued_per_class must be three limits >= 1, got {self.max_queued_per_class}")
         if self.max_queued_per_tenant < 1 or self.max_queued_total < 1:
             raise ValueError("fairness max_queued_per_tenant and max_queued_total must be >= 1")
+        if len(self.max_queue_wait_ms) != len(CLASSES) or any(not w > 0 for w in self.max_queue_wait_ms):
+            raise ValueError(f"fairness max_queue_wait_ms must be three waits > 0, got {self.max_queue_wait_ms}")
         if self.retry_after_ms < 0:
             raise ValueError(f"fairness retry_after_ms must be >= 0, got {self.retry_after_ms}")
         bad = {t: w for t, w in self.tenant_weights.items() if not w > 0}
@@ -139,7 +149,7 @@ class Refused:
     request_id: str
     priority_class: PriorityClass
     tenant: str
-    code: Literal["queue_full", "shed"]
+    code: RefusalCode
     retry_after_ms: int
     reason: str  # which limit, in words
     request: FairRequest
@@ -194,11 +204,15 @@ class _Entry:
     request: FairRequest
     seq: int  # arrival order (ties)
     offered_ns: int
+    is_gone: bool = False  # dispatched, evicted, expired or cancelled (left in `arrivals` until it reaches an end)
 
 
 @dataclass(slots=True)
 class _ClassQueue:
-    request_id_to_entry: dict[str, _Entry] = field(default_factory=dict)  # arrival order (dicts keep insertion order)
+    request_id_to_entry: dict[str, _Entry] = field(default_factory=dict)  # queued ones
+    # Arrival order, for expiry and eviction; gone ones are dropped lazily at either end (so it
+    # holds at most what arrived within the class's max_queue_wait_ms).
+    arrivals: deque[_Entry] = field(default_factory=deque)
     tenant_to_queue: dict[str, deque[_Entry]] = field(default_factory=dict)  # backlogged tenants only
     tenant_to_counter: dict[str, float] = field(default_factory=dict)  # cost tokens / weight, every tenant seen
     heap: list[tuple[float, int, str]] = field(default_factory=list)  # (counter, head seq, tenant); stale ones skipped
@@ -209,10 +223,11 @@ class _ClassQueue:
 class FairQueue:
     """The admission queue (algorithm, invariants and parameters: the module docstring).
 
-    Calling contract: `offer` each request once; `pop` whenever the engines have room;
-    `settle` each dispatched request once its real output is known; `cancel` a queued
-    request whose client left. Every request offered ends in exactly one `Refused`
-    (at offer, or later as an evicted sheddable), `Dispatched` or `Cancelled`.
+    Calling contract: `offer` each request once; `expire` then `pop` whenever the engines
+    have room (and `expire` now and then while they have none); `settle` each dispatched
+    request once its real output is known; `cancel` a queued request whose client left.
+    Every request offered ends in exactly one `Refused` (at offer, later as an evicted
+    sheddable, or expired), `Dispatched` or `Cancelled`.
     """
 
     def __init__(self, params: FairnessParams | None = None) -> None:
@@ -262,7 +277,7 @@ class FairQueue:
             shed_q = self._classes["sheddable"]
             if not shed_q.request_id_to_entry:
                 return self._refuse(request, "queue_full", f"{p.max_queued_total} queued in all classes, none sheddable")
-            victim = shed_q.request_id_to_entry[next(reversed(shed_q.request_id_to_entry))]
+            victim = self._newest(shed_q)
             self._remove(shed_q, victim)
             evicted = self._refuse(victim.request, "shed", f"evicted by {c} request {request.request_id}: the queue was full")
         self._enqueue(cq, request, now_ns)
@@ -303,6 +318,22 @@ class FairQueue:
         return Settled(request_id=req.request_id, priority_class=dispatched.priority_class, tenant=req.tenant,
                        counter_before=before, counter_after=after, correction_tokens=correction)
 
+    def expire(self, now_ns: int) -> list[Refused]:
+        """Refuse `queue_timeout` every queued request that has waited more than its class's
+        `max_queue_wait_ms` (oldest first, classes highest first). Call it before `pop`."""
+        out: list[Refused] = []
+        for c, max_wait_ms in zip(CLASSES, self.params.max_queue_wait_ms):
+            cq = self._classes[c]
+            oldest_ok_ns = now_ns - int(max_wait_ms * 1e6)
+            while True:
+                entry = self._oldest(cq)
+                if entry is None or entry.offered_ns >= oldest_ok_ns:
+                    break
+                self._remove(cq, entry)
+                out.append(self._refuse(entry.request, "queue_timeout",
+                                        f"waited {(now_ns - entry.offered_ns) / 1e6:.0f} ms in {c}, over {max_wait_ms:.0f} ms"))
+        return out
+
     def cancel(self, request_id: str, priority_class: PriorityClass, now_ns: int) -> Cancelled | None:
         """Take a queued request out (its client left); None when it is not queued."""
         cq = self._classes[priority_class]
@@ -315,7 +346,7 @@ class FairQueue:
 
     # -- internals --
 
-    def _refuse(self, request: FairRequest, code: Literal["queue_full", "shed"], reason: str) -> Refused:
+    def _refuse(self, request: FairRequest, code: RefusalCode, reason: str) -> Refused:
         return Refused(request_id=request.request_id, priority_class=request.priority_class, tenant=request.tenant,
                        code=code, retry_after_ms=self.params.retry_after_ms, reason=reason, request=request)
 
@@ -325,6 +356,7 @@ class FairQueue:
         if not cq.request_id_to_entry:
             cq.backlogged_since_ns = now_ns
         cq.request_id_to_entry[request.request_id] = entry
+        cq.arrivals.append(entry)
         self._num_queued += 1
         tenant = request.tenant
         q = cq.tenant_to_queue.get(tenant)
@@ -342,6 +374,7 @@ class FairQueue:
         """Take a queued entry out without serving it (eviction, cancel)."""
         req = entry.request
         del cq.request_id_to_entry[req.request_id]
+        entry.is_gone = True
         self._num_queued -= 1
         q = cq.tenant_to_queue[req.tenant]
         was_head = q[0] is entry
@@ -350,6 +383,18 @@ class FairQueue:
             self._leave(cq, req.tenant)
         elif was_head:
             heapq.heappush(cq.heap, (cq.tenant_to_counter[req.tenant], q[0].seq, req.tenant))
+
+    @staticmethod
+    def _oldest(cq: _ClassQueue) -> _Entry | None:
+        while cq.arrivals and cq.arrivals[0].is_gone:
+            cq.arrivals.popleft()
+        return cq.arrivals[0] if cq.arrivals else None
+
+    @staticmethod
+    def _newest(cq: _ClassQueue) -> _Entry:
+        while cq.arrivals[-1].is_gone:
+            cq.arrivals.pop()
+        return cq.arrivals[-1]
 
     def _leave(self, cq: _ClassQueue, tenant: str) -> None:
         del cq.tenant_to_queue[tenant]
@@ -368,6 +413,7 @@ class FairQueue:
             cq.heap = [(cq.tenant_to_counter[t], tq[0].seq, t) for t, tq in cq.tenant_to_queue.items() if t != tenant]
             heapq.heapify(cq.heap)
         entry = q.popleft()
+        entry.is_gone = True
         req = entry.request
         del cq.request_id_to_entry[req.request_id]
         self._num_queued -= 1

@@ -45,8 +45,9 @@ def test_numeric_priority_out_of_range_fails(priority):
 
 
 @pytest.mark.parametrize("params", [dict(w_out=-1), dict(starvation_bound_ms=0), dict(max_queued_per_class=(1, 1)),
-                                    dict(max_queued_total=0), dict(tenant_weights={"a": 0}), dict(default_weight=-1)],
-                         ids=["w_out", "bound", "class_limits", "total", "tenant_weight", "default_weight"])
+                                    dict(max_queued_total=0), dict(tenant_weights={"a": 0}), dict(default_weight=-1),
+                                    dict(max_queue_wait_ms=(1, 0, 1))],
+                         ids=["w_out", "bound", "class_limits", "total", "tenant_weight", "default_weight", "max_wait"])
 def test_bad_params_fail_naming_the_field(params):
     with pytest.raises(ValueError, match="fairness"):
         FairnessParams(**params)
@@ -264,6 +265,28 @@ def test_full_queue_sheds_the_newest_sheddable_first():
     assert drain(q, 4) == ["c1", "st1", "st2"]
 
 
+def test_expire_refuses_what_waited_too_long_per_class():
+    q = FairQueue(FairnessParams(max_queue_wait_ms=(10_000, 3_000, 1_000)))
+    q.offer(make_request("s1", "x", "sheddable"), 0)
+    q.offer(make_request("st1", "y"), 0)
+    q.offer(make_request("st2", "y"), 2_500 * MS)
+    q.offer(make_request("c1", "z", "critical"), 0)
+    assert q.expire(1_000 * MS) == []  # not more than the bound yet
+    assert [(r.request_id, r.code) for r in q.expire(1_001 * MS)] == [("s1", "queue_timeout")]
+    assert [r.request_id for r in q.expire(5_000 * MS)] == ["st1"]
+    assert drain(q, 5_000) == ["c1", "st2"]
+    assert q.expire(60_000 * MS) == []
+
+
+def test_expiry_of_a_tenants_head_keeps_vtc_order():
+    q = FairQueue(FairnessParams(max_queue_wait_ms=(1_000, 1_000, 1_000)))
+    q.offer(make_request("a1", "a"), 0)
+    q.offer(make_request("b1", "b"), 500 * MS)
+    q.offer(make_request("a2", "a"), 600 * MS)
+    assert [r.request_id for r in q.expire(1_100 * MS)] == ["a1"]
+    assert drain(q, 1_100) == ["b1", "a2"]  # a's head went, so b1 (earlier than a2) first
+
+
 def test_cancel_takes_a_queued_request_out_once():
     q = FairQueue()
     q.offer(make_request("a1", "a"), 0)
@@ -290,6 +313,7 @@ OPS = st.lists(
         st.tuples(st.just("pop"), st.integers(0, 4)),
         st.tuples(st.just("cancel"), st.integers(0, 200)),
         st.tuples(st.just("tick"), st.integers(1, 3_000)),
+        st.tuples(st.just("expire")),
     ),
     max_size=200,
 )
@@ -327,6 +351,10 @@ def run_ops(ops, params, settle_exact=True):
                 if c is not None:
                     records.append(c)
                     outcome.setdefault(rid, []).append("cancelled")
+        elif op[0] == "expire":
+            for r in q.expire(now_ms * MS):
+                records.append(r)
+                outcome.setdefault(r.request_id, []).append("refused")
         elif op[0] == "tick":
             now_ms += op[1]
         for cls in ("critical", "standard", "sheddable"):
@@ -340,7 +368,7 @@ def run_ops(ops, params, settle_exact=True):
 
 
 SMALL = FairnessParams(max_queued_per_tenant=6, max_queued_per_class=(8, 8, 8), max_queued_total=12,
-                       starvation_bound_ms=2_000, tenant_weights={"a": 4.0, "c": 0.5})
+                       starvation_bound_ms=2_000, max_queue_wait_ms=(9_000, 6_000, 3_000), tenant_weights={"a": 4.0, "c": 0.5})
 
 
 @settings(max_examples=300, deadline=None)
