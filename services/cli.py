@@ -147,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run NATS, Redis, a router and simulated workers on this machine")
     _add_router_flags(up)
     _add_worker_flags(up, many_servers=True)
-    up.add_argument("--workers", type=int, default=2, help="colocated pd_fusion workers (default 2)")
+    up.add_argument("--workers", type=int, help="colocated pd_fusion workers of the default model (default 2; 0 with --pool)")
+    up.add_argument("--pool", action="append", metavar="NAME=N",
+                    help="N colocated workers serving model NAME (their --served-model-name), repeatable: one pool "
+                         "per model; instead of the default model's workers unless --workers is given too")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated mode, with --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated mode, with --prefill)")
     up.add_argument("--routers", type=int, default=1, help="router replicas on consecutive ports, or free ones if taken (leader + standbys)")

@@ -4,7 +4,9 @@ Starts, in order: `nats-server` with JetStream (data in `--data-dir` or a tempor
 directory) and `redis-server` (no persistence) on free or given loopback ports — unless
 `FLEXLB_NATS_URL` / `FLEXLB_REDIS_URL` name servers to use instead — then the simulated
 workers (`--workers N` colocated, or `--prefill N --decode M` disaggregated) and the
-router. `--engine openai --engine-url URL [--engine-url URL ...]` starts one worker agent
+router. `--pool NAME=N` (repeatable) starts N colocated workers serving model NAME (each
+with `--served-model-name NAME`): one pool per model, routed by the request's `model`; with
+pools, `--workers` (workers of the default model) is 0 unless given. `--engine openai --engine-url URL [--engine-url URL ...]` starts one worker agent
 per OpenAI-compatible server instead (workers/openai_agent.py; colocated; the i-th
 `--kv-events-endpoint` / `--kv-events-replay-endpoint` goes to the i-th server; without
 any, the router's prefix index is `approximate` unless `--prefix-index` says otherwise).
@@ -199,6 +201,20 @@ def _stop_all(children: dict[str, subprocess.Popen], servers: list[ManagedServer
         s.stop(SERVERS_STOP_S)
 
 
+def parse_pools(values: list[str]) -> list[tuple[str, int]]:
+    """`--pool NAME=N` values -> [(model, number of workers)], in order; ValueError naming the
+    bad one (no `=`, an empty name, N not a positive integer, a model given twice)."""
+    pools: list[tuple[str, int]] = []
+    for value in values:
+        name, sep, count = value.rpartition("=")
+        if not sep or not name.strip() or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--pool {value!r}: expected NAME=N, a model name and a number of workers >= 1")
+        if any(name == seen for seen, _ in pools):
+            raise ValueError(f"--pool {value!r}: model {name!r} is given twice")
+        pools.append((name, int(count)))
+    return pools
+
+
 def run_up(args, settings: RouterSettings) -> int:
     prefix_index = settings.prefix_index
     if args.engine == "openai":
@@ -229,8 +245,12 @@ def run_up(args, settings: RouterSettings) -> int:
     if args.redis_sentinel and os.environ.get("FLEXLB_REDIS_URL"):
         raise ValueError("--redis-sentinel starts Redis with Sentinel; FLEXLB_REDIS_URL names a server to use instead: "
                          "give one of the two")
-    if args.prefill == 0 and args.workers < 1:
-        raise ValueError("--workers must be >= 1")
+    pools = parse_pools(args.pool or [])
+    if pools and (args.prefill or args.engine == "openai"):
+        raise ValueError("--pool starts colocated sim or torch workers (no --prefill / --decode, no --engine openai)")
+    num_workers = args.workers if args.workers is not None else (0 if pools else 2)
+    if args.prefill == 0 and num_workers < (0 if pools else 1):
+        raise ValueError("--workers must be >= 1 (>= 0 with --pool)")
     servers: list[ManagedServer] = []
     children: dict[str, subprocess.Popen] = {}
     stop_signal: int | None = None
@@ -293,7 +313,8 @@ def run_up(args, settings: RouterSettings) -> int:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
         if args.chunked_prefill is False:
             worker_flags.append("--no-chunked-prefill")
-        per_worker: dict[str, list[str]] = {}  # flags of one worker only (its server)
+        per_worker: dict[str, list[str]] = {}  # flags of one worker only (its server, its pool's model)
+        worker_models: dict[str, str] = {}  # worker id -> its --pool's model (others: the engine's own)
         if args.engine == "openai":
             fleet = [(f"w{i}", "pd_fusion") for i in range(len(args.engine_url))]
             per_worker = {f"w{i}": ["--engine-url", url] for i, url in enumerate(args.engine_url)}
@@ -304,7 +325,13 @@ def run_up(args, settings: RouterSettings) -> int:
         elif args.prefill:
             fleet = [(f"p{i}", "prefill") for i in range(args.prefill)] + [(f"d{i}", "decode") for i in range(args.decode)]
         else:
-            fleet = [(f"w{i}", "pd_fusion") for i in range(args.workers)]
+            fleet = [(f"w{i}", "pd_fusion") for i in range(num_workers)]
+            for model, n in pools:  # each pool's workers serve its model, numbered on from the default's
+                for _ in range(n):
+                    worker_id = f"w{len(fleet)}"
+                    fleet.append((worker_id, "pd_fusion"))
+                    per_worker[worker_id] = ["--served-model-name", model]
+                    worker_models[worker_id] = model
         worker_metrics_urls: dict[str, str] = {}
         if args.worker_metrics:
             from services.infra import free_port
@@ -374,7 +401,7 @@ def run_up(args, settings: RouterSettings) -> int:
             "redis_url": redis_url,
             "redis_sentinels": sentinel_env.get("FLEXLB_REDIS_SENTINELS", ""),
             "worker_metrics_urls": worker_metrics_urls,  # --worker-metrics: each worker's own /metrics
-            "workers": [{"id": w, "role": r} for w, r in fleet],
+            "workers": [{"id": w, "role": r, **({"model": worker_models[w]} if w in worker_models else {})} for w, r in fleet],
             "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
             "up_pid": os.getpid(),
             "nats_data_dir": next((s.argv[s.argv.index("-sd") + 1] for s in servers if s.name == "nats-server"), None),

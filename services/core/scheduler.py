@@ -500,6 +500,10 @@ class Scheduler:
         if len(self.inflight) >= cfg.max_inflight_requests:
             return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
         if not self.view.is_known_model(req.model):
+            parent = self.view.adapter_parent(req.model)
+            if parent is not None:  # listed by /v1/models, but its workers would run the base model
+                return Rejected("invalid_request", f"model {req.model!r} is a LoRA adapter of {parent!r}; requests "
+                                                   f"for an adapter are not routed yet: name {parent!r}")
             return Rejected("model_not_found", f"model {req.model!r} is not served here: no worker has reported it "
                                                f"(the router's default model is {cfg.model_name!r})")
         # Live workers of the request's model that can hold it, by role (the view caches the

@@ -248,6 +248,10 @@ class WorkerView:
         """A pool exists for `model` ("": the default): it is the default or a worker reported it."""
         return not model or model == self.default_model or model in self.models_seen
 
+    def adapter_parent(self, name: str) -> str | None:
+        """The model of a worker that has LoRA adapter `name` loaded; None if none has."""
+        return next((w.model for w in self.workers.values() if name in w.lora_adapters), None)
+
     def models(self) -> dict[str, list[str]]:
         """Every model of the workers in the view, and the default, each with the LoRA adapters
         its workers have loaded (sorted, once each): what /v1/models lists."""

@@ -9,6 +9,7 @@ from schemas.messages import WorkerStatusReported
 from services.api import models_body
 from services.core.scheduler import AdmitRequest, Admitted, Rejected, Scheduler, SchedulerConfig
 from services.core.view import WorkerView
+from services.up import parse_pools
 from workers.config import SIM_MODEL_NAME, WorkerConfig
 
 
@@ -126,3 +127,20 @@ def test_models_body_lists_models_then_adapters_with_their_parent():
     assert body["object"] == "list"
     assert [(d["id"], d["parent"]) for d in body["data"]] == [("a", None), ("b", None), ("chat", "a")]
     assert all(d["object"] == "model" for d in body["data"])
+
+
+# ------------------------------------------------------------------ flexlb up --pool
+def test_pools_parse_in_order_and_a_model_name_may_hold_an_equals_sign():
+    assert parse_pools(["a=2", "org/model=v1=3"]) == [("a", 2), ("org/model=v1", 3)]
+
+
+@pytest.mark.parametrize("values", [["a"], ["=2"], ["a=0"], ["a=x"], ["a=1", "a=2"]],
+                         ids=["no-count", "no-name", "zero-workers", "not-a-number", "model-twice"])
+def test_a_bad_pool_is_refused_naming_it(values):
+    with pytest.raises(ValueError, match="--pool"):
+        parse_pools(values)
+
+
+def test_a_request_for_a_loaded_adapter_is_refused_naming_its_parent_not_served_by_the_base_model():
+    out = admit(make_scheduler(make_worker("a0", "a", adapters=["sql"]), make_worker("b0", "b")), "r", "sql")
+    assert isinstance(out, Rejected) and out.code == "invalid_request" and "'a'" in out.message, out

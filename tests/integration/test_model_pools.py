@@ -1,0 +1,70 @@
+"""Model pools (issue 27, 1) on a real stack: `flexlb up --pool a=2 --pool b=2`; each request
+goes to a worker of the model it names, /v1/models lists the pools, an unknown model is 404,
+a pool without a live worker 503 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from schemas import messages as m
+from tests.integration.stack import wait_all_terminal, wait_async
+
+NUM_REQUESTS = 1000
+
+
+async def test_two_pools_route_every_request_to_its_model_and_refuse_what_they_cannot_serve(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--pool", "a=2", "--pool", "b=2")
+    url = state["router_url"]
+    model_of = {w["id"]: w["model"] for w in state["workers"]}
+    assert sorted(model_of.values()) == ["a", "a", "b", "b"]
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+        models = (await c.get(url + "/v1/models")).json()
+        assert {d["id"] for d in models["data"]} == {"a", "b", "flexlb-sim"}  # the pools, and the default model
+
+        gate = asyncio.Semaphore(100)
+
+        async def one(i: int) -> tuple[str, str]:
+            model = "ab"[i % 2]
+            body = {"model": model, "prompt": f"request {i} for {model}", "max_tokens": 2}
+            if i % 4 == 1:  # the chat endpoint routes by model too
+                body = {"model": model, "messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": 2}
+            async with gate:
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                resp = await c.post(url + path, json=body)
+            assert resp.status_code == 200, resp.text[:300]
+            out = resp.json()
+            assert out["model"] == model
+            return out["id"], model
+
+        sent = dict(await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS))))
+        envs = await wait_all_terminal(state["nats_url"], set(sent), timeout_s=60)
+        finished = {e.payload.request_id: e.payload.worker_id for e in envs if isinstance(e.payload, m.RequestFinished)}
+        assert set(finished) == set(sent)
+        misrouted = [(rid, sent[rid], w) for rid, w in finished.items() if model_of[w] != sent[rid]]
+        assert misrouted == [], misrouted[:5]
+        assert {model_of[w] for w in finished.values()} == {"a", "b"}
+
+        unknown = await c.post(url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+        # No model: the default (flexlb-sim), which no worker here serves: a pool without a worker.
+        default = await c.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert default.status_code == 503 and default.json()["error"]["code"] == "no_worker", default.text
+
+        # Pool b's workers drained: b is known but has no live worker, a still serves.
+        for worker_id in [w for w, model in model_of.items() if model == "b"]:
+            assert (await c.post(url + f"/admin/workers/{worker_id}/drain")).status_code == 200
+
+        async def b_refused():
+            r = await c.post(url + "/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+            return [r] if r.status_code == 503 else None
+
+        [refused] = await wait_async(b_refused, 20, "model b to have no live worker")
+        assert refused.json()["error"]["code"] == "no_worker" and refused.json()["error"]["retryable"] is True
+        assert refused.headers["retry-after"] == "1"
+        assert "b" in {d["id"] for d in (await c.get(url + "/v1/models")).json()["data"]}  # still listed
+        ok = await c.post(url + "/v1/completions", json={"model": "a", "prompt": "still here", "max_tokens": 2})
+        assert ok.status_code == 200
+
