@@ -61,6 +61,7 @@ class WorkerSpec:
     max_seq_len_tokens: int
     time_scale: float
     scheduler: str = "vllm"  # the engine's step scheduler (workers/engines/sim.py): vllm | sglang
+    model: str = ""  # the model it served ("": the router's default): its pool
 
 
 @dataclass
@@ -94,7 +95,7 @@ def load_recording(path: str, progress: bool = False) -> Recording:
             ev = rec.args["event"]
             workers.setdefault(ev["worker_id"], WorkerSpec(
                 ev["worker_id"], ev["role"], ev["num_kv_blocks"], ev["block_size_tokens"], ev["max_batch_tokens"],
-                ev["max_seq_len_tokens"], ev.get("time_scale", 1.0)))
+                ev["max_seq_len_tokens"], ev.get("time_scale", 1.0), model=ev.get("model", "")))
     if not arrivals or not workers:
         raise ValueError(f"{path}: the journal holds {len(arrivals)} arrivals and {len(workers)} workers; need both")
     return Recording(config, sorted(arrivals, key=lambda a: a.t_ns), sorted(workers.values(), key=lambda w: w.worker_id),
@@ -191,7 +192,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
     if num_workers is not None:  # more or fewer workers like the first one
         base = specs[0]
         specs = [WorkerSpec(f"w{i}", base.role, base.num_kv_blocks, base.block_size_tokens, base.max_batch_tokens,
-                            base.max_seq_len_tokens, base.time_scale, base.scheduler) for i in range(num_workers)]
+                            base.max_seq_len_tokens, base.time_scale, base.scheduler, base.model) for i in range(num_workers)]
     scale = specs[0].time_scale or 1.0
     s = Scheduler(config, id_prefix="whatif")
     engines = {w.worker_id: SimEngine(profile, w.role, w.num_kv_blocks, w.block_size_tokens, w.max_seq_len_tokens,
@@ -228,7 +229,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
             num_cached_kv_blocks=e.num_cached_kv_blocks, max_batch_tokens=sp.max_batch_tokens,
             max_seq_len_tokens=sp.max_seq_len_tokens, num_running_requests=running,
             num_queued_batches=queued, running_request_ids=e.running_request_ids(), time_scale=scale,
-            recent_step_ms=recent_step_ms(w, t)), t)
+            recent_step_ms=recent_step_ms(w, t), model=sp.model), t)
         s.take_settled()
 
     arrival_ns: dict[str, int] = {}

@@ -68,3 +68,21 @@ async def test_two_pools_route_every_request_to_its_model_and_refuse_what_they_c
         ok = await c.post(url + "/v1/completions", json={"model": "a", "prompt": "still here", "max_tokens": 2})
         assert ok.status_code == 200
 
+
+
+async def test_a_standby_forwards_the_requests_model_to_the_leader(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--pool", "a=1", "--pool", "b=1", "--http-workers", "2")
+    standby = state["http_worker_urls"][1]  # a standby's own port: it forwards every request to the leader
+    model_of = {w["id"]: w["model"] for w in state["workers"]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        sent = {}
+        for i in range(20):
+            model = "ab"[i % 2]
+            resp = await c.post(standby + "/v1/completions", json={"model": model, "prompt": f"fwd {i}", "max_tokens": 2})
+            assert resp.status_code == 200, resp.text[:300]
+            sent[resp.json()["id"]] = model
+        unknown = await c.post(standby + "/v1/completions", json={"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+    envs = await wait_all_terminal(state["nats_url"], set(sent), timeout_s=60)
+    finished = {e.payload.request_id: e.payload.worker_id for e in envs if isinstance(e.payload, m.RequestFinished)}
+    assert {rid: model_of[w] for rid, w in finished.items()} == sent
