@@ -173,6 +173,7 @@ class RequestAdmitted(_Event, tag="request.admitted"):
     priority: int = 50
     best_effort: bool = False  # admitted although the SLO looked unattainable
     num_cached_tokens: int = 0  # predicted prefix-cache hit on the prefill worker
+    model: str = ""  # the pool it was routed in: the model its workers serve ("": an event before pools)
 
 
 class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):

@@ -77,12 +77,14 @@ class Intake:
                                 "predicted_ttft_ms": decision.predicted_ttft_ms, "slo_ttft_ms": decision.slo_ttft_ms}
             return await self.reject(request_id, decision.code, decision.message)
         assert isinstance(decision, Admitted)
+        pool = self.s.scheduler.view.resolve_model(model)  # the model whose workers it was routed among
         rec["admission"] = {
             "verdict": "best_effort" if decision.best_effort else "admitted",
             "predicted_ttft_ms": round(decision.predicted_ttft_ms, 3), "slo_ttft_ms": decision.slo_ttft_ms,
             "slo_tpot_ms": decision.slo_tpot_ms, "priority": decision.priority,
             "prefill_worker_id": decision.request.prefill_worker_id, "decode_worker_id": decision.request.decode_worker_id,
             "predicted_cached_tokens": decision.request.num_cached_tokens,
+            "model": pool,
         }
         handle.prefill_worker_id = decision.request.prefill_worker_id
         handle.decode_worker_id = decision.request.decode_worker_id
@@ -98,7 +100,7 @@ class Intake:
                 policy=decision.policy, reason=decision.prefill_pick.reason,
                 predicted_ttft_ms=round(decision.predicted_ttft_ms, 3), slo_ttft_ms=decision.slo_ttft_ms,
                 slo_tpot_ms=decision.slo_tpot_ms, priority=decision.priority, best_effort=decision.best_effort,
-                num_cached_tokens=decision.request.num_cached_tokens,
+                num_cached_tokens=decision.request.num_cached_tokens, model=pool,
             )
         )
         self.s.records.note(request_id, now, "admitted", prefill_worker_id=handle.prefill_worker_id,

@@ -45,6 +45,8 @@ async def test_two_pools_route_every_request_to_its_model_and_refuse_what_they_c
         assert set(finished) == set(sent)
         misrouted = [(rid, sent[rid], w) for rid, w in finished.items() if model_of[w] != sent[rid]]
         assert misrouted == [], misrouted[:5]
+        admitted = {e.payload.request_id: e.payload.model for e in envs if isinstance(e.payload, m.RequestAdmitted)}
+        assert {rid: admitted[rid] for rid in sent} == sent  # the event log says each request's pool
         assert {model_of[w] for w in finished.values()} == {"a", "b"}
 
         unknown = await c.post(url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
