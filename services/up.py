@@ -420,7 +420,8 @@ def run_up(args, settings: RouterSettings) -> int:
                 if path == args.state_file:
                     raise
                 print(f"flexlb up: could not write {path} ({exc}); pass --nats-url to `flexlb events`", file=sys.stderr)
-        print(f"FlexLB is up: {', '.join(router_urls)}  (workers: {', '.join(f'{w}/{r}' for w, r in fleet)})", flush=True)
+        named = [f"{w}/{r}" + (f" {worker_models[w]}" if w in worker_models else "") for w, r in fleet]  # (with its pool)
+        print(f"FlexLB is up: {', '.join(router_urls)}  (workers: {', '.join(named)})", flush=True)
         print(f"  completions: curl -N {router_url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'", flush=True)
         print(f"  admin: {router_url}/admin/workers  {router_url}/admin/ledger   nats: {nats_url}   redis: {redis_url}",
