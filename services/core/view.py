@@ -114,7 +114,8 @@ class WorkerView:
         # (liveness, state, drain, role, limits, membership): keys the scheduler's cache of
         # routable workers. Every write of those fields goes through this class.
         self.routing_version = 0
-        self._routable: dict[str, tuple[int, Routable]] = {}  # model -> (routing_version, its partition)
+        # model -> (routing_version, its partition); bounded: the scheduler asks only for known models
+        self._routable: dict[str, tuple[int, Routable]] = {}
 
     def set_drain_flags(self, worker_ids: set[str]) -> None:
         """The operator's drain flags, as stored (Redis): applied to known and future workers."""
@@ -232,8 +233,6 @@ class WorkerView:
                                  default=0),
             other_models=others,
         )
-        if len(self._routable) > 2 * len(self.models_seen) + 8:  # (requests may name models no worker serves)
-            self._routable.clear()
         self._routable[model] = (self.routing_version, r)
         return r
 
