@@ -189,10 +189,10 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
         raise ValueError(f"agent must be sim or openai, got {agent!r}")
     profile = load_profile(profile_path)
     specs = list(rec.workers)
-    if num_workers is not None:  # more or fewer workers like the first one
-        base = specs[0]
+    if num_workers is not None:  # more or fewer workers like the recorded ones, taken in turn (every pool stays)
         specs = [WorkerSpec(f"w{i}", base.role, base.num_kv_blocks, base.block_size_tokens, base.max_batch_tokens,
-                            base.max_seq_len_tokens, base.time_scale, base.scheduler, base.model) for i in range(num_workers)]
+                            base.max_seq_len_tokens, base.time_scale, base.scheduler, base.model)
+                 for i, base in ((i, specs[i % len(specs)]) for i in range(num_workers))]
     scale = specs[0].time_scale or 1.0
     s = Scheduler(config, id_prefix="whatif")
     engines = {w.worker_id: SimEngine(profile, w.role, w.num_kv_blocks, w.block_size_tokens, w.max_seq_len_tokens,

@@ -3,6 +3,7 @@ running stack does (cost-based reuses shared prefixes that round-robin scatters)
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from services.core.scheduler import AdmitRequest, SchedulerConfig
@@ -46,3 +47,17 @@ def test_more_workers_cut_the_wait():
     rec = recording(n=400)
     two, eight = simulate(rec, rec.config, num_workers=2), simulate(rec, rec.config, num_workers=8)
     assert eight["ttft_ms"]["p90"] < two["ttft_ms"]["p90"]
+
+
+def test_more_workers_keep_every_recorded_pool():
+    """Rescaling a recording of two pools takes the recorded workers as templates in turn: each
+    pool keeps workers, so its requests are still served (copying the first worker's model
+    would leave pool b's requests with none)."""
+    rec = recording(n=120)
+    for i, w in enumerate(rec.workers):
+        w.model = "a" if i % 2 == 0 else "b"
+    rec.config = dataclasses.replace(rec.config, model_name="a")
+    for i, arrival in enumerate(rec.arrivals):
+        arrival.request.model = "a" if i % 2 == 0 else "b"
+    out = simulate(rec, rec.config, num_workers=6)
+    assert out["ttft_ms"]["n"] == len(rec.arrivals) and out["rejected"] == {}
