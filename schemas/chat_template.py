@@ -446,6 +446,32 @@ def _templates_in(model_dir: str) -> tuple[dict[str, str], str, dict[str, str]] 
     return None
 
 
+def tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """The messages as the template sees them: an assistant's tool calls with their
+    `arguments` (a JSON string in OpenAI's shape) decoded, as vLLM hands them to the template
+    (templates print them with tojson). Arguments that are not JSON: ChatTemplateError naming
+    the message (vLLM refuses them too). The caller's messages are not changed."""
+    out = messages
+    for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls")
+        if not isinstance(calls, list) or not any(
+                isinstance(c, dict) and isinstance((c.get("function") or {}).get("arguments"), str) for c in calls):
+            continue
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+                except ValueError:
+                    raise ChatTemplateError(f"messages[{i}].tool_calls: arguments are not JSON") from None
+            fixed.append(call)
+        if out is messages:
+            out = list(messages)
+        out[i] = {**msg, "tool_calls": fixed}
+    return out
+
+
 def load_chat_templates(chat_template: str = "", model_dir: str = "") -> ChatTemplates | None:
     """Resolved as the engines resolve it: `chat_template` (a FILE: a .jinja text, or a .json
     with {"chat_template": ...}), else the model directory's `chat_template.jinja` (with

@@ -47,7 +47,6 @@ cached.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import msgspec
@@ -66,7 +65,7 @@ from schemas.api import (
     PromptTokensDetails,
     UsageWithDetails,
 )
-from schemas.chat_template import ChatTemplateError, ChatTemplates, load_chat_templates
+from schemas.chat_template import ChatTemplateError, ChatTemplates, load_chat_templates, tool_arguments_as_objects
 from schemas.http import HttpError
 from schemas.subjects import validate_token
 from schemas.tokens import ByteTokenizer, HFTokenizer
@@ -196,31 +195,6 @@ def _check_messages(messages: list) -> None:
                 raise HttpError("invalid_request", f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
 
 
-def _for_template(messages: list[dict]) -> list[dict]:
-    """The messages as the template sees them: a tool call's `arguments`, a JSON string in
-    OpenAI's shape, as the object it encodes (vLLM does the same before rendering, so
-    templates that print them with tojson render what the server would)."""
-    out = messages
-    for i, msg in enumerate(messages):
-        calls = msg.get("tool_calls")
-        if not isinstance(calls, list) or not any(isinstance(c, dict) and isinstance((c.get("function") or {}).get("arguments"), str)
-                                                  for c in calls):
-            continue
-        if out is messages:
-            out = list(messages)
-        fixed = []
-        for c in calls:
-            fn = c.get("function") if isinstance(c, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                try:
-                    c = {**c, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-                except ValueError:
-                    raise HttpError("invalid_request", f"messages[{i}].tool_calls: arguments are not JSON") from None
-            fixed.append(c)
-        out[i] = {**msg, "tool_calls": fixed}
-    return out
-
-
 def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
                templates: ChatTemplates | None) -> ParsedChat:
     """Decode, validate and render a chat completion body; HttpError with a design code."""
@@ -240,7 +214,7 @@ def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
         raise HttpError("invalid_request", f"no chat template for this router's tokenizer ({tokenizer.name}): start it "
                                             "with --chat-template FILE, or a --tokenizer directory that has one")
     try:
-        text = templates.render(_for_template(req.messages), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+        text = templates.render(tool_arguments_as_objects(req.messages), tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 chat_template_kwargs=req.chat_template_kwargs)
     except ChatTemplateError as exc:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.chat_template import ChatTemplateError, ChatTemplates
+from schemas.chat_template import ChatTemplateError, ChatTemplates, tool_arguments_as_objects
 from schemas.http import HttpError, Scope
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 
@@ -73,30 +73,6 @@ def refuse_unmodelled(body: dict[str, Any]) -> None:
         raise HttpError("invalid_request", "n > 1 is not supported by the simulated engine")
     if bool_field(body, "echo"):
         raise HttpError("invalid_request", "echo is not supported by the simulated engine")
-
-
-def tool_arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An assistant message's tool calls with their `arguments` (a JSON string in OpenAI's
-    shape) decoded, as vLLM hands them to the template (templates print them with tojson);
-    an argument string that is not JSON stays a string. The caller's messages are not changed."""
-    out = messages
-    for i, msg in enumerate(messages):
-        calls = msg.get("tool_calls")
-        if not isinstance(calls, list):
-            continue
-        fixed = []
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                try:
-                    call = {**call, "function": {**fn, "arguments": _json_decode(fn["arguments"])}}
-                except msgspec.DecodeError:
-                    pass
-            fixed.append(call)
-        if out is messages:
-            out = list(messages)
-        out[i] = {**msg, "tool_calls": fixed}
-    return out
 
 
 def request_id_of(scope: Scope, body: dict[str, Any]) -> str | None:

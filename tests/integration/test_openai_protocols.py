@@ -218,8 +218,8 @@ def worker_statuses(nats_url: str, worker_ids: list[str]) -> dict[str, m.WorkerS
             for w in worker_ids:
                 try:
                     out[w] = m.decode((await js.get_last_msg(STATUS_STREAM.name, status_subject(w))).data).payload
-                except Exception:  # no report yet
-                    pass
+                except nats.js.errors.NotFoundError:  # no report yet: left out
+                    continue
             return out
         finally:
             await nc.close()

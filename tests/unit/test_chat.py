@@ -124,3 +124,11 @@ def test_usage_chunk_json_is_openai_shaped():
     body = msgspec.json.decode(shape.usage_chunk(usage_of(10, 3, 4))[6:])
     assert body["choices"] == [] and body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                                        "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_tool_call_arguments_that_are_not_json_are_refused_naming_the_message():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(HttpError) as err:
+        parse({"messages": msgs})
+    assert err.value.code == "invalid_request" and "messages[1].tool_calls" in err.value.message

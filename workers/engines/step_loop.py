@@ -68,10 +68,10 @@ class StepLoop:
             self.work.clear()
             try:
                 step = self.engine.step()
-            except Exception:
+            except Exception as exc:  # an engine bug: counted, logged, its requests failed (module docstring)
                 self.num_engine_errors += 1
                 log.exception("%s: engine.step() raised; failing every request it holds", self.name)
-                await self.sink.engine_failed(f"the engine of {self.name} raised; see its log")
+                await self.sink.engine_failed(f"the engine of {self.name} raised {type(exc).__name__}: {exc}")
                 await self.work.wait()  # nothing is held now: retry only for a new request, never spin
                 continue
             if step is None:
