@@ -20,11 +20,13 @@ _CODES = [
     ErrorCode("duplicate_request", 409, False),
     ErrorCode("too_large", 413, False),
     ErrorCode("queue_full", 429, True),
+    ErrorCode("shed", 429, True),  # sheddable work refused first under overload (the fair queue)
     ErrorCode("slo_unattainable", 429, True),
     ErrorCode("no_worker", 503, True),
     ErrorCode("draining", 503, True),
     ErrorCode("not_ready", 503, True),
     ErrorCode("not_found", 404, False),
+    ErrorCode("adapter_not_found", 404, False),  # a LoRA adapter the worker cannot load
     ErrorCode("model_not_found", 404, False),  # a request names a model no worker serves (nor the default)
     ErrorCode("unauthorized", 401, False),
     ErrorCode("conflict", 409, False),

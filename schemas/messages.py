@@ -65,7 +65,13 @@ class WorkerRegistered(_Event, tag="worker.registered"):
     # The model it serves (the name requests give as `model`); "": a worker before this field,
     # which serves the router's default model (its `model_name`).
     model: str = ""
-    lora_adapters: list[str] = []  # the LoRA adapters it has loaded (names requests may give as `model`)
+    # The LoRA adapters it can serve (names requests may give as `model`): loaded now or
+    # loadable on demand (vLLM's --lora-modules, the sim engine's --lora-adapters).
+    lora_adapters: list[str] = []
+    # Most sequences its engine runs at once (vLLM's max_num_seqs); 0: unknown. The router
+    # holds work beyond it (plus a small buffer) in its own fair queue (services/core/fairness.py).
+    max_num_seqs: int = 0
+    max_loras: int = 0  # adapters its engine holds loaded at once (vLLM's --max-loras); 0: unknown or none
 
 
 class WorkerStatusReported(_Event, tag="worker.status_reported"):
@@ -106,7 +112,13 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     # EngineSignals()): /admin/workers shows it per worker.
     signals: EngineSignals | None = None
     model: str = ""  # the model it serves; "": a worker before this field (the router's default model)
-    lora_adapters: list[str] = []  # the LoRA adapters it has loaded
+    lora_adapters: list[str] = []  # the LoRA adapters it can serve (as WorkerRegistered)
+    max_num_seqs: int = 0  # as WorkerRegistered (0: unknown)
+    max_loras: int = 0  # as WorkerRegistered (0: unknown or none)
+    # The adapters loaded in its engine now, least recently used first; None: unknown (an
+    # engine that does not say). The router's LoRA affinity prefers workers holding the
+    # request's adapter (services/core/lora.py).
+    loaded_lora_adapters: list[str] | None = None
 
 
 class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
@@ -396,6 +408,9 @@ class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     # (and cuts the text there); an engine server is given them too, so it stops early.
     stop: list[str] = []
     chat: ChatForward | None = None  # a chat completion (ChatForward); None: a completion
+    # The LoRA adapter to run it with ("" : the base model). The request named it as its
+    # `model`; the worker serves it if it can (an engine that cannot fails it `adapter_not_found`).
+    lora_adapter: str = ""
 
 
 class DispatchBatch(_Event, tag="cmd.dispatch_batch"):
@@ -458,13 +473,17 @@ class SubmitRequest(_Event, tag="cmd.submit_request"):
     stop: list[str] = []  # as BatchRequest.stop
     chat: ChatForward | None = None  # as BatchRequest.chat
     model: str = ""  # the model the client named ("": none, the default pool)
+    tenant: str = ""  # who sent it ("": the default tenant): its share in the leader's fair queue
+    priority_class: str = ""  # critical | standard | sheddable ("": by priority)
 
 
 class SubmitReply(_Event, tag="cmd.submit_reply"):
     request_id: str
     router_id: str  # the leader
     admitted: bool
-    code: str = ""  # when not admitted
+    # when not admitted: why; when admitted, "queued": it waits in the leader's fair queue (no
+    # worker yet): its request.admitted or request.rejected event follows on the leader's events
+    code: str = ""
     message: str = ""
     prefill_worker_id: str = ""
     decode_worker_id: str = ""

@@ -19,7 +19,12 @@ Loops (one asyncio task each):
   from `engine.step()` fails every request the worker holds with `worker_failed`
   (retryable), counted in `flexlb_worker_engine_errors_total`; the loop goes on.
 - heartbeat: `WorkerStatusReported` every `heartbeat_interval_ms` on
-  `flexlb.evt.status.<worker>`; it lists the running request ids (authoritative).
+  `flexlb.evt.status.<worker>`; it lists the running request ids (authoritative) and the
+  engine's limits: `max_num_seqs`, the LoRA adapters it can serve, its `max_loras` slots
+  and the adapters loaded in them (least recently used first). `WorkerRegistered` carries
+  the same limits, taken from the first status. A request naming an adapter the engine
+  does not serve fails `adapter_not_found` (not retryable: the router's view of what the
+  worker serves was wrong), from the engine's next step as its other invalid input does.
 - cancel: core-NATS `CancelRequest` -> the engine drops the request -> `RequestCancelled`.
 
 Undecodable commands are counted (also in the heartbeat), dead-lettered to
@@ -94,10 +99,11 @@ WAIT_LOG_INTERVAL_S = 10.0  # while start-up waits for NATS, one "waiting for NA
 
 
 def engine_request(request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                   sampling: m.Sampling | None) -> EngineRequest:
+                   sampling: m.Sampling | None, lora_adapter: str = "") -> EngineRequest:
     s = sampling or m.Sampling()
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
-                         temperature=s.temperature, top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos)
+                         temperature=s.temperature, top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos,
+                         lora_adapter=lora_adapter)
 
 
 @runtime_checkable
@@ -171,7 +177,9 @@ class WorkerAgent:
         self.withdrawn: OrderedDict[str, str] = OrderedDict()
         self.state = "ready"
         self.not_ready_reason = ""  # one line, with a state other than ready: why (WorkerStatusReported)
-        self.lora_adapters: list[str] = []  # LoRA adapters its engine has loaded (reported; sim and torch load none)
+        # The LoRA adapters it can serve (reported): the engine's (the sim's configured ones; torch
+        # none); the openai agent's server's, from its /v1/models.
+        self.lora_adapters: list[str] = list(self.engine.lora_adapters) if self.engine is not None else []
         self.num_batches_executed = 0
         self.num_requests_finished = 0
         self.num_undecodable = 0
@@ -214,7 +222,7 @@ class WorkerAgent:
 
     def submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
         self.engine.submit_batch(EngineBatch(batch_id=batch_id, requests=[
-            engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling) for r in requests
+            engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling, r.lora_adapter) for r in requests
         ]))
 
     def _is_withdrawn(self, request_id: str, batch_id: str) -> bool:
@@ -389,7 +397,8 @@ class WorkerAgent:
             num_stream_overflows=self.num_stream_overflows, time_scale=self.cfg.time_scale,
             last_step_ms=self.last_step_ms, recent_step_ms=self.recent_step_ms(), heartbeat_interval_ms=self.cfg.heartbeat_interval_ms,
             not_ready_reason=self.not_ready_reason if self.state != "ready" else "",
-            model=self.cfg.served_model(), lora_adapters=list(self.lora_adapters),
+            model=self.cfg.served_model(), lora_adapters=list(self.lora_adapters), max_num_seqs=e.max_num_seqs,
+            max_loras=e.max_loras, loaded_lora_adapters=e.loaded_lora_adapters(),
         )
 
     # ------------------------------------------------------------------ run
@@ -491,15 +500,17 @@ class WorkerAgent:
                 subject, durable=durable, stream=DISPATCH_STREAM.name,
                 config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=10000),
             )
+            # The limits as its first status says them (the openai agent's: learned by prepare_engine).
+            first = self.status()
             registered = m.WorkerRegistered(
                 worker_id=cfg.worker_id, role=cfg.role, boot_id=self.boot_id, engine=cfg.engine, pid=os.getpid(),
                 host=self.host, block_size_tokens=cfg.block_size_tokens, num_kv_blocks=cfg.num_kv_blocks,
                 max_batch_tokens=cfg.max_batch_tokens, max_seq_len_tokens=cfg.max_seq_len_tokens,
                 heartbeat_interval_ms=cfg.heartbeat_interval_ms, model=cfg.served_model(),
-                lora_adapters=list(self.lora_adapters),
+                lora_adapters=list(first.lora_adapters), max_num_seqs=first.max_num_seqs, max_loras=first.max_loras,
             )
             await self.js.publish(worker_events_subject(cfg.worker_id), self._env(registered))
-            await self.nc.publish(status_subject(cfg.worker_id), self._env(self.status()))
+            await self.nc.publish(status_subject(cfg.worker_id), self._env(first))
         except BaseException:
             if metrics_server is not None:
                 metrics_server.shutdown()
@@ -714,6 +725,12 @@ class WorkerAgent:
     def num_engine_errors(self) -> int:
         """Exceptions raised by engine.step() (the worker's /metrics)."""
         return self.step_loop.num_engine_errors if self.step_loop is not None else 0
+
+    @property
+    def num_lora_loads(self) -> int | None:
+        """LoRA adapters its engine loaded into a slot since boot (the worker's /metrics);
+        None (not exported) without an engine of its own or with no adapters to load."""
+        return self.engine.num_lora_loads if self.engine is not None and self.engine.max_loras else None
 
     async def _stream_overflow(self, request_id: str) -> None:
         """Its tokens no longer fit the outbound buffer (NATS away too long): stop it and say

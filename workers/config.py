@@ -6,14 +6,33 @@ Groups (each a frozen Struct with its own validation, built by the method of tha
 - `scheduler_settings()`: what the sim and torch engines share, their scheduler
   (workers/engines/scheduler.py): KV blocks, block size, sequence length, the per-step token
   budget, running sequences, chunked prefill, vllm or sglang scheduling;
-- `sim_settings()`: the timing profile and the time scale (workers/engines/sim.py);
+- `sim_settings()`: the timing profile, the time scale and the LoRA adapters it serves
+  (workers/engines/sim.py);
 - `torch_settings()`: the model, device, seed, dtype and threads (workers/engines/torch_engine.py);
-- `openai_settings()`: the server, its protocol, the stream limits and vLLM's KV-event
-  endpoints (workers/openai_agent.py).
+- `openai_settings()`: the server, its protocol, the stream limits, vLLM's KV-event
+  endpoints, and the server's limits when given (workers/openai_agent.py).
 The rest is the agent's own: identity, role, NATS, heartbeat, metrics, outbound buffer.
 A setting of another engine than the worker's is accepted (compose files set them for
 every service) and unused; `validate` checks the common fields and the worker's engine's
 group only.
+
+The limits every worker reports to the router (WorkerRegistered / WorkerStatusReported):
+- the most sequences running at once, `max_num_seqs`: sim and torch, the scheduler's
+  `max_num_seqs` (256); openai, `engine_max_num_seqs`, the server's
+  --max-num-seqs, else (0) learned from its /metrics (workers/openai_status.py,
+  `learn_max_num_seqs`). A setting of its own, not `max_num_seqs`: that one has a default
+  (256) the sim and torch engines run with, which the agent could not tell from an
+  operator's 256, and a server's real limit is often another number (SGLang sizes it from
+  its memory); a wrong limit is worse than an unknown one (0), which the router treats as
+  such.
+- the LoRA adapter slots, `max_loras` (0: the engine's default): sim, DEFAULT_MAX_LORAS (4)
+  when `lora_adapters` names any, and it must be 0 without them; openai, the server's
+  --max-loras when given, else what vLLM's `vllm:lora_requests_info` says (0: none). One
+  setting for both: it is new, so 0 can mean "the engine's default" for each.
+`lora_adapters` (comma-separated names, as `nats_url`: an environment variable holds it) and
+`lora_load_ms` (20) are the sim engine's: what it serves and what a load costs. The openai
+agent learns what its server serves from GET /v1/models (an adapter is a model with a
+`parent`); the torch engine serves none.
 
 `make_engine(cfg)` is the one construction path of an engine from a config, for the NATS
 worker and `flexlb sim-server` alike, so both run the very same engine.
@@ -31,12 +50,14 @@ from schemas import messages as m
 from schemas.subjects import nats_servers, validate_token
 from workers.engines.base import Engine
 from workers.engines.scheduler import SCHEDULERS
+from workers.engines.sim import DEFAULT_LORA_LOAD_MS
 
 ENGINES = ("sim", "torch", "openai")
 # The model a sim worker serves unless `served_model_name` says otherwise: the router's
 # default `model_name` (services/settings.py), so a plain stack needs neither set.
 SIM_MODEL_NAME = "flexlb-sim"
 PROTOCOLS = ("openai", "sglang")
+DEFAULT_MAX_LORAS = 4  # sim with adapters, max_loras 0: bench/lora.py's slots per worker (vLLM's own default is 1)
 
 
 class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,14 +82,23 @@ class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """The simulated engine's timing (workers/engines/sim.py)."""
+    """The simulated engine's timing and LoRA adapters (workers/engines/sim.py)."""
 
     profile: str | None  # timing profile JSON; None: llama2-70b H100 TP8 (Splitwise fit)
     time_scale: float  # wall time = profile time x this: 0 instant, 0.01 100x faster
+    lora_adapters: list[str]  # the adapters it serves (requests name one as `model`); []: none
+    max_loras: int  # its adapter slots (resolved: DEFAULT_MAX_LORAS with adapters, 0 without)
+    lora_load_ms: float  # modelled ms of loading an adapter into a slot (engine time: x time_scale)
 
     def validate(self) -> None:
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        if self.lora_load_ms < 0:
+            raise ValueError(f"lora_load_ms must be >= 0, got {self.lora_load_ms}")
+        if len(set(self.lora_adapters)) < len(self.lora_adapters):
+            raise ValueError(f"lora_adapters names an adapter twice: {','.join(self.lora_adapters)}")
+        if self.max_loras and not self.lora_adapters:
+            raise ValueError(f"max_loras {self.max_loras} without lora_adapters: the sim engine has no adapter to load")
 
 
 class TorchSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,6 +130,8 @@ class OpenAISettings(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_endpoint: str  # vLLM's KV-event ZMQ PUB endpoint; "": no events
     kv_events_replay_endpoint: str  # its replay endpoint (optional)
     kv_events_topic: str  # its topic; "": all
+    engine_max_num_seqs: int  # the server's --max-num-seqs; 0: learned from its /metrics (module docstring)
+    max_loras: int  # the server's --max-loras; 0: from vLLM's vllm:lora_requests_info, else 0
 
     def validate(self, role: str) -> None:
         if not self.engine_url.startswith(("http://", "https://")):
@@ -153,6 +185,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # SimSettings.
     profile: str | None = None
     time_scale: float = 1.0
+    lora_adapters: str = ""  # comma-separated adapter names; "": none
+    max_loras: int = 0  # 0: the engine's default (module docstring): sim 4 with adapters; openai the server's
+    lora_load_ms: float = DEFAULT_LORA_LOAD_MS
     # TorchSettings. Several CPU workers on one machine must share the cores (`flexlb up`
     # gives each cores / workers): oversubscribed OpenMP threads spin against each other and
     # a 0.1 s step takes seconds, missing heartbeats.
@@ -171,6 +206,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    engine_max_num_seqs: int = 0  # the server's --max-num-seqs; 0: learned (module docstring)
 
     def served_model(self) -> str:
         """The model this worker serves and reports (`served_model_name`'s comment)."""
@@ -182,11 +218,18 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return self.engine_model  # learned from the server before registering (prepare_engine)
         return SIM_MODEL_NAME
 
+    def lora_adapter_names(self) -> list[str]:
+        """`lora_adapters` as a list (blank entries dropped)."""
+        return [name.strip() for name in self.lora_adapters.split(",") if name.strip()]
+
     def scheduler_settings(self) -> SchedulerSettings:
         return _group(SchedulerSettings, self)
 
     def sim_settings(self) -> SimSettings:
-        return _group(SimSettings, self)
+        adapters = self.lora_adapter_names()
+        return SimSettings(profile=self.profile, time_scale=self.time_scale, lora_adapters=adapters,
+                           max_loras=self.max_loras or (DEFAULT_MAX_LORAS if adapters else 0),
+                           lora_load_ms=self.lora_load_ms)
 
     def torch_settings(self) -> TorchSettings:
         return _group(TorchSettings, self)
@@ -207,6 +250,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("heartbeat_interval_ms", "max_batch_tokens", "outbound_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("engine_max_num_seqs", "max_loras"):  # 0: the engine's default (module docstring)
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the engine's default), got {getattr(self, name)}")
         # The scheduler's sizes are every worker's report (the openai agent's too).
         self.scheduler_settings().validate()
         if self.engine == "openai":
@@ -214,7 +260,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         elif self.engine == "torch":
             self.torch_settings().validate()
         else:
-            self.sim_settings().validate()
+            sim = self.sim_settings()
+            sim.validate()
+            if self.served_model() in sim.lora_adapters:
+                raise ValueError(f"lora_adapters names the served model {self.served_model()!r}: a request's "
+                                 "`model` would not say whether it wants the adapter or the base")
         return self
 
 
@@ -238,4 +288,6 @@ def make_engine(cfg: WorkerConfig) -> Engine:
         return TorchEngine(load_model(t.model, device=t.device, seed=t.model_seed, dtype=t.dtype), **common)
     from workers.engines.sim import SimEngine, load_profile
 
-    return SimEngine(profile=load_profile(cfg.sim_settings().profile), **common)
+    sim = cfg.sim_settings()
+    return SimEngine(profile=load_profile(sim.profile), lora_adapters=sim.lora_adapters, max_loras=sim.max_loras,
+                     lora_load_ms=sim.lora_load_ms, **common)

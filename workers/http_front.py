@@ -64,9 +64,16 @@ Endpoints
   request leaves the engine and its stream ends as SGLang ends it: a last chunk with
   `finish_reason: {"type": "abort"}` (an error chunk on the OpenAI endpoints; a 499
   `cancelled` before the first token or for a non-streaming request).
-- Unknown body fields (`model`, `temperature`, `slo_ttft_ms`, `stream_options`, sglang-
-  router's `echo: false`, `skip_special_tokens`, `return_hidden_states`, `bootstrap_*`, ...)
-  are accepted and ignored. Refused with 400 because they would change the answer: `n` > 1,
+- LoRA adapters (`--lora-adapters`, the sim engine's; workers/engines/scheduler.py): a
+  `/v1/completions` or `/v1/chat/completions` body whose `model` is one of them runs with
+  it (as vLLM selects an adapter), and its answer names it as `model`; `/generate` takes
+  SGLang's `lora_path` (a name that is not an adapter: 400). Any other `model` runs on the
+  base model, as before adapters existed: vLLM answers 404 to an unknown model, but peer
+  routers and benchmark clients send their own names and the sim-server has always
+  ignored them.
+- Unknown body fields (`model` but an adapter's name, `temperature`, `slo_ttft_ms`,
+  `stream_options`, sglang-router's `echo: false`, `skip_special_tokens`,
+  `return_hidden_states`, `bootstrap_*`, ...) are accepted and ignored. Refused with 400 because they would change the answer: `n` > 1,
   `echo: true`, a batch of several prompts.
 - Errors: `{"error": {"code", "message", "retryable"}}` (`schemas.errors`), status by code:
   `invalid_request` 400 (bad JSON, bad field, empty prompt, max_tokens < 1), `too_large` 413
@@ -94,7 +101,8 @@ Endpoints
   "served_model_name", "model_type": "flexlb-sim"}`. Neither has `model_path` or
   `tokenizer_path`: sglang-router downloads a tokenizer named there (no internet here);
   ours is under `tokenizer` (`byte`, or `hf:<path>`).
-- `GET /v1/models`: the one served model, with `max_model_len`.
+- `GET /v1/models`: the served model, with `max_model_len`, then each LoRA adapter as vLLM
+  lists one: `{"id": adapter, "root", "parent": the served model, "max_model_len": null}`.
 - `GET /get_load`: SGLang's list `[{"dp_rank": 0, "num_reqs": running + waiting,
   "num_waiting_reqs", "num_tokens"}]`. The power_of_two policies of sglang-router 0.3.2 and
   vllm-router 0.1.17 poll it every `--worker-startup-check-interval` seconds (default 30)
@@ -256,9 +264,11 @@ class SimHttpApp:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         request_id = request_id_of(scope, body) or self.front.new_request_id()
-        fmt = OpenAIFormat(request_id, self.front.model_name, len(prompt), include_usage,
+        adapter = self._adapter_of_model(body)
+        fmt = OpenAIFormat(request_id, adapter or self.front.model_name, len(prompt), include_usage,
                            return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
-        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body),
+                        lora_adapter=adapter)
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
@@ -269,9 +279,11 @@ class SimHttpApp:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         request_id = request_id_of(scope, body) or self.front.new_request_id()
-        fmt = ChatFormat(request_id, self.front.model_name, prompt, include_usage,
+        adapter = self._adapter_of_model(body)
+        fmt = ChatFormat(request_id, adapter or self.front.model_name, prompt, include_usage,
                          return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
-        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body), is_chat=True)
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body), is_chat=True,
+                        lora_adapter=adapter)
 
     async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
@@ -289,7 +301,8 @@ class SimHttpApp:
         stream = bool_field(body, "stream")
         request_id = request_id_of(scope, body) or self.front.new_request_id()
         fmt = SGLangFormat(request_id, len(prompt), incremental=self.incremental_streaming_output)
-        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body))
+        await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body),
+                        lora_adapter=self._adapter_of_lora_path(body))
 
     async def abort_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         """SGLang's `POST /abort_request {"rid"}`: the request leaves the engine (its stream
@@ -304,19 +317,37 @@ class SimHttpApp:
             req.deltas.put_nowait(_ABORTED)
         await send_bytes(send, 200, b"")
 
+    def _adapter_of_model(self, body: dict[str, Any]) -> str:
+        """The LoRA adapter an OpenAI body's `model` names; "" (the base model) for any other
+        value, as before adapters (module docstring, LoRA adapters)."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.front.engine.lora_adapters else ""
+
+    def _adapter_of_lora_path(self, body: dict[str, Any]) -> str:
+        """SGLang's /generate `lora_path`: one of the adapters, or none (the base model)."""
+        path = body.get("lora_path")
+        if path is None or path == "":
+            return ""
+        if isinstance(path, list) and len(path) == 1:  # SGLang's batch form, one prompt
+            path = path[0]
+        if not isinstance(path, str) or path not in self.front.engine.lora_adapters:
+            served = ", ".join(self.front.engine.lora_adapters) or "none"
+            raise HttpError("invalid_request", f"lora_path {path!r} is not a LoRA adapter of this server (it has: {served})")
+        return path
+
     def _bootstrap(self, body: dict[str, Any]) -> tuple[str, int, int] | None:
         """PD fields matter on a prefill or decode server only; a colocated one ignores them."""
         return None if self.front.role == "pd_fusion" else bootstrap_of(body)
 
     async def _run(self, receive: Receive, send: Send, request_id: str, prompt: list[int], max_tokens: int,
                    stream: bool, fmt: OpenAIFormat | SGLangFormat | ChatFormat,
-                   bootstrap: tuple[str, int, int] | None = None, is_chat: bool = False) -> None:
+                   bootstrap: tuple[str, int, int] | None = None, is_chat: bool = False, lora_adapter: str = "") -> None:
         room = handoff = None
         if bootstrap is not None and self.front.role == "prefill":
             room = bootstrap[2]
         elif bootstrap is not None and self.front.role == "decode":
             handoff = await fetch_handoff(*bootstrap)
-        req = self.front.submit(request_id, prompt, max_tokens, room=room, handoff=handoff)
+        req = self.front.submit(request_id, prompt, max_tokens, room=room, handoff=handoff, lora_adapter=lora_adapter)
         if is_chat:
             self.front.num_chat_requests += 1
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, req))
@@ -463,10 +494,14 @@ class SimHttpApp:
                                     "model_type": "flexlb-sim"})
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        base = self.front.model_name
         await send_json(send, 200, {"object": "list", "data": [{
-            "id": self.front.model_name, "object": "model", "created": 0, "owned_by": "flexlb",
-            "root": self.front.model_name, "max_model_len": self.front.cfg.max_seq_len_tokens,
-        }]})
+            "id": base, "object": "model", "created": 0, "owned_by": "flexlb",
+            "root": base, "max_model_len": self.front.cfg.max_seq_len_tokens,
+        }] + [{  # vLLM's card of a LoRA adapter: its base model as `parent`, no max_model_len
+            "id": adapter, "object": "model", "created": 0, "owned_by": "flexlb", "root": adapter, "parent": base,
+            "max_model_len": None,
+        } for adapter in self.front.engine.lora_adapters]})
 
     async def get_load(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.front.load())

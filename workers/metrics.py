@@ -8,8 +8,8 @@ its view of every worker too (flexlb_worker_*{worker=...}); these are the worker
 counters, which the router does not have: steps, stale and undecodable commands, overflows,
 terminal events still unacked or given up; and, read from the agent itself (an int attribute,
 atomic to read from this thread), counters that only some agents keep (AGENT_COUNTERS: an
-agent without the attribute exports none of it), e.g. the openai agent's chat prompt
-mismatches.
+agent without the attribute, or with None in it, exports none of it), e.g. the openai
+agent's chat prompt mismatches, the sim engine's LoRA adapter loads.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ AGENT_COUNTERS = {
                                     "(workers/engines/step_loop.py)", "num_engine_errors"),
     "flexlb_worker_upstream_failures": ("Requests failed at or on the way to the engine server (openai agent)",
                                         "num_upstream_failures"),
+    "flexlb_worker_lora_loads": ("LoRA adapters loaded into a slot of the engine (sim engine with adapters; an "
+                                 "engine server's loads are its own)", "num_lora_loads"),
 }
 
 

@@ -34,8 +34,9 @@ alone, when nothing else is open). `engine_protocol` says which POST:
 - `sglang`: SGLang's native `POST {engine_url}/generate` with `input_ids` (the router's
   ids, chat requests too: SGLang's /generate renders nothing), `sampling_params`
   (`max_new_tokens`, `temperature`, `top_p`, `sampling_seed`, `ignore_eos`, `stop`),
-  `stream: true`, `rid` = the request id. SGLang streams `output_ids` and `text` whole so far
-  (its default) or per chunk (`--incremental-streaming-output`); each chunk says which: its
+  `stream: true`, `rid` = the request id, and `lora_path` = its LoRA adapter if it names
+  one. SGLang streams `output_ids` and `text` whole so far (its default) or per chunk
+  (`--incremental-streaming-output`); each chunk says which: its
   `meta_info.completion_tokens` is the count so far, and a chunk after the first with that
   many ids or more is cumulative (the new tokens are the tail past those relayed; text
   likewise), else incremental (the first chunk reads the same either way). `meta_info`
@@ -55,6 +56,15 @@ agent's own queue is excluded; the server's is not, so a server that queues infl
 keep `upstream_max_concurrency` near the server's `--max-num-seqs`), which the router's
 predictor learns from. Cached prompt tokens: the KV event view's count at release when
 events are on, else 0 until the server's usage says.
+
+LoRA adapters: a request that names one (`BatchRequest.lora_adapter`) is sent with `model`
+= the adapter's name (how vLLM and SGLang select an adapter on their OpenAI endpoints), or
+`lora_path` on SGLang's /generate; a server without that adapter refuses it (vLLM 404:
+`adapter_not_found`; SGLang 400: invalid_request, it says no more). The adapters the agent
+reports are those GET /v1/models lists with a `parent` (vLLM's --lora-modules; one the
+server loads at run time appears at the agent's next start), its slots `max_loras` (the
+setting, else vllm:lora_requests_info's max_lora) and the loaded ones from
+vllm:lora_requests_info (workers/openai_status.py; None without it).
 
 Streams without token ids (vLLM < 0.10.2, SGLang's OpenAI endpoints, TGI, llama.cpp: a
 server that ignores return_token_ids): the text is relayed and its tokens counted, as
@@ -86,9 +96,11 @@ Status. At every heartbeat the agent asks whether the server is up, and how load
    METRICS_REPROBE_POLLS polls only, and the endpoint that answered last is asked first.
 No connection (or no answer within METRICS_TIMEOUT_S) fails the poll at once. Running =
 the server's (with metrics "none": the agent's open streams); queued = the agent's
-unreleased batches + the server's waiting requests; free blocks = (1 - usage) x blocks (all
-of them without metrics); `recent_step_ms` = the mean gap between tokens of the streams of
-the last 3 s (the server's time per output token). Every status carries `signals`
+unreleased batches + the server's waiting requests; max_num_seqs = engine_max_num_seqs,
+else the highest running count a poll saw while requests waited (workers/openai_status.py,
+0 until one did; forgotten when the server is gone); free blocks = (1 - usage) x blocks
+(all of them without metrics); `recent_step_ms` = the mean gap between tokens of the
+streams of the last 3 s (the server's time per output token). Every status carries `signals`
 (EngineSignals: protocol, metrics, liveness, token_ids: None until the first stream with
 output says, kv_events) and, while not ready, `not_ready_reason`: one line naming the
 server's URL, the endpoint and how it failed. The agent is `not_ready` until the server
@@ -137,7 +149,13 @@ from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes
 from workers.agent import ReqMeta, WorkerAgent  # noqa: F401  (ReqMeta: as before)
 from workers.openai_relays import FINISH_REASONS, SGLangRelay, StreamRelay  # noqa: F401  (FINISH_REASONS: as before)
-from workers.openai_status import STATUS_METRICS, ServerStatus, parse_prometheus, server_status  # noqa: F401
+from workers.openai_status import (  # noqa: F401  (STATUS_METRICS, parse_prometheus: this module's API)
+    STATUS_METRICS,
+    ServerStatus,
+    learn_max_num_seqs,
+    parse_prometheus,
+    server_status,
+)
 from workers.upstream_http import UpstreamClient, UpstreamFailure, refusal_of  # noqa: F401  (refusal_of: this module's API)
 
 log = logging.getLogger("flexlb.worker.openai")
@@ -183,6 +201,10 @@ class OpenAIAgent(WorkerAgent):
         self.server_ok = False
         self.num_failed_polls = 0
         self.num_polls = 0
+        # The server's max_num_seqs as its /metrics taught it (openai_status.learn_max_num_seqs);
+        # reported unless engine_max_num_seqs is set; forgotten when the server counts as gone
+        # (it may come back with other settings).
+        self.learned_max_num_seqs = 0
         self.num_upstream_failures = 0
         # Which endpoint says the server is up: "" (not yet known), "metrics" (Prometheus text
         # with vLLM's or SGLang's names), "health" (GET /health 200), "models" (GET /v1/models,
@@ -313,6 +335,7 @@ class OpenAIAgent(WorkerAgent):
             if self.server_ok and self.num_failed_polls >= UNREACHABLE_AFTER_POLLS:
                 self.server_ok = False
                 self.server_not_ready_reason = reason
+                self.learned_max_num_seqs = 0
                 log.error("engine server %s: %d polls failed (%s); not ready, failing what it holds",
                           self.base_url, self.num_failed_polls, exc)
                 await self._fail_held(f"the engine server {self.base_url} stopped answering ({exc})")
@@ -327,6 +350,7 @@ class OpenAIAgent(WorkerAgent):
         self.server_ok = True
         self.server_not_ready_reason = ""
         self.num_failed_polls = 0
+        self.learned_max_num_seqs = learn_max_num_seqs(self.learned_max_num_seqs, self.server)
         self.wake.set()
 
     def signals(self) -> m.EngineSignals:
@@ -375,6 +399,8 @@ class OpenAIAgent(WorkerAgent):
             not_ready_reason=self.server_not_ready_reason if not self.server_ok else
             getattr(self, "not_ready_reason", "") if self.state != "ready" else "", signals=self.signals(),
             model=cfg.served_model(), lora_adapters=list(self.lora_adapters),
+            max_num_seqs=cfg.engine_max_num_seqs or self.learned_max_num_seqs, max_loras=cfg.max_loras or st.max_loras,
+            loaded_lora_adapters=list(st.loaded_lora_adapters) if st.loaded_lora_adapters is not None else None,
         )
 
     # ------------------------------------------------------------------ commands
@@ -500,9 +526,11 @@ class OpenAIAgent(WorkerAgent):
             params = {"max_new_tokens": r.max_tokens, **self._sampling(r)}
             if "seed" in params:
                 params["sampling_seed"] = params.pop("seed")
-            return "/generate", {"input_ids": r.prompt_token_ids, "sampling_params": params, "stream": True,
-                                 "rid": r.request_id}
-        common = {"model": self.cfg.engine_model, "max_tokens": r.max_tokens, "stream": True,
+            body = {"input_ids": r.prompt_token_ids, "sampling_params": params, "stream": True, "rid": r.request_id}
+            if r.lora_adapter:
+                body["lora_path"] = r.lora_adapter
+            return "/generate", body
+        common = {"model": r.lora_adapter or self.cfg.engine_model, "max_tokens": r.max_tokens, "stream": True,
                   "stream_options": {"include_usage": True}, "return_token_ids": True, **self._sampling(r)}
         chat = r.chat
         if chat is None:
@@ -570,7 +598,7 @@ class OpenAIAgent(WorkerAgent):
                 self._in_background(self._abort_upstream(rid))
             raise  # cancelled by the router, a deadline or a failure: whoever cancelled reports it
         except UpstreamFailure as exc:
-            failure = exc
+            failure = self._failure_of(r, exc)
         else:
             failure = None
         finally:
@@ -598,6 +626,14 @@ class OpenAIAgent(WorkerAgent):
                 first_token_ns=relay.first_ns))
         finally:
             self.ending.discard(rid)
+
+    @staticmethod
+    def _failure_of(r: m.BatchRequest, failure: UpstreamFailure) -> UpstreamFailure:
+        """What the request fails with: the failure, but a 404 to a request naming a LoRA
+        adapter is vLLM's "the model does not exist": `adapter_not_found`."""
+        if r.lora_adapter and failure.status == 404:
+            return UpstreamFailure("adapter_not_found", f"LoRA adapter {r.lora_adapter!r}: {failure.message}", 404)
+        return failure
 
     def _in_background(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

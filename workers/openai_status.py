@@ -1,5 +1,24 @@
 """Reading an engine server's load from its Prometheus /metrics (the openai agent's status
 poll, workers/openai_agent.py, module docstring "Status"): vLLM's or SGLang's metric names.
+
+LoRA (vLLM only): `vllm:lora_requests_info{max_lora, running_lora_adapters,
+waiting_lora_adapters}`, an info gauge whose value is the time it was set: vLLM sets a new
+label set at each stats update and the old ones stay in the exposition, so the sample with
+the highest value is the current one. Its adapters (comma-separated names) are those of
+the running requests, then those of the waiting ones; the agent reports them as the loaded
+adapters (a running request's adapter is loaded; a waiting one's is about to be), in that
+order, duplicates dropped: vLLM says nothing of its LRU order or of adapters loaded but
+idle, so "least recently used first" is not known. Without the gauge (SGLang, a vLLM
+without --enable-lora) the loaded adapters are unknown (None).
+
+max_num_seqs (`learn_max_num_seqs`): neither server exports it. A server with requests
+waiting runs all it can (its --max-num-seqs, or fewer when its KV cache is the limit), so
+the highest number running at a poll that saw requests waiting is a lower bound of it,
+the limit itself once one such poll found the KV cache not the limit. Until such a poll it
+is 0 (unknown); an agent whose own upstream_max_concurrency keeps the server below its
+limit never learns it (nothing waits there), which is right: the agent's limit is then the
+one that matters, and the operator can give the server's with --engine-max-num-seqs
+(workers/config.py).
 """
 
 from __future__ import annotations
@@ -45,13 +64,15 @@ class ServerStatus:
     block_size: int = 0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    max_loras: int = 0  # vllm:lora_requests_info's max_lora; 0: not exported
+    loaded_lora_adapters: list[str] | None = None  # its running then waiting adapters; None: not exported
 
 
 # Every metric server_status reads (parse_prometheus' filter at each poll).
 STATUS_METRICS = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
-    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "vllm:lora_requests_info",
 )
 
 
@@ -73,9 +94,21 @@ def server_status(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> Ser
                 st.num_gpu_blocks = int(labels["num_gpu_blocks"])
             if labels.get("block_size", "").isdigit():
                 st.block_size = int(labels["block_size"])
+        lora_info = metrics.get("vllm:lora_requests_info")
+        if lora_info:
+            labels = max(lora_info, key=lambda sample: sample[1])[0]  # the newest (module docstring)
+            st.max_loras = int(labels["max_lora"]) if labels.get("max_lora", "").isdigit() else 0
+            names = (labels.get("running_lora_adapters", "") + "," + labels.get("waiting_lora_adapters", "")).split(",")
+            st.loaded_lora_adapters = list(dict.fromkeys(n for n in names if n))
     elif "sglang:num_running_reqs" in metrics:
         st.flavour = "sglang"
         st.num_running = int(total("sglang:num_running_reqs"))
         st.num_waiting = int(total("sglang:num_queue_reqs"))
         st.kv_usage = max((v for _, v in metrics.get("sglang:token_usage", [])), default=0.0)
     return st
+
+
+def learn_max_num_seqs(learned: int, st: ServerStatus) -> int:
+    """What a poll's status teaches of the server's max_num_seqs (module docstring): the most
+    running at a moment with requests waiting, never less than what was learned before."""
+    return max(learned, st.num_running) if st.num_waiting > 0 else learned

@@ -23,6 +23,13 @@ then (that step may still carry its tokens).
   `flexlb_sim_cached_tokens_total` (finished requests), `flexlb_sim_output_tokens_total`
   (tokens delivered), `flexlb_sim_preemptions_total` (when reported), `flexlb_sim_steps_total`,
   `flexlb_sim_engine_errors_total`, `flexlb_sim_kv_blocks{state="free|cached|used"}`.
+  With LoRA adapters (`--lora-adapters`, workers/config.py): vLLM's
+  `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` (the
+  distinct adapters of the running and of the waiting sequences, comma-separated; value:
+  the time it was read, as vLLM's is the time it was set), and ours
+  `flexlb_sim_lora_loads_total` (adapters loaded into a slot). vLLM's gauge does not say
+  which adapters sit idle in a slot, so neither does ours: what an openai agent in front of
+  this server reports as loaded is what it would report in front of vLLM.
 
 KV events, vLLM's (`--kv-events-endpoint tcp://*:5557`, optionally `--kv-events-replay-endpoint
 tcp://*:5558` and `--kv-events-topic`; needs pyzmq): the server publishes its prefix cache's
@@ -40,6 +47,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from collections import Counter
 from typing import Any
 
@@ -92,6 +100,9 @@ class SimFront:
             raise ValueError("the HTTP front runs the torch engine colocated only (pd_fusion): its PD hand-off of "
                              "real KV goes through the NATS worker")
         self.engine = make_engine(cfg)
+        if model_name in self.engine.lora_adapters:  # (the NATS worker's check is WorkerConfig.validate's)
+            raise ValueError(f"lora_adapters names the served model {model_name!r}: a request's `model` would not "
+                             "say whether it wants the adapter or the base")
         self._boot = secrets.token_hex(3)
         self._ids = itertools.count()
         self._open: dict[str, OpenRequest] = {}  # request id -> its stream
@@ -155,10 +166,11 @@ class SimFront:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                is_health_check: bool = False, room: int | None = None,
-               handoff: tuple[int, int] | None = None) -> OpenRequest:
+               handoff: tuple[int, int] | None = None, lora_adapter: str = "") -> OpenRequest:
         """Queue one request in the engine; its deltas arrive on the returned stream. PD: a
         prefill server's request names its bootstrap `room`; a decode server's comes with the
-        `handoff` (first token id, cached tokens) its room delivered."""
+        `handoff` (first token id, cached tokens) its room delivered. `lora_adapter`: one of
+        the engine's adapters ("": the base model)."""
         if not is_health_check and self.role == "prefill" and room is None:
             raise HttpError("invalid_request", "a prefill server needs bootstrap_room (PD: send through a PD router)")
         if not is_health_check and self.role == "decode" and handoff is None:
@@ -170,7 +182,8 @@ class SimFront:
         if not self.is_running:
             raise HttpError("not_ready", "the engine's step loop is not running")
         req = OpenRequest(request_id, len(prompt_token_ids), max_tokens, is_health_check)
-        request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens)
+        request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
+                                lora_adapter=lora_adapter)
         if self.kv_events is not None:
             self.kv_events.note_prompt(prompt_token_ids)  # the tokens and parents of the blocks it may store
         try:
@@ -368,6 +381,12 @@ class SimFront:
         metric("flexlb_sim_steps_total", "counter", "Engine steps run.", [("", self.num_steps)])
         metric("flexlb_sim_engine_errors_total", "counter", "Exceptions raised by engine.step().",
                [("", self.num_engine_errors)])
+        if e.lora_adapters:
+            labels = (f'{{max_lora="{e.max_loras}",running_lora_adapters="{",".join(e.running_lora_adapters())}",'
+                      f'waiting_lora_adapters="{",".join(e.waiting_lora_adapters())}"}}')
+            metric("vllm:lora_requests_info", "gauge", "Running stats on lora requests.", [(labels, time.time())])
+            metric("flexlb_sim_lora_loads_total", "counter", "LoRA adapters loaded into a slot.",
+                   [("", e.num_lora_loads)])
         metric("flexlb_sim_kv_blocks", "gauge", "KV blocks by state.", [
             ('{state="free"}', e.num_free_kv_blocks), ('{state="cached"}', e.num_cached_kv_blocks),
             ('{state="used"}', e.num_used_kv_blocks),
@@ -385,9 +404,10 @@ class SimFront:
         return {
             "served_model_name": self.model_name, "context_length": c.max_seq_len_tokens,
             "max_total_num_tokens": c.num_kv_blocks * c.block_size_tokens, "page_size": c.block_size_tokens,
-            "max_running_requests": c.max_num_seqs, "chunked_prefill_size": c.max_num_batched_tokens,
+            "max_running_requests": self.engine.max_num_seqs, "chunked_prefill_size": c.max_num_batched_tokens,
             "dp_size": 1, "tp_size": 1, "engine": "flexlb-sim", "worker_id": c.worker_id,
             "time_scale": c.time_scale, "num_kv_blocks": c.num_kv_blocks, "block_size_tokens": c.block_size_tokens,
             "chunked_prefill": c.chunked_prefill, "profile": c.profile or "default", "tokenizer": self.tokenizer.name,
             "scheduler": c.scheduler, "max_prefill_tokens": c.max_prefill_tokens,
+            "lora_paths": list(self.engine.lora_adapters), "max_loras_per_batch": self.engine.max_loras,
         }

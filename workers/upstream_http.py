@@ -60,6 +60,10 @@ _decode_json = msgspec.json.Decoder().decode
 class UpstreamFailure(HttpError):
     """The request failed at or on the way to the engine server; `code` is a schemas/errors.py code."""
 
+    def __init__(self, code: str, message: str, status: int = 0) -> None:
+        super().__init__(code, message)
+        self.status = status  # the server's HTTP status when it answered with one (refusal_of); 0: none
+
 
 def refusal_of(status: int, body: bytes) -> UpstreamFailure:
     """A non-200 answer of the server -> the failure a request ends with."""
@@ -72,12 +76,12 @@ def refusal_of(status: int, body: bytes) -> UpstreamFailure:
         message = body[:300].decode(errors="replace")
     text = f"the engine server answered {status}: {message}"
     if status in (429, 503):
-        return UpstreamFailure("upstream_refused", text)
+        return UpstreamFailure("upstream_refused", text, status)
     if status == 400:
-        return UpstreamFailure("invalid_request", text)
+        return UpstreamFailure("invalid_request", text, status)
     if status == 413:
-        return UpstreamFailure("too_large", text)
-    return UpstreamFailure("upstream_error", text)
+        return UpstreamFailure("too_large", text, status)
+    return UpstreamFailure("upstream_error", text, status)
 
 
 class _StaleConnection(Exception):

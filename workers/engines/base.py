@@ -44,6 +44,9 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    # The LoRA adapter to run it with ("": the base model). One the engine does not serve
+    # fails the request `adapter_not_found` (workers/engines/scheduler.py, "LoRA adapters").
+    lora_adapter: str = ""
 
 
 class EngineBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,7 +82,7 @@ class HandoffOut(msgspec.Struct, frozen=True, kw_only=True):
 
 class FailedOut(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
-    code: str  # a schemas.errors code: "invalid_request" | "too_large" | "dispatch_failed"
+    code: str  # a schemas.errors code: "invalid_request" | "too_large" | "dispatch_failed" | "adapter_not_found"
     message: str
 
 
@@ -113,6 +116,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     failed: list[FailedOut] = []
     blocks_stored: list[int] = []  # hashes added to the prefix cache in this step
     blocks_removed: list[int] = []  # hashes evicted from the prefix cache in this step
+    lora_loads: list[str] = []  # LoRA adapters loaded into a slot in this step, in load order
 
 
 class Engine(Protocol):
@@ -122,6 +126,10 @@ class Engine(Protocol):
     num_kv_blocks: int  # KV capacity, in blocks of block_size_tokens
     block_size_tokens: int
     max_seq_len_tokens: int  # longest prompt + max_tokens one request may have
+    max_num_seqs: int  # most sequences running at once (reported: the router queues beyond it)
+    lora_adapters: list[str]  # the LoRA adapters it can serve (loaded or loadable); []: none
+    max_loras: int  # adapter slots: adapters loaded at once (0: no adapters)
+    num_lora_loads: int  # adapters loaded into a slot since boot
     # True: step() ran the step and duration_ms is measured wall time (the caller does not
     # sleep it); False: duration_ms is modelled and the caller sleeps it before publishing.
     measures_time: bool
@@ -167,4 +175,7 @@ class Engine(Protocol):
 
     def all_cached_block_hashes(self) -> list[int]:
         """The prefix cache's block hashes (a KV snapshot)."""
+
+    def loaded_lora_adapters(self) -> list[str]:
+        """The adapters in its slots now, least recently used first."""
 

@@ -31,6 +31,8 @@ Parameters (the worker builds the engine from its config: `workers.config.make_e
 - max_prefill_tokens (16384, SGLang's default): sglang only, the most new prompt tokens one
   prefill step takes (its `--max-prefill-tokens`); max_num_batched_tokens is then SGLang's
   `--chunked-prefill-size` (8192 by default in both).
+- lora_adapters (none): the LoRA adapters the engine can serve (section "LoRA adapters");
+  max_loras (0; >= 1 with adapters, and only then): its adapter slots, vLLM's `--max-loras`.
 
 Scheduling, scheduler "vllm": continuous batching, first come first served (vLLM V1's
 scheduler, FCFS policy).
@@ -78,6 +80,26 @@ the same formula (a prefill step has no decode part, a decode step no prefill pa
 decode runs as under "vllm" (there is no prefill: hand-offs are admitted and decoded
 together), whichever the scheduler.
 
+LoRA adapters (vLLM's multi-LoRA serving: a request names an adapter, a batch mixes
+adapters, at most max_loras are loaded at once, in an LRU of slots):
+- a request naming an adapter the engine does not serve fails `adapter_not_found` at
+  submission (an engine without adapters, the torch engine, serves none).
+- a sequence is admitted only if its adapter is loaded, or a slot is free, or one can be
+  freed: the least recently used loaded adapter that no running sequence uses is evicted.
+  Admission loads the adapter (counted in `num_lora_loads`, listed in the step's
+  `lora_loads`; the sim charges each load's time to the step, workers/engines/sim.py).
+  Every step marks the adapters of the sequences it runs most recently used, as vLLM's
+  worker does.
+- when every slot holds an adapter a running sequence uses, the sequence waits where it is
+  in the queue, and the sequences behind it are admitted only if they run the base model.
+  vLLM V1 skips such a request and admits later ones of any adapter; those keep the loaded
+  adapters busy, so a steady stream of them can starve it forever. Here nothing new holds a
+  slot while it waits: the running sequences of the loaded adapters finish, a slot frees,
+  and it is the first to take it. (Preempted sequences go back to the front as before.)
+- invariants (checked by the engines' `check_invariants`): at most max_loras adapters are
+  loaded; every running sequence's adapter is loaded.
+- role decode: a hand-off carries no adapter (StartDecode names none); it decodes on the base.
+
 Role decode: a hand-off waits like any request with its prompt already computed (its KV
 arrives with it): admitted FIFO when blocks for prompt + 1 fit; it emits index 0 = its
 `first_token_id` and, if max_tokens > 1, index 1 in that same step (max_tokens == 1: it
@@ -92,11 +114,12 @@ KV transfer time (PD), per-step CPU overhead, and, in the sim engine, output-dep
 rules (a request generates exactly max_tokens: finish_reason "length"; the torch engine
 also stops at the model's end token).
 
-Submissions are validated at once: prompt empty or max_tokens < 1 -> "invalid_request";
-prompt + max_tokens > max_seq_len_tokens, or more blocks than num_kv_blocks (a request must
-be able to finish alone) -> "too_large". Failed requests leave their batch (the rest stays)
-and are reported in the next step. A request id already live in the engine, an empty batch
-or the wrong role is a caller bug: ValueError (the agent dedupes redelivered commands).
+Submissions are validated at once: prompt empty or max_tokens < 1 -> "invalid_request"; an
+adapter it does not serve -> "adapter_not_found"; prompt + max_tokens > max_seq_len_tokens,
+or more blocks than num_kv_blocks (a request must be able to finish alone) -> "too_large".
+Failed requests leave their batch (the rest stays) and are reported in the next step. A
+request id already live in the engine, an empty batch or the wrong role is a caller bug:
+ValueError (the agent dedupes redelivered commands).
 
 Hooks (a subclass implements them; each is called only as said):
 - `_num_cached_prefix_blocks(seq)`: leading prompt blocks found in the cache (a lookup,
@@ -109,7 +132,8 @@ Hooks (a subclass implements them; each is called only as said):
   preemption).
 - `_compute(work, sampling)`: run the step: the token each sampling sequence produces, the
   step's ms, each batch's share of them. Cache changes are recorded with
-  `_note_cache_change` (the step's `blocks_stored` / `blocks_removed`).
+  `_note_cache_change` (the step's `blocks_stored` / `blocks_removed`); the adapters this
+  step loaded, with the sequence each was loaded for, are `_step_lora_loads`.
 - optional: `_finish_reason` (default: "length" at max_tokens), `_handoff` (default: no
   K/V), `_validate` (call super first), and the KV introspection properties.
 
@@ -120,7 +144,8 @@ accounted once) would span modules.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas.messages import parse_role
@@ -187,13 +212,19 @@ class ScheduledEngine:
 
     def __init__(self, role: str, num_kv_blocks: int, block_size_tokens: int, max_seq_len_tokens: int,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, chunked_prefill: bool = True,
-                 scheduler: str = "vllm", max_prefill_tokens: int = 16384) -> None:
+                 scheduler: str = "vllm", max_prefill_tokens: int = 16384, lora_adapters: Sequence[str] = (),
+                 max_loras: int = 0) -> None:
         if min(num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens, max_num_seqs,
                max_prefill_tokens) <= 0:
             raise ValueError("num_kv_blocks, block_size_tokens, max_seq_len_tokens, max_num_batched_tokens, "
                              "max_num_seqs and max_prefill_tokens must be positive")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown engine scheduler {scheduler!r}; known: {', '.join(SCHEDULERS)}")
+        if not all(lora_adapters) or len(set(lora_adapters)) < len(lora_adapters):
+            raise ValueError(f"lora_adapters must be distinct non-empty names, got {list(lora_adapters)}")
+        if max_loras < 0 or bool(lora_adapters) != (max_loras > 0):
+            raise ValueError(f"max_loras must be >= 1 with lora_adapters and 0 without, got {max_loras} "
+                             f"with {len(lora_adapters)} adapters")
         self.role = parse_role(role)
         self.num_kv_blocks = num_kv_blocks
         self.block_size_tokens = block_size_tokens
@@ -212,6 +243,12 @@ class ScheduledEngine:
         self._step_stored: dict[int, None] = {}  # block hashes the cache gained in this step (net)
         self._step_removed: dict[int, None] = {}  # and lost
         self.num_preemptions = 0  # since boot
+        self.lora_adapters = list(lora_adapters)  # what it can serve (module docstring, "LoRA adapters")
+        self._servable_loras = frozenset(lora_adapters)
+        self.max_loras = max_loras
+        self._loaded_loras: OrderedDict[str, None] = OrderedDict()  # the slots' adapters, least recently used first
+        self._step_lora_loads: list[tuple[str, _Sequence]] = []  # (adapter, the sequence it was loaded for) of this step
+        self.num_lora_loads = 0  # since boot
 
     # ----------------------------------------------------------------------- introspection
     @property
@@ -240,6 +277,20 @@ class ScheduledEngine:
     def running_request_ids(self) -> list[str]:
         """Waiting then running request ids (not those whose failure awaits the next step)."""
         return [s.request.request_id for s in self._waiting] + [s.request.request_id for s in self._running]
+
+    def loaded_lora_adapters(self) -> list[str]:
+        """The adapters in the slots, least recently used first."""
+        return list(self._loaded_loras)
+
+    def running_lora_adapters(self) -> list[str]:
+        """The distinct adapters of the running sequences, in admission order (vLLM's
+        `running_lora_adapters` label)."""
+        return list(dict.fromkeys(s.request.lora_adapter for s in self._running if s.request.lora_adapter))
+
+    def waiting_lora_adapters(self) -> list[str]:
+        """The distinct adapters of the waiting sequences, in queue order (vLLM's
+        `waiting_lora_adapters` label)."""
+        return list(dict.fromkeys(s.request.lora_adapter for s in self._waiting if s.request.lora_adapter))
 
     # The KV introspection is the subclass's (workers/engines/base.py, Engine).
     @property
@@ -319,6 +370,7 @@ class ScheduledEngine:
         """Run one iteration (see the module docstring); None when there is nothing to do."""
         self._step_stored.clear()
         self._step_removed.clear()
+        self._step_lora_loads.clear()
         failed, self._pending_failures = self._pending_failures, []
         prefilled, self._pending_prefilled = self._pending_prefilled, []
         scheduled, num_preempted, admitted_handoffs = self._schedule()
@@ -350,8 +402,12 @@ class ScheduledEngine:
             i += 1
         admitted_handoffs: list[_Sequence] = []
         if num_preempted == 0:
-            while self._waiting and len(self._running) < self.max_num_seqs:
-                seq = self._waiting[0]
+            i = 0  # the sequences before this one wait for a LoRA slot (module docstring, "LoRA adapters")
+            while i < len(self._waiting) and len(self._running) < self.max_num_seqs:
+                seq = self._waiting[i]
+                if self._waits_for_lora_slot(seq, is_behind_a_waiter=i > 0):
+                    i += 1
+                    continue
                 is_handoff = seq.is_prefilled and seq.num_output_tokens == 0  # role decode, KV arriving
                 if is_handoff:
                     num_hit_blocks = min(self._num_hit_blocks(seq, cap=False), seq.num_prompt_tokens // self.block_size_tokens)
@@ -369,7 +425,8 @@ class ScheduledEngine:
                     break  # a whole prompt only, and it does not fit this step: FIFO waits
                 if not self._admit(seq, num_hit_blocks, num_new):
                     break
-                self._waiting.popleft()
+                del self._waiting[i]
+                self._use_lora(seq)
                 self._running.append(seq)
                 if is_handoff:
                     seq.num_output_tokens = 1  # index 0 (the hand-off's token) is emitted this step
@@ -399,9 +456,13 @@ class ScheduledEngine:
             if chunk_left is not None:
                 chunk_left -= num_new
         cut = any(seq.num_computed_tokens + k < seq.num_tokens for seq, k in scheduled)
-        while (not cut and self._waiting and len(self._running) < self.max_num_seqs and input_left > 0
+        i = 0  # the sequences before this one wait for a LoRA slot (module docstring, "LoRA adapters")
+        while (not cut and i < len(self._waiting) and len(self._running) < self.max_num_seqs and input_left > 0
                and (chunk_left is None or chunk_left > 0)):
-            seq = self._waiting[0]
+            seq = self._waiting[i]
+            if self._waits_for_lora_slot(seq, is_behind_a_waiter=i > 0):
+                i += 1
+                continue
             num_hit_blocks = self._num_hit_blocks(seq)
             num_new = seq.num_tokens - num_hit_blocks * self.block_size_tokens
             if chunk_left is not None and num_new > chunk_left:
@@ -410,7 +471,8 @@ class ScheduledEngine:
                 break
             if not self._admit(seq, num_hit_blocks, num_new):
                 break
-            self._waiting.popleft()
+            del self._waiting[i]
+            self._use_lora(seq)
             self._running.append(seq)
             scheduled.append((seq, num_new))
             input_left -= num_new
@@ -445,6 +507,45 @@ class ScheduledEngine:
                 return False, num_preempted
         return True, num_preempted
 
+    # ----------------------------------------------------------------------- LoRA slots (module docstring)
+    def _waits_for_lora_slot(self, seq: _Sequence, is_behind_a_waiter: bool) -> bool:
+        """Whether `seq` stays waiting for its adapter: no slot holds it or can take it, or a
+        sequence ahead of it waits for a slot (`is_behind_a_waiter`) and it runs an adapter too."""
+        adapter = seq.request.lora_adapter
+        if not adapter:
+            return False
+        if is_behind_a_waiter:
+            return True
+        return (adapter not in self._loaded_loras and len(self._loaded_loras) >= self.max_loras
+                and self._lora_victim() is None)
+
+    def _lora_victim(self) -> str | None:
+        """The least recently used loaded adapter no running sequence uses; None: all are in use."""
+        in_use = {s.request.lora_adapter for s in self._running}
+        return next((a for a in self._loaded_loras if a not in in_use), None)
+
+    def _use_lora(self, seq: _Sequence) -> None:
+        """`seq` is admitted: load its adapter unless it is loaded (evicting `_lora_victim` when
+        the slots are full; `_waits_for_lora_slot` said one can go) and mark it most recently used."""
+        adapter = seq.request.lora_adapter
+        if not adapter:
+            return
+        if adapter not in self._loaded_loras:
+            if len(self._loaded_loras) >= self.max_loras:
+                del self._loaded_loras[self._lora_victim()]
+            self.num_lora_loads += 1
+            self._step_lora_loads.append((adapter, seq))
+        self._loaded_loras[adapter] = None
+        self._loaded_loras.move_to_end(adapter)
+
+    def _lora_checks(self) -> dict[str, bool]:
+        """The LoRA slots' invariants, for the engines' `check_invariants`: what -> holds."""
+        return {
+            "more LoRA adapters loaded than max_loras": len(self._loaded_loras) <= self.max_loras,
+            "a running sequence's LoRA adapter is not loaded": all(
+                s.request.lora_adapter in self._loaded_loras for s in self._running if s.request.lora_adapter),
+        }
+
     @staticmethod
     def _is_decoding(seq: _Sequence) -> bool:
         """Every known token but the last has KV: its next step samples one token."""
@@ -465,6 +566,8 @@ class ScheduledEngine:
             if reason:
                 finished.append(self._finish(seq, reason))
         for seq, k in scheduled:
+            if seq.request.lora_adapter:  # the step runs it: its adapter is the most recently used
+                self._loaded_loras.move_to_end(seq.request.lora_adapter)
             c = seq.num_computed_tokens
             is_decode = seq.num_output_tokens > 0 and c == seq.num_tokens - 1
             if is_decode:
@@ -508,6 +611,7 @@ class ScheduledEngine:
             num_decode_tokens=num_decoding, num_preemptions=num_preempted,
             tokens=tokens, finished=finished, handoffs=handoffs, failed=failed,
             blocks_stored=list(self._step_stored), blocks_removed=list(self._step_removed),
+            lora_loads=[adapter for adapter, _ in self._step_lora_loads],
         )
 
     # ----------------------------------------------------------------------- hooks (module docstring)
@@ -596,6 +700,10 @@ class ScheduledEngine:
         num_blocks = -(-(num_prompt_tokens + num_output_tokens) // self.block_size_tokens)
         if num_prompt_tokens == 0 or request.max_tokens < 1:
             code, message = "invalid_request", "the prompt must be non-empty and max_tokens at least 1"
+        elif request.lora_adapter and request.lora_adapter not in self._servable_loras:
+            served = (f"it serves {', '.join(self.lora_adapters)}" if self.lora_adapters
+                      else "it serves no LoRA adapters")
+            code, message = "adapter_not_found", f"LoRA adapter {request.lora_adapter!r} is not served by this engine: {served}"
         elif num_prompt_tokens + request.max_tokens > self.max_seq_len_tokens:
             code, message = "too_large", (f"prompt {num_prompt_tokens} + max_tokens {request.max_tokens} tokens "
                                           f"exceed max_seq_len_tokens {self.max_seq_len_tokens}")

@@ -6,7 +6,10 @@ The worker agent and the HTTP front drive it through the engine contract
 (but `load_profile`); the caller sleeps each step's modelled `duration_ms`.
 
 Parameters of `SimEngine`: `profile`, the `TimingProfile` (`load_profile(None)`: llama2-70b
-on H100 TP8, fitted on Splitwise), then the scheduler's (workers/engines/scheduler.py).
+on H100 TP8, fitted on Splitwise), then the scheduler's (workers/engines/scheduler.py; its
+`lora_adapters` and `max_loras` are the adapters it serves and its slots), and
+`lora_load_ms` (DEFAULT_LORA_LOAD_MS, 20): the modelled time of loading one adapter into a
+slot (below).
 Its output tokens are `sim_token_id(request id, index)`, and a request generates exactly
 max_tokens (finish_reason "length").
 
@@ -17,6 +20,10 @@ for the chunks (c tokens computed before, k computed now) and decoding sequences
   decode part  = decode_per_seq_ms * num_decoding
                  + decode_per_context_token_ms * Σ(context of each decoding sequence)
   step_ms      = prefill part + decode part, plus decode_base_ms when the step has no chunk
+plus lora_load_ms for each adapter the step loads (`StepResult.lora_loads`: admission of a
+sequence whose adapter was not in a slot), charged to the batch of the sequence it was
+loaded for while that one is still in its prefill. The default 20 ms is an assumption, not a
+measurement (no bench report has one yet): set it from the served model's adapter load time.
 A pure prefill step of whole prompts (c = cached tokens) is the profile's prefill formula and
 a pure decode step its decode formula: the fixed cost of a step (weights read once) is paid
 once, the prefill's base when a chunk is present. A chunk's share of a step, used to report a
@@ -49,7 +56,7 @@ import hashlib
 import importlib.resources
 import pathlib
 from collections import Counter, OrderedDict
-from typing import Annotated, Iterable
+from typing import Annotated, Iterable, Sequence
 
 import msgspec
 
@@ -58,6 +65,7 @@ from workers.engines.base import BatchPrefilled, EngineBatch, EngineRequest, Fai
 from workers.engines.scheduler import SCHEDULERS, ScheduledEngine, _Sequence  # noqa: F401  (SCHEDULERS: as before)
 
 DEFAULT_PROFILE_FILE = "llama2-70b-h100-tp8.json"  # under workers/profiles/
+DEFAULT_LORA_LOAD_MS = 20.0  # the modelled time of loading one LoRA adapter into a slot (module docstring)
 
 _NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -124,12 +132,17 @@ class SimEngine(ScheduledEngine):
 
     def __init__(self, profile: TimingProfile, role: str, num_kv_blocks: int, block_size_tokens: int,
                  max_seq_len_tokens: int, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 chunked_prefill: bool = True, scheduler: str = "vllm", max_prefill_tokens: int = 16384) -> None:
+                 chunked_prefill: bool = True, scheduler: str = "vllm", max_prefill_tokens: int = 16384,
+                 lora_adapters: Sequence[str] = (), max_loras: int = 0,
+                 lora_load_ms: float = DEFAULT_LORA_LOAD_MS) -> None:
         super().__init__(role=role, num_kv_blocks=num_kv_blocks, block_size_tokens=block_size_tokens,
                          max_seq_len_tokens=max_seq_len_tokens, max_num_batched_tokens=max_num_batched_tokens,
                          max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill, scheduler=scheduler,
-                         max_prefill_tokens=max_prefill_tokens)
+                         max_prefill_tokens=max_prefill_tokens, lora_adapters=lora_adapters, max_loras=max_loras)
+        if lora_load_ms < 0:
+            raise ValueError(f"lora_load_ms must be >= 0, got {lora_load_ms}")
         self.profile = profile
+        self.lora_load_ms = lora_load_ms
         self._num_free_blocks = num_kv_blocks
         self._block_hash_to_refcount: dict[int, int] = {}  # every cached block -> users
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, LRU first
@@ -168,6 +181,7 @@ class SimEngine(ScheduledEngine):
             "a running sequence holds fewer blocks than its KV": all(
                 s.num_held_blocks >= -(-s.num_computed_tokens // bs) for s in self._running),
             "more sequences run than max_num_seqs": len(self._running) <= self.max_num_seqs,
+            **self._lora_checks(),
         }
         broken = [what for what, ok in checks.items() if not ok]
         if broken:
@@ -202,6 +216,10 @@ class SimEngine(ScheduledEngine):
             duration_ms += p.decode_base_ms
         if num_decoding:
             duration_ms += p.decode_per_seq_ms * num_decoding + p.decode_per_context_token_ms * num_context_tokens
+        for _, seq in self._step_lora_loads:  # admitted with its adapter loaded into a slot first
+            duration_ms += self.lora_load_ms
+            if seq.batch_id is not None and not seq.is_prefilled:
+                prefill_ms_by_batch[seq.batch_id] = prefill_ms_by_batch.get(seq.batch_id, 0.0) + self.lora_load_ms
         token_ids = [sim_token_id(seq.request.request_id, seq.num_output_tokens) for seq in sampling]
         return token_ids, duration_ms, prefill_ms_by_batch
 

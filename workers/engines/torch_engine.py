@@ -40,6 +40,12 @@ Bad input is a failed request, as in the sim (`invalid_request`: a token id outs
 vocabulary, bad sampling parameters; `too_large`: beyond the model's max positions), and a
 hand-off whose K/V does not fit this model fails `dispatch_failed` (the prefill worker runs
 another model).
+
+LoRA adapters: none. The engine is built without any (`lora_adapters` is a setting of the
+sim engine), so it reports none and a request naming one fails `adapter_not_found` (the
+scheduler's validation, "it serves no LoRA adapters"); the router never sends one here
+unless its view of the worker is wrong. Running real adapters would need their weights
+applied in torch_model.py's projections, per sequence of the packed batch.
 """
 
 from __future__ import annotations
@@ -147,6 +153,7 @@ class TorchEngine(ScheduledEngine):
                 self.kv.has(s.request.request_id) and self.kv.num_tokens(s.request.request_id) == s.num_computed_tokens
                 for s in self._running),
             "more sequences run than max_num_seqs": len(self._running) <= self.max_num_seqs,
+            **self._lora_checks(),
         }
         broken = [what for what, ok in checks.items() if not ok]
         if broken:
