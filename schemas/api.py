@@ -21,6 +21,9 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     request_id: str | None = None  # optional client-chosen id (also the X-Request-Id header)
     user: str | None = None
     priority: int | None = None  # 1-100, default 50: scales the SLO targets (lower number = looser)
+    # critical | standard | sheddable: its class in the fair queue under overload (default: by
+    # priority, 70-100 critical, 30-69 standard, 1-29 sheddable; services/core/fairness.py)
+    priority_class: str | None = None
     slo_ttft_ms: float | None = None  # override the TTFT target
     slo_tpot_ms: float | None = None  # override the time-per-output-token target
     timeout_s: float | None = None  # this request's deadline (default: the router's request_timeout_s)
@@ -102,6 +105,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     # FlexLB's own, as on /v1/completions:
     request_id: str | None = None
     priority: int | None = None
+    priority_class: str | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     timeout_s: float | None = None

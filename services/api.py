@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -61,6 +63,7 @@ from services.chat import (
     sampling_of,
     stop_strings,
 )
+from services.core.fairness import CLASSES
 from services.core.scheduler import Rejected
 from services.shell.router import RequestHandle, RouterService
 
@@ -73,6 +76,38 @@ _ENC = msgspec.json.Encoder()
 # 200 ms by default) and a dead one is declared dead within a second, so 1 s is soon enough
 # to find one back and long enough not to spin a client against an empty pool.
 NO_WORKER_RETRY_AFTER_S = b"1"
+# Refusals under overload that say when to come back (the fair queue's hint, else 1 s).
+RETRY_AFTER_CODES = frozenset(("queue_full", "shed", "queue_timeout"))
+DEFAULT_RETRY_AFTER_MS = 1000
+
+
+def tenant_of(settings, authorization: str | None, header: str | None) -> str:
+    """A request's tenant: its API key's in `tenant_api_keys`, else the tenant header's value
+    (when `tenant_header` is set; the API ignores it otherwise), else "" (the default tenant).
+    A tenant names a metrics label and a journal field: 1-64 characters of [A-Za-z0-9._:-]."""
+    if authorization and settings.tenant_api_keys:
+        scheme, _, key = authorization.partition(" ")
+        tenant = settings.tenant_api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is not None:
+            return tenant
+    if header is None or not settings.tenant_header:
+        return ""
+    if not _TENANT_RE.fullmatch(header):
+        raise HttpError("invalid_request", f"{settings.tenant_header} must be 1-64 characters of A-Z a-z 0-9 . _ : -, "
+                                           f"got {header[:80]!r}")
+    return header
+
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def priority_class_header(value: str | None) -> str:
+    """The x-flexlb-priority-class header (the body's `priority_class` wins): a class or ""."""
+    if value is None:
+        return ""
+    if value not in CLASSES:
+        raise HttpError("invalid_request", f"x-flexlb-priority-class must be one of {', '.join(CLASSES)}, got {value[:40]!r}")
+    return value
 
 
 def _error(code: str, message: str, request_id: str | None = None) -> Response:
@@ -274,6 +309,7 @@ class CompletionsFront:
                  chat_templates=None) -> None:
         self.service, self.settings, self.tokenizer, self.app = service, service.settings, tokenizer, app
         self.chat_templates = chat_templates
+        self.tenant_header = self.settings.tenant_header.lower().encode("latin-1") or None  # (ASGI names are lower case)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] not in self.PATHS:
@@ -309,7 +345,8 @@ class CompletionsFront:
 
     async def completions(self, scope, receive, send, chat: bool = False) -> None:
         service, settings = self.service, self.settings
-        request_id = length = slo_ttft_raw = slo_tpot_raw = None
+        request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = None
+        tenant_header = self.tenant_header
         for name, value in scope["headers"]:
             if name == b"content-length":
                 length = value
@@ -319,6 +356,12 @@ class CompletionsFront:
                 slo_ttft_raw = value.decode("latin-1")
             elif name == b"x-flexlb-slo-tpot-ms":
                 slo_tpot_raw = value.decode("latin-1")
+            elif name == tenant_header:
+                tenant_raw = value.decode("latin-1")
+            elif name == b"authorization":
+                api_key = value.decode("latin-1")
+            elif name == b"x-flexlb-priority-class":
+                class_raw = value.decode("latin-1")
         try:
             body = await read_body(receive, settings.max_body_bytes, length)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
@@ -330,6 +373,8 @@ class CompletionsFront:
                 validate_token("request_id", request_id)
             slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(slo_ttft_raw, "x-flexlb-slo-ttft-ms")
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
+            tenant = tenant_of(settings, api_key, tenant_raw)
+            priority_class = req.priority_class or priority_class_header(class_raw)
         except (HttpError, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
@@ -339,11 +384,19 @@ class CompletionsFront:
             return
         request_id = request_id or service.new_request_id()
         outcome = await service.submit(request_id, tokens, max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
-                                       sampling=sampling, stop=stop, chat=forward, model=req.model or "")
+                                       sampling=sampling, stop=stop, chat=forward, model=req.model or "", tenant=tenant,
+                                       priority_class=priority_class)
+        if not isinstance(outcome, Rejected) and outcome.admission is not None:  # waiting in the fair queue
+            outcome = await self.await_admission(outcome, receive)
+            if outcome is None:
+                return  # the client left while it waited (its request was taken out of the queue)
         if isinstance(outcome, Rejected):
             headers = _id_header(request_id) or []
             if outcome.code == "no_worker":
                 headers.append((b"retry-after", NO_WORKER_RETRY_AFTER_S))
+            elif outcome.code in RETRY_AFTER_CODES:
+                retry_s = max(1, math.ceil((outcome.retry_after_ms or DEFAULT_RETRY_AFTER_MS) / 1000))
+                headers.append((b"retry-after", str(retry_s).encode()))
             await send_error(send, outcome.code, outcome.message, headers)
             return
         shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), req.model or self.settings.model_name,
@@ -352,6 +405,29 @@ class CompletionsFront:
             await self.stream(outcome, receive, send, shape)
         else:
             await self.collect(outcome, send, shape)
+
+    async def await_admission(self, handle: RequestHandle, receive) -> RequestHandle | Rejected | None:
+        """Wait while the request is in the fair queue: the handle once admitted, the Rejected
+        that refused it, or None if the client went away meanwhile (then it is cancelled)."""
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        try:
+            async with asyncio.timeout_at(self._deadline(handle)):
+                done, _ = await asyncio.wait((handle.admission, watcher), return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            await self.service.cancel(handle, "router request timeout while queued")
+            return Rejected("queue_timeout", f"not admitted within {handle.timeout_s}s")
+        finally:
+            watcher.cancel()
+        if handle.admission in done:
+            verdict = handle.admission.result()
+            return handle if verdict is None else verdict
+        await self.service.cancel(handle, "client disconnected while queued")
+        return None
 
     def _deadline(self, handle: RequestHandle) -> float:
         """The router's own deadline (loop time): the request's, plus a little for the

@@ -69,6 +69,7 @@ from schemas.chat_template import ChatTemplateError, ChatTemplates, load_chat_te
 from schemas.http import HttpError
 from schemas.subjects import validate_token
 from schemas.tokens import ByteTokenizer, HFTokenizer
+from services.core.fairness import CLASSES
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -101,6 +102,8 @@ def check_options(req, settings) -> None:
             raise HttpError("invalid_request", str(exc)) from None
     if req.priority is not None and not 1 <= req.priority <= 100:
         raise HttpError("invalid_request", f"priority must be in 1..100, got {req.priority}")
+    if req.priority_class is not None and req.priority_class not in CLASSES:
+        raise HttpError("invalid_request", f"priority_class must be one of {', '.join(CLASSES)}, got {req.priority_class!r}")
     if req.timeout_s is not None and not (0 < req.timeout_s <= settings.request_timeout_s):
         raise HttpError("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
     for name in ("slo_ttft_ms", "slo_tpot_ms"):

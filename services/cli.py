@@ -79,6 +79,17 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--chat-template", help="a Jinja chat template file (.jinja, or .json with chat_template) for "
                    "/v1/chat/completions; default: the --tokenizer directory's, else a built-in one for the byte tokenizer")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
+    p.add_argument("--fair-queue", help="true (default) | false: under overload hold work beyond what the engines run "
+                                        "at the router, released by priority class and tenants' fair share")
+    p.add_argument("--fair-engine-buffer", type=int,
+                   help="requests each engine may hold waiting beyond its max_num_seqs (default 2)")
+    p.add_argument("--fairness-params", help="JSON object over the fair queue's defaults: w_out, starvation_bound_ms, "
+                                             "max_queued_per_class, max_queued_per_tenant, max_queued_total, "
+                                             "max_queue_wait_ms, retry_after_ms, default_weight")
+    p.add_argument("--tenant-weights", help="JSON object: tenant -> weight of its fair share (default 1 each)")
+    p.add_argument("--tenant-header", help="the header naming a request's tenant (default x-flexlb-tenant; "
+                                           "'' ignores client-sent tenant headers)")
+    p.add_argument("--tenant-api-keys", help="JSON object: API key (Authorization: Bearer) -> tenant; wins over the header")
     p.add_argument("--log-level", help="debug | info | warning | error")
 
 
@@ -126,6 +137,14 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="engine: tokens one step computes, prefill chunks + decodes (default 8192)")
     p.add_argument("--max-num-seqs", type=int, help="engine: most sequences running at once (default 256)")
+    p.add_argument("--lora-adapters", help="sim: the LoRA adapters it serves, comma-separated (requests name one as "
+                                           "`model`; default none)")
+    p.add_argument("--max-loras", type=int, help="LoRA adapter slots: sim, default 4 with --lora-adapters; openai, the "
+                                                 "server's --max-loras (default: vLLM's vllm:lora_requests_info)")
+    p.add_argument("--lora-load-ms", type=float, help="sim: engine ms to load an adapter into a slot (default 20, "
+                                                      "x --time-scale)")
+    p.add_argument("--engine-max-num-seqs", type=int, help="openai: the server's --max-num-seqs (default 0: learned from "
+                                                           "its /metrics, the most it ran while requests waited)")
     p.add_argument("--scheduler", help="engine: vllm (default; decodes and prompt chunks share each step) | sglang "
                                        "(prefill-first: a prompt runs as a step of its own before the decodes go on)")
     p.add_argument("--max-prefill-tokens", type=int,

@@ -128,6 +128,22 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     journal_max_age_s: float = 24 * 3600  # retention of the core journal (FLEXLB_JOURNAL) ...
     journal_max_bytes: int = 1024 * 1024 * 1024  # ... whichever limit comes first
     admin_token: str = ""  # bearer token of /admin/*; required when host is not loopback
+    # The fair queue under overload (services/core/admission.py, fairness.py): work beyond what
+    # the engines run (their max_num_seqs) plus fair_engine_buffer each waits at the router,
+    # released by priority class, then by tenants' fair share of tokens.
+    fair_queue: bool = True
+    fair_engine_buffer: int = 2
+    # FairnessParams over the defaults (JSON object): w_out, starvation_bound_ms,
+    # max_queued_per_class, max_queued_per_tenant, max_queued_total, max_queue_wait_ms,
+    # retry_after_ms, default_weight.
+    fairness_params: dict[str, Any] = {}
+    tenant_weights: dict[str, float] = {}  # tenant -> its weight in its class's fair share (default 1)
+    # Where a request's tenant comes from: `tenant_api_keys` (the client's API key, from
+    # `Authorization: Bearer <key>`, -> tenant) first, then this header; "" ignores any
+    # client-sent tenant header (behind a gateway that maps keys itself, or to stop clients
+    # naming their own tenant). Neither: the tenant "default".
+    tenant_header: str = "x-flexlb-tenant"
+    tenant_api_keys: dict[str, str] = {}
     log_level: str = "info"
 
     def validate(self) -> "RouterSettings":
@@ -221,8 +237,22 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),
             predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),
             slo=SloParams(mode=self.slo_mode, tpot_guard=self.slo_tpot_guard), prefix_index=self.prefix_index, seed=self.seed,
-            model_name=self.model_name,
+            model_name=self.model_name, fairness=self.fair_admission_config(),
         )
+
+    def fair_admission_config(self):
+        from services.core.admission import FairAdmissionConfig
+        from services.core.fairness import FairnessParams
+
+        known = set(FairnessParams.__dataclass_fields__) - {"tenant_weights"}
+        unknown = set(self.fairness_params) - known
+        if unknown:
+            raise ValueError(f"fairness_params: unknown {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
+        try:
+            params = msgspec.convert({**self.fairness_params, "tenant_weights": dict(self.tenant_weights)}, FairnessParams)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"fairness_params: {exc}") from None
+        return FairAdmissionConfig(enabled=self.fair_queue, engine_buffer=self.fair_engine_buffer, params=params)
 
 
 def known_env_vars(*classes: type) -> set[str]:

@@ -307,7 +307,8 @@ def run_up(args, settings: RouterSettings) -> int:
                      "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens", "profile",
                      "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "scheduler", "max_prefill_tokens",
                      "engine_model", "served_model_name", "engine_protocol",
-                     "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic"):
+                     "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic",
+                     "lora_adapters", "max_loras", "lora_load_ms", "engine_max_num_seqs"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
@@ -371,7 +372,13 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--predictor-learning", str(settings.predictor_learning).lower(),
                             "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
                             "--cluster", settings.cluster, "--log-level", settings.log_level,
-                            "--tokenizer-add-special-tokens", str(settings.tokenizer_add_special_tokens).lower()]
+                            "--tokenizer-add-special-tokens", str(settings.tokenizer_add_special_tokens).lower(),
+                            "--fair-queue", str(settings.fair_queue).lower(),
+                            "--fair-engine-buffer", str(settings.fair_engine_buffer),
+                            "--fairness-params", json.dumps(settings.fairness_params),
+                            "--tenant-weights", json.dumps(settings.tenant_weights),
+                            "--tenant-header", settings.tenant_header,
+                            "--tenant-api-keys", json.dumps(settings.tenant_api_keys)]
             if settings.tokenizer:  # every replica tokenizes alike: a standby forwards ids, not text
                 router_flags += ["--tokenizer", os.path.abspath(settings.tokenizer)]
             if settings.chat_template:

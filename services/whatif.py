@@ -86,7 +86,7 @@ def load_recording(path: str, progress: bool = False) -> Recording:
     workers: dict[str, WorkerSpec] = {}
     for e in records:
         rec = e.payload
-        if rec.op == "admit":
+        if rec.op in ("admit", "offer"):  # (an offer: the arrival waited in the fair queue)
             req = request_from_builtins(rec.args["request"])
             if req.request_id not in seen:
                 seen.add(req.request_id)
@@ -135,6 +135,10 @@ def recorded_metrics(rec: Recording) -> dict[str, Any]:
         p = e.payload
         if isinstance(p, m.CoreRecorded) and p.op == "admit" and p.out.get("ok"):
             slos.setdefault(p.args["request"]["request_id"], (p.out["slo_ttft_ms"], p.out.get("slo_tpot_ms", float("inf"))))
+        elif isinstance(p, m.CoreRecorded) and p.op == "release":  # admitted out of the fair queue
+            for entry in p.out["released"]:
+                if len(entry) == 6 and entry[5].get("ok"):
+                    slos.setdefault(entry[1], (entry[5]["slo_ttft_ms"], entry[5].get("slo_tpot_ms", float("inf"))))
     ttft: dict[str, float] = {}
     tpot: dict[str, float] = {}
     cached = prompt = 0

@@ -27,6 +27,8 @@ from typing import Any
 import msgspec
 
 from schemas import messages as m
+from services.core.admission import Released
+from services.core.fairness import Queued, Refused
 from services.core.scheduler import AdmitRequest, Admitted, Rejected, Scheduler, SchedulerConfig, SyncResult, TickResult
 
 Sink = Callable[[str, int, dict[str, Any], dict[str, Any]], None]  # (op, now_ns, args, out)
@@ -45,6 +47,27 @@ def summarize_admit(res: Admitted | Rejected) -> dict[str, Any]:
                 "decisions": _decisions(res.decisions)}
     return {"ok": False, "code": res.code, "predicted_ttft_ms": res.predicted_ttft_ms,
             "decisions": _decisions(res.decisions)}
+
+
+def summarize_offer(res) -> dict[str, Any]:
+    if isinstance(res, Queued):
+        return {"queued": True, "class": res.priority_class, "tenant": res.tenant,
+                "evicted": res.evicted.request_id if res.evicted is not None else None}
+    if isinstance(res, Refused):
+        return {"refused": res.code, "class": res.priority_class, "tenant": res.tenant}
+    return summarize_admit(res)
+
+
+def summarize_release(res: list[Released]) -> dict[str, Any]:
+    out = []
+    for r in res:
+        rec = r.record
+        if isinstance(rec, Refused):
+            out.append([r.pool, rec.request_id, "refused", rec.code])
+        else:
+            out.append([r.pool, rec.request_id, rec.reason, rec.tenant, round(rec.counter_after, 6),
+                        summarize_admit(r.outcome)])
+    return {"released": out}
 
 
 def summarize_tick(res: TickResult) -> dict[str, Any]:
@@ -75,13 +98,14 @@ def _event_in(d: dict[str, Any]):
 def _request_out(req: AdmitRequest) -> dict[str, Any]:
     return {"request_id": req.request_id, "num_prompt_tokens": req.num_prompt_tokens, "max_tokens": req.max_tokens,
             "block_hashes": list(req.block_hashes), "priority": req.priority, "slo_ttft_ms": req.slo_ttft_ms,
-            "slo_tpot_ms": req.slo_tpot_ms, "model": req.model}
+            "slo_tpot_ms": req.slo_tpot_ms, "model": req.model, "tenant": req.tenant, "priority_class": req.priority_class}
 
 
 def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
     return AdmitRequest(request_id=d["request_id"], num_prompt_tokens=d["num_prompt_tokens"], max_tokens=d["max_tokens"],
                         block_hashes=tuple(d["block_hashes"]), priority=d["priority"], slo_ttft_ms=d["slo_ttft_ms"],
-                        slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""))  # (no model: recorded before pools)
+                        slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""),  # (no model: recorded before pools)
+                        tenant=d.get("tenant", ""), priority_class=d.get("priority_class", ""))
 
 
 # ------------------------------------------------------------------ the operations
@@ -112,7 +136,12 @@ OPS: dict[str, Op] = {
     "on_prefill_completed": Op(lambda s, now, a: (
         r := s.on_prefill_completed(a["worker_id"], a["batch_id"], a["measured_ms"], a["num_cached_tokens"]),
         {"ok": r is not None})),
-    "on_terminal": Op(lambda s, now, a: (r := s.on_terminal(a["request_id"]), {"ok": r})),
+    "on_terminal": Op(lambda s, now, a: (r := s.on_terminal(a["request_id"], a.get("num_output_tokens")), {"ok": r})),
+    "offer": Op(lambda s, now, a: (r := s.offer(request_from_builtins(a["request"]), now), summarize_offer(r)),
+                lambda out: True),
+    "release": Op(lambda s, now, a: (r := s.release(now), summarize_release(r)), lambda out: bool(out["released"])),
+    "cancel_waiting": Op(lambda s, now, a: (r := s.cancel_waiting(a["request_id"], now), {"cancelled": r is not None})),
+    "drain_waiting": Op(lambda s, now, a: (r := s.drain_waiting(now), {"items": r})),
     "remove_queued": Op(lambda s, now, a: (r := s.remove_queued(a["request_id"]), {"removed": r is not None})),
     "remove_worker": Op(lambda s, now, a: (r := s.remove_worker(a["worker_id"]), {"orphans": [i.request_id for i in r]}),
                         lambda out: True),
@@ -181,8 +210,29 @@ class Recorder:
         return self._call("on_prefill_completed", 0, {"worker_id": worker_id, "batch_id": batch_id,
                                                       "measured_ms": measured_ms, "num_cached_tokens": num_cached_tokens})
 
-    def on_terminal(self, request_id: str) -> bool:
-        return self._call("on_terminal", 0, {"request_id": request_id})
+    def on_terminal(self, request_id: str, num_output_tokens: int | None = None) -> bool:
+        args: dict[str, Any] = {"request_id": request_id}
+        if num_output_tokens is not None:  # (journals before the fair queue have none)
+            args["num_output_tokens"] = num_output_tokens
+        return self._call("on_terminal", 0, args)
+
+    def offer(self, req: AdmitRequest, now_ns: int):
+        res = self._s.offer(req, now_ns)
+        # Admitted or rejected at once, the offer was an admission (the queue was only read):
+        # journaled as one, so what reads journals for arrivals (replay, explain, what-if)
+        # sees it as before the queue existed.
+        op = "admit" if isinstance(res, (Admitted, Rejected)) else "offer"
+        self._sink(op, now_ns, {"request": _request_out(req)}, summarize_offer(res))
+        return res
+
+    def release(self, now_ns: int) -> list[Released]:
+        return self._call("release", now_ns, {})
+
+    def cancel_waiting(self, request_id: str, now_ns: int):
+        return self._call("cancel_waiting", now_ns, {"request_id": request_id})
+
+    def drain_waiting(self, now_ns: int) -> list[str]:
+        return self._call("drain_waiting", now_ns, {})
 
     def remove_queued(self, request_id: str):
         return self._call("remove_queued", 0, {"request_id": request_id})

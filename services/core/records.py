@@ -48,6 +48,10 @@ class AdmitRequest:
     # The model the request names ("": none, the router's default `model_name`): only workers
     # serving it are candidates.
     model: str = ""
+    # The fair queue (admission.py): who sent it ("": the default tenant) and its class
+    # ("": from `priority`; else critical | standard | sheddable).
+    tenant: str = ""
+    priority_class: str = ""
 
 
 class RouteDecision:
@@ -102,6 +106,7 @@ class Rejected:
     decisions: list[RouteDecision] = field(default_factory=list)
     predicted_ttft_ms: float = 0.0
     slo_ttft_ms: float = 0.0
+    retry_after_ms: int = 0  # the fair queue's hint for a refusal it made (0: none; the API's default)
 
 
 @dataclass(frozen=True)

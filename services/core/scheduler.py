@@ -57,8 +57,10 @@ from schemas.messages import (
     WorkerRegistered,
     WorkerStatusReported,
 )
+from services.core.admission import FairAdmission, FairAdmissionConfig, Released
 from services.core.batchers import DEFAULT_BATCHER, Batcher, Closed, WorkerLoad, build_batcher, parse_params
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
+from services.core.fairness import Cancelled, Queued, Refused
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
 from services.core.pending_prefixes import PendingPrefixes
 from services.core.policies import Candidate, RouteContext, RoutingPolicy, build_policy
@@ -115,6 +117,9 @@ class SchedulerConfig:
     # and of workers that report none. (A journal recorded before this field replays with
     # the default: its workers and requests named none, so every worker stays a candidate.)
     model_name: str = "flexlb-sim"
+    # The fair queue under overload (services/core/admission.py): `offer` and `release` use
+    # it; `admit` alone (replays of journals recorded before it, what-if) never does.
+    fairness: FairAdmissionConfig = field(default_factory=FairAdmissionConfig)
 
     def validate(self) -> "SchedulerConfig":
         if self.prefix_index not in ("exact", "approximate"):
@@ -168,6 +173,7 @@ class Scheduler:
         self.last_expiry_ns = 0  # when the approximate indexes were last swept
         self.settled: list[tuple[str, str]] = []  # see take_settled
         self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
+        self.fair = FairAdmission(config.fairness)  # the queue that holds work under overload (admission.py)
 
     # ---------------------------------------------------------------- inputs
     def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
@@ -265,8 +271,11 @@ class Scheduler:
                 batcher.invalidate()  # its cached queue-wait predictions are stale now
         return batch
 
-    def on_terminal(self, request_id: str) -> bool:
-        """Forget a request that reached its terminal outcome; False if it was not inflight."""
+    def on_terminal(self, request_id: str, num_output_tokens: int | None = None) -> bool:
+        """Forget a request that reached its terminal outcome; False if it was not inflight.
+        `num_output_tokens`: what it produced, if known: settles its tenant's fair-queue charge."""
+        if self.fair.dispatched:
+            self.fair.settle(request_id, num_output_tokens)
         self.ledger.release(request_id)
         self.queued.pop(request_id, None)
         if request_id in self.inflight:
@@ -493,7 +502,7 @@ class Scheduler:
     def admit(self, req: AdmitRequest, now_ns: int) -> Admitted | Rejected:
         cfg = self.config
         n = req.num_prompt_tokens
-        if req.request_id in self.inflight:
+        if req.request_id in self.inflight or req.request_id in self.fair.waiting:
             return Rejected("duplicate_request", f"request {req.request_id} is already in flight")
         if n > cfg.max_prompt_tokens:
             return Rejected("too_large", f"prompt of {n} tokens exceeds the limit of {cfg.max_prompt_tokens}")
@@ -602,6 +611,72 @@ class Scheduler:
         self.queued[req.request_id] = (p.pick.worker_id, self.batcher(p.pick.worker_id).add(item))
         self.inflight.add(req.request_id)
         return Admitted(item, decisions, predicted_ttft, slo_ttft, slo_tpot, priority, best_effort)
+
+    # ---------------------------------------------------------------- the fair queue
+    def pool_room(self, pool: str) -> int | None:
+        """How many more requests the pool's engines take now (None: unknown; admission.py)."""
+        num_queued = {w: len(b) for w, b in self.batchers.items() if len(b)}
+        return self.fair.room(pool, self.view, self.ledger, num_queued)
+
+    def offer(self, req: AdmitRequest, now_ns: int) -> Admitted | Rejected | Queued | Refused:
+        """Admit the request now if its pool's queue is empty and its engines have room (or
+        the queue is off, or the model unknown: admission answers); else queue it or refuse
+        it by the queue's bounds (admission.py). A ValueError names a bad priority class."""
+        fair = self.fair
+        if not fair.config.enabled or not self.view.is_known_model(req.model):
+            return self.admit(req, now_ns)
+        pool = self.view.resolve_model(req.model)
+        q = fair.queues.get(pool)
+        if q is None or not q.num_queued():
+            room = self.pool_room(pool)
+            if room is None or room > 0:
+                return self.admit(req, now_ns)
+        if req.request_id in self.inflight or req.request_id in fair.waiting:  # (admit's answer: journaled as one)
+            return Rejected("duplicate_request", f"request {req.request_id} is already in flight")
+        freq = fair.to_fair(req)
+        out = fair.queue(pool).offer(freq, now_ns)
+        if isinstance(out, Queued):
+            fair.waiting[req.request_id] = (pool, freq.priority_class)
+            if out.evicted is not None:
+                fair.waiting.pop(out.evicted.request_id, None)
+        return out
+
+    def release(self, now_ns: int) -> list[Released]:
+        """Refuse what waited too long, then admit, in the queue's order, as many queued
+        requests as each pool's engines have room for (admission.py)."""
+        out: list[Released] = []
+        fair = self.fair
+        for pool, q in fair.queues.items():
+            if not q.num_queued():
+                continue
+            for r in q.expire(now_ns):
+                fair.waiting.pop(r.request_id, None)
+                out.append(Released(pool, r))
+            if not q.num_queued():
+                continue
+            room = self.pool_room(pool)
+            for d in q.pop(now_ns, q.num_queued() if room is None else room):
+                fair.waiting.pop(d.request_id, None)
+                res = self.admit(d.request.payload, now_ns)
+                if isinstance(res, Admitted):
+                    fair.dispatched[d.request_id] = (pool, d)
+                out.append(Released(pool, d, res))
+        return out
+
+    def cancel_waiting(self, request_id: str, now_ns: int) -> Cancelled | None:
+        """Take a request out of the fair queue (its client left); None if it is not there."""
+        where = self.fair.waiting.pop(request_id, None)
+        if where is None:
+            return None
+        return self.fair.queues[where[0]].cancel(request_id, where[1], now_ns)
+
+    def drain_waiting(self, now_ns: int) -> list[str]:
+        """Take every request out of the fair queue (leadership lost): their ids, oldest first."""
+        out = []
+        for request_id in list(self.fair.waiting):
+            if self.cancel_waiting(request_id, now_ns) is not None:
+                out.append(request_id)
+        return out
 
     # ---------------------------------------------------------------- batching
     def tick(self, now_ns: int) -> TickResult:

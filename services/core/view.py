@@ -59,7 +59,10 @@ class WorkerInfo:
     boot_id: str
     engine: str = "sim"
     model: str = ""  # the model it serves (the view's default_model when it reports none)
-    lora_adapters: list[str] = field(default_factory=list)  # the LoRA adapters it has loaded
+    lora_adapters: list[str] = field(default_factory=list)  # the LoRA adapters it can serve
+    max_num_seqs: int = 0  # most sequences its engine runs at once (0: unknown)
+    max_loras: int = 0  # adapters its engine holds loaded at once (0: unknown or none)
+    loaded_lora_adapters: list[str] | None = None  # loaded now, least recently used first (None: unknown)
     pid: int = 0
     host: str = ""
     state: str = "ready"  # as the worker reports it: ready | not_ready | draining | stopping
@@ -152,6 +155,8 @@ class WorkerView:
         info.model = event.model or self.default_model
         self.models_seen.add(info.model)
         info.lora_adapters = event.lora_adapters
+        info.max_num_seqs = event.max_num_seqs
+        info.max_loras = event.max_loras
         info.pid = event.pid
         info.host = event.host
         info.block_size_tokens = event.block_size_tokens
@@ -167,6 +172,7 @@ class WorkerView:
             info.num_running_requests = event.num_running_requests
             info.num_queued_batches = event.num_queued_batches
             info.recent_step_ms = event.recent_step_ms
+            info.loaded_lora_adapters = event.loaded_lora_adapters
             info.last_heartbeat_ns = max(info.last_heartbeat_ns, now_ns)
             if stale:
                 if info.liveness == "pending":

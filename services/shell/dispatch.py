@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from schemas import messages as m
 from schemas.acked import publish_until_acked
@@ -27,19 +27,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexlb.router")
 
-PAUSED_POLL_S = 0.05  # a leader whose lease lapsed looks this often whether it may dispatch again
+PAUSED_POLL_S = 0.05
+# While requests wait in the fair queue, the batch loop looks this often at least (their
+# expiry; room a status report gave): terminal events and reports wake it sooner.
+FAIR_POLL_NS = 50_000_000  # a leader whose lease lapsed looks this often whether it may dispatch again
 EXPECTED_DECODE_CAP_TOKENS = 1000  # expected KV = prompt + min(max_tokens, 1000), as FlexLB
 
 
 class Dispatcher:
-    def __init__(self, state: RouterState, recovery: "Recovery", upkeep: "Upkeep") -> None:
+    def __init__(self, state: RouterState, recovery: "Recovery", upkeep: "Upkeep",
+                 release: Callable[[], Awaitable[None]]) -> None:
         self.s = state
         self.recovery = recovery
         self.upkeep = upkeep
+        self.release = release  # intake's: admit what the fair queue lets go now
 
     async def batch_loop(self) -> None:
         while self.s.running:
             due = self.s.scheduler.next_due_ns(time.time_ns())
+            if self.s.scheduler.fair.waiting:  # while work waits, its expiry and the engines' room are polled
+                poll = time.time_ns() + FAIR_POLL_NS
+                due = poll if due is None else min(due, poll)
             self.s.wakeup.clear()
             if due is None:
                 await self.s.wakeup.wait()
@@ -55,6 +63,11 @@ class Dispatcher:
                 # Form no batch; the queue waits for the lease cycle to say whose it is.
                 await asyncio.sleep(PAUSED_POLL_S)
                 continue
+            try:
+                await self.release()
+            except Exception:  # the queue keeps its work; the next wake-up tries again
+                self.s.metrics.consumer_errors.labels("fair_queue").inc()
+                log.exception("releasing from the fair queue failed")
             result = self.s.scheduler.tick(time.time_ns())
             while self.s.scheduler.poll_errors:
                 self.s.metrics.consumer_errors.labels("batcher").inc()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from schemas import messages as m
 from schemas.subjects import ALL_STATUS, STATUS_STREAM, kv_snapshot_request_subject
+from services.core.admission import DEFAULT_TENANT
 from services.shell.ledger import kv_field, prefill_field
 from services.shell.state import RouterState
 
@@ -74,6 +75,8 @@ class Fold:
                     self.s.fenced.set()
         for worker_id, rid in self.s.scheduler.take_settled():
             await self.settle(worker_id, rid)
+        if self.s.scheduler.fair.waiting:  # the engines' room may have changed
+            self.s.wakeup.set()
         if self.s.settings.prefix_index == "exact" and info.worker_id not in self.s.scheduler.index.workers():
             await self.request_snapshot(info.worker_id, "no KV state for this worker yet", now)
         if self.s.view_ready_after_ms is None and self.s.scheduler.view.readiness()[0]:
@@ -204,9 +207,22 @@ class Fold:
         self.s.release_buffer.extend(self.upkeep.fields_to_release(request_id))
         if isinstance(ev, m.RequestFinished):
             self.s.num_finished[ev.worker_id] = self.s.num_finished.get(ev.worker_id, 0) + 1
+            rec = self.s.records.records.get(request_id)  # (its client may have its answer already: no handle)
+            if rec is not None:
+                tenant = rec.get("tenant", DEFAULT_TENANT)
+                self.s.metrics.tenant_tokens.labels(tenant, "input").inc(ev.num_prompt_tokens)
+                self.s.metrics.tenant_tokens.labels(tenant, "output").inc(ev.num_output_tokens)
         self.s.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
                           **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
-        ours = self.s.scheduler.on_terminal(request_id)
+        # What it produced settles its tenant's fair-queue charge (a remote request's tokens
+        # went to its standby: unknown unless it finished).
+        if isinstance(ev, m.RequestFinished):
+            produced = ev.num_output_tokens
+        else:
+            produced = live_handle.next_index if live_handle is not None and not live_handle.remote else None
+        ours = self.s.scheduler.on_terminal(request_id, produced)
+        if self.s.scheduler.fair.waiting:
+            self.s.wakeup.set()  # room freed: the batch loop releases from the fair queue
         if not ours and request_id not in self.s.handles:
             return  # another router's request, or one we forgot across a restart
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))

@@ -9,15 +9,21 @@ Calls: the core, the bus. Called by: the HTTP API, leadership (the submit subscr
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import secrets
 import time
 
 from schemas import messages as m
 from schemas.subjects import cancel_subject, submit_subject, token_subject
 from schemas.tokens import block_hashes
+from services.core.admission import DEFAULT_TENANT, priority_class_of
+from services.core.fairness import CLASSES, Dispatched, Queued, Refused
 from services.core.scheduler import AdmitRequest, Admitted, Rejected
 from services.shell.state import RequestHandle, RouterState, decision_event
+
+log = logging.getLogger("flexlb.router")
 
 FORWARD_TIMEOUT_S = 5.0  # a standby waits this long for the leader to admit a forwarded request
 
@@ -37,22 +43,26 @@ class Intake:
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
         slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
         sampling: m.Sampling | None = None, stop: list[str] | None = None, chat: m.ChatForward | None = None,
-        model: str = "",
+        model: str = "", tenant: str = "", priority_class: str = "",
     ) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching. A
         standby router forwards it to the leader and relays its tokens and outcome. `model`:
-        the one the client named ("": none, the default pool)."""
+        the one the client named ("": none, the default pool); `tenant`, `priority_class`: its
+        place in the fair queue. A handle whose `admission` future is set waits in the fair
+        queue: the caller awaits it (None: admitted; a Rejected: refused while waiting)."""
         if not self.s.is_leader:
             return await self.forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                                       sampling, stop=stop or [], chat=chat, model=model)
+                                       sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
+                                       priority_class=priority_class)
         return await self.admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                       timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model)
+                                       timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
+                                       priority_class=priority_class)
 
     async def admit_local(
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None,
         slo_ttft_ms: float | None, slo_tpot_ms: float | None, timeout_s: float | None,
         token_subject_override: str = "", sampling: m.Sampling | None = None, stop: list[str] | None = None,
-        chat: m.ChatForward | None = None, model: str = "",
+        chat: m.ChatForward | None = None, model: str = "", tenant: str = "", priority_class: str = "",
     ) -> RequestHandle | Rejected:
         now = time.time_ns()
         if request_id in self.s.handles:
@@ -60,32 +70,55 @@ class Intake:
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now,
                                timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
                                token_subject=token_subject_override, remote=bool(token_subject_override),
-                               sampling=sampling, stop=stop or [], chat=chat)
+                               sampling=sampling, stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class)
         hashes = tuple(block_hashes(prompt_token_ids, self.s.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
             priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, payload=handle, model=model,
+            tenant=tenant, priority_class=priority_class,
         )
-        decision = self.s.scheduler.admit(handle.admit, now)
+        try:
+            decision = (self.s.scheduler.offer(handle.admit, now) if self.s.settings.fair_queue
+                        else self.s.scheduler.admit(handle.admit, now))
+        except ValueError as exc:  # a bad priority class (the API checks it; a forwarded one is checked here)
+            return await self.reject(request_id, "invalid_request", str(exc))
         rec = self.s.records.open(request_id, now, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                                decisions=list(decision.decisions))
+                                  decisions=list(getattr(decision, "decisions", ())), tenant=tenant or DEFAULT_TENANT)
         self.s.records.note(request_id, now, "arrived")
+        if isinstance(decision, Queued):
+            await self._queued(handle, decision, now)
+            return handle
+        if isinstance(decision, Refused):
+            self.s.metrics.fair_requests.labels(decision.priority_class, decision.code).inc()
+            self.s.metrics.tenant_requests.labels(decision.tenant, decision.code).inc()
+            rec["admission"] = {"verdict": "refused", "code": decision.code, "message": decision.reason}
+            return await self.reject(request_id, decision.code, decision.reason, decision.retry_after_ms)
+        return await self._admission(handle, decision, now, rec)
+
+    async def _admission(self, handle: RequestHandle, decision: Admitted | Rejected, now: int,
+                         rec: dict | None) -> RequestHandle | Rejected:
+        """What admission decided, at arrival or on release from the fair queue: events,
+        records, and (admitted) the handle joins the live ones, its batch to be formed."""
+        request_id = handle.request_id
         for d in decision.decisions:
             await self.s.emit(decision_event(request_id, self.s.router_id, d))
         if isinstance(decision, Rejected):
-            rec["admission"] = {"verdict": "rejected", "code": decision.code, "message": decision.message,
-                                "predicted_ttft_ms": decision.predicted_ttft_ms, "slo_ttft_ms": decision.slo_ttft_ms}
+            if rec is not None:
+                rec["admission"] = {"verdict": "rejected", "code": decision.code, "message": decision.message,
+                                    "predicted_ttft_ms": decision.predicted_ttft_ms, "slo_ttft_ms": decision.slo_ttft_ms}
+            self.s.metrics.tenant_requests.labels(handle.tenant or DEFAULT_TENANT, decision.code).inc()
             return await self.reject(request_id, decision.code, decision.message)
         assert isinstance(decision, Admitted)
-        pool = self.s.scheduler.view.resolve_model(model)  # the model whose workers it was routed among
-        rec["admission"] = {
-            "verdict": "best_effort" if decision.best_effort else "admitted",
-            "predicted_ttft_ms": round(decision.predicted_ttft_ms, 3), "slo_ttft_ms": decision.slo_ttft_ms,
-            "slo_tpot_ms": decision.slo_tpot_ms, "priority": decision.priority,
-            "prefill_worker_id": decision.request.prefill_worker_id, "decode_worker_id": decision.request.decode_worker_id,
-            "predicted_cached_tokens": decision.request.num_cached_tokens,
-            "model": pool,
-        }
+        pool = self.s.scheduler.view.resolve_model(handle.admit.model)  # the model whose workers it was routed among
+        if rec is not None:
+            rec["admission"] = {
+                "verdict": "best_effort" if decision.best_effort else "admitted",
+                "predicted_ttft_ms": round(decision.predicted_ttft_ms, 3), "slo_ttft_ms": decision.slo_ttft_ms,
+                "slo_tpot_ms": decision.slo_tpot_ms, "priority": decision.priority,
+                "prefill_worker_id": decision.request.prefill_worker_id, "decode_worker_id": decision.request.decode_worker_id,
+                "predicted_cached_tokens": decision.request.num_cached_tokens,
+                "model": pool,
+            }
         handle.prefill_worker_id = decision.request.prefill_worker_id
         handle.decode_worker_id = decision.request.decode_worker_id
         handle.slo_ttft_ms, handle.slo_tpot_ms = decision.slo_ttft_ms or 0.0, decision.slo_tpot_ms or 0.0
@@ -93,31 +126,104 @@ class Intake:
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
         if decision.best_effort:
             self.s.metrics.best_effort.inc()
+        self.s.metrics.tenant_requests.labels(handle.tenant or DEFAULT_TENANT, "admitted").inc()
         await self.s.emit(
             m.RequestAdmitted(
                 request_id=request_id, router_id=self.s.router_id, prefill_worker_id=handle.prefill_worker_id,
-                decode_worker_id=handle.decode_worker_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                policy=decision.policy, reason=decision.prefill_pick.reason,
+                decode_worker_id=handle.decode_worker_id, num_prompt_tokens=len(handle.prompt_token_ids),
+                max_tokens=handle.max_tokens, policy=decision.policy, reason=decision.prefill_pick.reason,
                 predicted_ttft_ms=round(decision.predicted_ttft_ms, 3), slo_ttft_ms=decision.slo_ttft_ms,
                 slo_tpot_ms=decision.slo_tpot_ms, priority=decision.priority, best_effort=decision.best_effort,
                 num_cached_tokens=decision.request.num_cached_tokens, model=pool,
             )
         )
         self.s.records.note(request_id, now, "admitted", prefill_worker_id=handle.prefill_worker_id,
-                          decode_worker_id=handle.decode_worker_id)
+                            decode_worker_id=handle.decode_worker_id)
         self.s.wakeup.set()
         return handle
 
+    # ---------------------------------------------------------------- the fair queue
+    async def _queued(self, handle: RequestHandle, q: Queued, now: int) -> None:
+        """It waits in the fair queue: its client (or forwarding standby) waits for the release."""
+        rid = handle.request_id
+        self.s.records.note(rid, now, "queued", tenant=q.tenant, priority_class=q.priority_class,
+                            num_queued_in_class=q.num_queued_in_class)
+        handle.admission = asyncio.get_running_loop().create_future()
+        self.s.handles[rid] = handle
+        self.s.metrics.fair_requests.labels(q.priority_class, "queued").inc()
+        self.s.metrics.tenant_requests.labels(q.tenant, "queued").inc()
+        if q.evicted is not None:
+            await self._refuse_waiting(q.evicted)
+        self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        fair = self.s.scheduler.fair
+        for c in CLASSES:
+            self.s.metrics.fair_waiting.labels(c).set(sum(q.num_queued(c) for q in fair.queues.values()))
+
+    async def _refuse_waiting(self, r: Refused) -> None:
+        """A queued request refused while it waited (expired, or evicted by a higher class)."""
+        self.s.metrics.fair_requests.labels(r.priority_class, r.code).inc()
+        self.s.metrics.tenant_requests.labels(r.tenant, r.code).inc()
+        handle = self.s.handles.pop(r.request_id, None)
+        rej = await self.reject(r.request_id, r.code, r.reason, r.retry_after_ms)
+        if handle is not None:
+            handle.done = True
+            if handle.admission is not None and not handle.admission.done():
+                handle.admission.set_result(rej)
+
+    def take_waiting(self) -> list[RequestHandle]:
+        """Every request in the fair queue, taken out (leadership lost, or the router stops):
+        their handles, oldest first; the caller hands them over or ends them."""
+        out = [h for rid in self.s.scheduler.drain_waiting(time.time_ns()) if (h := self.s.handles.get(rid)) is not None]
+        self._count_waiting()
+        return out
+
+    async def release(self) -> None:
+        """Admit what the fair queue lets go now: the batch loop calls it whenever it wakes
+        (a terminal event, a worker's status, a new arrival, or its poll while work waits)."""
+        if not self.s.scheduler.fair.waiting or not self.s.may_dispatch():
+            return
+        now = time.time_ns()
+        for r in self.s.scheduler.release(now):
+            if isinstance(r.record, Refused):
+                await self._refuse_waiting(r.record)
+                continue
+            d: Dispatched = r.record
+            rid = d.request_id
+            self.s.metrics.fair_requests.labels(d.priority_class, "released" if d.reason == "priority" else "starvation").inc()
+            self.s.metrics.fair_wait.labels(d.priority_class).observe(d.waited_ns / 1e9)
+            self.s.metrics.tenant_cost.labels(d.tenant).inc(d.cost_tokens)
+            self.s.records.note(rid, now, "released", reason=d.reason, waited_ms=round(d.waited_ns / 1e6, 3),
+                                tenant=d.tenant, counter=round(d.counter_after, 3))
+            handle = self.s.handles.get(rid)
+            if handle is None or handle.done:  # (cancelled waiters leave the queue: not expected)
+                log.error("released %s from the fair queue with no client waiting: ended", rid)
+                self.s.scheduler.on_terminal(rid)
+                continue
+            rec = self.s.records.records.get(rid)
+            if rec is not None:
+                rec["decisions"] = list(r.outcome.decisions)
+            out = await self._admission(handle, r.outcome, now, rec)
+            if isinstance(out, Rejected):
+                self.s.handles.pop(rid, None)
+                handle.done = True
+            if handle.admission is not None and not handle.admission.done():
+                handle.admission.set_result(out if isinstance(out, Rejected) else None)
+        self._count_waiting()
+
     async def forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                       sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None, model: str = ""):
+                       sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None, model: str = "",
+                       tenant: str = "", priority_class: str = ""):
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
                                timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
-                               stop=stop or [], chat=chat)
+                               stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class)
         self.s.handles[request_id] = handle
         cmd = m.SubmitRequest(
             request_id=request_id, router_id=self.s.router_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             token_subject=token_subject(self.s.router_id, request_id), priority=priority, slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model,
+            tenant=tenant, priority_class=priority_class,
         )
         try:
             msg = await self.s.nc.request(submit_subject(self.s.settings.cluster), m.encode(self.s.envelopes.wrap(cmd, time.time_ns())),
@@ -130,12 +236,22 @@ class Intake:
         if not reply.admitted:
             self.s.handles.pop(request_id, None)
             return Rejected(reply.code, reply.message)
+        self._took(handle, reply)
+        return handle
+
+    def _took(self, handle: RequestHandle, reply: m.SubmitReply) -> None:
+        """The leader took a request we forwarded: admitted (its workers), or queued in its
+        fair queue (the workers come with its request.admitted event: on_router_event_msg)."""
+        if reply.code == "queued" and handle.admission is None:
+            handle.admission = asyncio.get_running_loop().create_future()
         # (Relay may have set the decode worker already, from tokens that beat the reply here.)
-        handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
-        handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
+        if reply.code != "queued":
+            handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
+            handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
+            if handle.admission is not None and not handle.admission.done():  # handed over from our queue: admitted
+                handle.admission.set_result(None)
         handle.leader_id = reply.router_id
         self.s.metrics.forwarded.inc()
-        return handle
 
     async def hand_over(self, handle: RequestHandle) -> str | None:
         """We stopped leading with this request of our own client admitted and not dispatched:
@@ -149,7 +265,7 @@ class Intake:
             request_id=rid, router_id=self.s.router_id, prompt_token_ids=handle.prompt_token_ids,
             max_tokens=handle.max_tokens, token_subject=token_subject(self.s.router_id, rid), priority=adm.priority,
             slo_ttft_ms=adm.slo_ttft_ms, slo_tpot_ms=adm.slo_tpot_ms, timeout_s=remaining_s, sampling=handle.sampling,
-            stop=handle.stop, chat=handle.chat, model=adm.model,
+            stop=handle.stop, chat=handle.chat, model=adm.model, tenant=adm.tenant, priority_class=adm.priority_class,
         )
         try:
             msg = await self.s.nc.request(submit_subject(self.s.settings.cluster),
@@ -159,11 +275,8 @@ class Intake:
             return f"no leader router answered ({exc.__class__.__name__})"
         if not reply.admitted:
             return f"the leader refused it: {reply.code}: {reply.message}"
-        handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
-        handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
-        handle.leader_id = reply.router_id
-        self.s.records.note(rid, time.time_ns(), "handed_over", leader=reply.router_id)
-        self.s.metrics.forwarded.inc()
+        self._took(handle, reply)
+        self.s.records.note(rid, time.time_ns(), "handed_over", leader=reply.router_id, queued=reply.code == "queued")
         return None
 
     async def on_submit(self, msg) -> None:
@@ -179,10 +292,13 @@ class Intake:
         else:
             out = await self.admit_local(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.priority,
                                           cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s, token_subject_override=cmd.token_subject,
-                                          sampling=cmd.sampling, stop=cmd.stop, chat=cmd.chat, model=cmd.model)
+                                          sampling=cmd.sampling, stop=cmd.stop, chat=cmd.chat, model=cmd.model,
+                                          tenant=cmd.tenant, priority_class=cmd.priority_class)
             if isinstance(out, Rejected):
                 reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=False,
                                       code=out.code, message=out.message)
+            elif out.admission is not None:  # in our fair queue: its admission comes as an event
+                reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True, code="queued")
             else:
                 reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True,
                                       prefill_worker_id=out.prefill_worker_id, decode_worker_id=out.decode_worker_id,
@@ -204,6 +320,19 @@ class Intake:
                 if handle is not None:
                     handle.dispatched = True
             return
+        if isinstance(ev, (m.RequestAdmitted, m.RequestRejected)):  # a forwarded request the leader had queued
+            handle = self.s.handles.get(ev.request_id)
+            if handle is None or handle.admission is None or handle.admission.done():
+                return
+            if isinstance(ev, m.RequestAdmitted):
+                handle.prefill_worker_id, handle.decode_worker_id = ev.prefill_worker_id, ev.decode_worker_id
+                handle.slo_ttft_ms, handle.slo_tpot_ms = ev.slo_ttft_ms or 0.0, ev.slo_tpot_ms or 0.0
+                handle.admission.set_result(None)
+            else:
+                self.s.handles.pop(ev.request_id, None)
+                handle.done = True
+                handle.admission.set_result(Rejected(ev.code, ev.message))
+            return
         if not isinstance(ev, (m.RequestFailed, m.RequestTimedOut, m.RequestCancelled)):
             return
         handle = self.s.handles.get(ev.request_id)
@@ -212,16 +341,23 @@ class Intake:
         code = getattr(ev, "code", None) or ("timed_out" if isinstance(ev, m.RequestTimedOut) else "cancelled")
         self.s.finish_router(handle, "failed", code, getattr(ev, "message", "") or code)
 
-    async def reject(self, request_id: str, code: str, message: str) -> Rejected:
+    async def reject(self, request_id: str, code: str, message: str, retry_after_ms: int = 0) -> Rejected:
         self.s.metrics.requests.labels("rejected", code).inc()
         self.s.records.note(request_id, time.time_ns(), "rejected", code=code, message=message)
         await self.s.emit(m.RequestRejected(request_id=request_id, router_id=self.s.router_id, code=code, message=message))
-        return Rejected(code, message)
+        return Rejected(code, message, retry_after_ms=retry_after_ms)
 
     async def cancel(self, handle: RequestHandle, reason: str) -> None:
         """Client gone or timed out: stop the work. The worker reports the terminal event."""
         if handle.done:
             return
+        if handle.admission is not None and not handle.admission.done():  # waiting in the fair queue
+            if self.s.is_leader and self.s.scheduler.cancel_waiting(handle.request_id, time.time_ns()) is not None:
+                self.s.metrics.fair_requests.labels(priority_class_of(handle.admit), "cancelled").inc()
+                self._count_waiting()
+                self.s.finish_router(handle, "cancelled", "cancelled", reason)
+                await self.s.emit(m.RequestCancelled(request_id=handle.request_id, worker_id=self.s.router_id, reason=reason))
+                return
         removed = self.s.scheduler.remove_queued(handle.request_id)
         if removed is not None:  # never dispatched: the router owns the terminal event
             self.s.finish_router(handle, "cancelled", "cancelled", reason)

@@ -193,6 +193,16 @@ class Leadership:
         if items:
             log.warning("router %s handed %d queued requests to the new leader, failed %d", self.s.router_id,
                         sum(w is None for w in why_not), sum(w is not None for w in why_not))
+        # The same for what waited in our fair queue (a standby's requests fail: it forwards them again).
+        waiting = self.intake.take_waiting()
+        why_not = await asyncio.gather(*(self.intake.hand_over(h) for h in waiting))
+        for handle, why in zip(waiting, why_not):
+            if why is None:
+                continue
+            self.s.finish_router(handle, "failed", "not_ready", f"router {self.s.router_id} lost the leadership; {why}")
+            await self.s.emit(m.RequestFailed(request_id=handle.request_id, worker_id=self.s.router_id, code="not_ready",
+                                             message=f"router lost the leadership before admitting it; {why}",
+                                             retryable=True))
 
     async def announce_epoch(self) -> None:
         """Tell every worker we schedule for our epoch (each cycle: new workers learn it too)."""

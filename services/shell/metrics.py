@@ -79,3 +79,22 @@ class RouterMetrics:
             "Liveness cycles skipped because the router's own NATS server did not answer a ping (a frozen or cut-off bus, "
             "not dead workers)", registry=r)
         self.ledger_releases = Counter("flexlb_ledger_releases_total", "Ledger fields released, by cause", ["cause"], registry=r)
+        # The fair queue (services/core/admission.py): per class, and per tenant.
+        self.fair_requests = Counter(
+            "flexlb_fair_queue_requests_total", "Requests through the fair queue by class and outcome: queued, released "
+            "(by priority), starvation (a lower class served at its starvation bound), queue_full, shed, queue_timeout, "
+            "cancelled", ["priority_class", "outcome"], registry=r)
+        self.fair_waiting = Gauge("flexlb_fair_queue_waiting", "Requests waiting in the fair queue, by class",
+                                  ["priority_class"], registry=r)
+        self.fair_wait = Histogram(
+            "flexlb_fair_queue_wait_seconds", "Time requests waited in the fair queue before release, by class",
+            ["priority_class"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.tenant_requests = Counter(
+            "flexlb_tenant_requests_total", "Requests by tenant and outcome: admitted (at once or on release from the fair "
+            "queue), queued, or the refusal's code", ["tenant", "outcome"], registry=r)
+        self.tenant_cost = Counter(
+            "flexlb_tenant_cost_tokens_total", "Cost tokens (input + w_out x output) charged to the tenant's fair share "
+            "at release from the fair queue, before settlement", ["tenant"], registry=r)
+        self.tenant_tokens = Counter(
+            "flexlb_tenant_tokens_total", "Tokens served per tenant (finished requests): kind input or output",
+            ["tenant", "kind"], registry=r)

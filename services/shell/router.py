@@ -117,7 +117,7 @@ class RouterService:
         self.admin = Admin(s, self.recovery)
         self.relay = Relay(s)
         self.fold = Fold(s, self.relay, self.recovery, self.upkeep)
-        self.dispatcher = Dispatcher(s, self.recovery, self.upkeep)
+        self.dispatcher = Dispatcher(s, self.recovery, self.upkeep, self.intake.release)
         self.liveness = Liveness(s, self.recovery, self.admin, self.upkeep, self.leadership)
         self.tasks: list[asyncio.Task] = []
 
@@ -147,9 +147,11 @@ class RouterService:
     async def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
                      slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
                      sampling: m.Sampling | None = None, stop: list[str] | None = None,
-                     chat: m.ChatForward | None = None, model: str = "") -> RequestHandle | Rejected:
+                     chat: m.ChatForward | None = None, model: str = "", tenant: str = "",
+                     priority_class: str = "") -> RequestHandle | Rejected:
         return await self.intake.submit(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                        timeout_s, sampling, stop=stop or [], chat=chat, model=model)
+                                        timeout_s, sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
+                                        priority_class=priority_class)
 
     async def reject(self, request_id: str, code: str, message: str) -> Rejected:
         return await self.intake.reject(request_id, code, message)
@@ -242,6 +244,8 @@ class RouterService:
         s.wakeup.set()
         for item in s.scheduler.drain_queues():
             s.finish_router(item.payload, "failed", "no_worker", "router shutting down before dispatch")
+        for handle in self.intake.take_waiting():
+            s.finish_router(handle, "failed", "not_ready", "router shutting down before admitting it; retry")
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

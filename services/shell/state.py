@@ -23,7 +23,7 @@ from schemas import messages as m
 from schemas.acked import AckedPublisher
 from schemas.subjects import JOURNAL_PREFIX, router_events_subject
 from services.core.journal import Recorder
-from services.core.scheduler import AdmitRequest, RouteDecision, Scheduler
+from services.core.scheduler import AdmitRequest, Rejected, RouteDecision, Scheduler
 from services.settings import RouterSettings
 from services.shell.bus import dead_letter
 from services.shell.ledger import Ledger
@@ -168,6 +168,11 @@ class RequestHandle:
     resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
     slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
     slo_tpot_ms: float = 0.0
+    tenant: str = ""  # who sent it ("": the default tenant)
+    priority_class: str = ""  # as the client named it ("": by priority)
+    # Set while it waits in the fair queue (the leader's, or the leader's a standby forwarded it
+    # to): resolved None when admitted, or with the Rejected that refused it.
+    admission: asyncio.Future | None = None
 
 
 class RouterState:
@@ -260,3 +265,5 @@ class RouterState:
         if handle.grace_task is not None:
             handle.grace_task.cancel()
         handle.queue.put_nowait(Terminal(outcome, code, message))
+        if handle.admission is not None and not handle.admission.done():  # it ended while in a fair queue
+            handle.admission.set_result(Rejected(code or outcome, message))
