@@ -30,6 +30,7 @@ class QueuedRequest:
     prefill_worker_id: str
     decode_worker_id: str
     payload: object = None  # the shell's request handle; the core never looks inside
+    lora_adapter: str = ""  # the LoRA adapter it runs with ("": the base model; BatchRequest.lora_adapter)
 
 
 @dataclass(slots=True)

@@ -62,6 +62,8 @@ from services.core.batchers import DEFAULT_BATCHER, Batcher, Closed, WorkerLoad,
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.fairness import Cancelled, Queued, Refused
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
+from services.core.lora import AdapterWorker, LoraParams, touch
+from services.core.lora import pick as lora_pick
 from services.core.pending_prefixes import PendingPrefixes
 from services.core.policies import Candidate, RouteContext, RoutingPolicy, build_policy
 from services.core.policies.protocol import Pick, Score
@@ -82,7 +84,11 @@ from services.core.seeded import decision_seed
 from services.core.slo import SloParams, slo_targets
 from services.core.view import WorkerInfo, WorkerView
 
-INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000  # sweep expired approximate-index entries once a second
+INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000
+# The router's guess of a worker's loaded adapters outranks the worker's report for this long
+# after it routed an adapter there: a few heartbeats (200 ms each by default) plus a batch
+# window, by when the report includes what was routed (_lora_decide).
+LORA_GUESS_NS = 2_000_000_000  # sweep expired approximate-index entries once a second
 # Expected decode KV of a request = prompt + min(max_tokens, this), under a decode policy that
 # has no `expected_output_cap` of its own (kv-aware has, with the same default).
 DEFAULT_EXPECTED_OUTPUT_CAP = 1000
@@ -174,6 +180,10 @@ class Scheduler:
         self.settled: list[tuple[str, str]] = []  # see take_settled
         self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
         self.fair = FairAdmission(config.fairness)  # the queue that holds work under overload (admission.py)
+        self.lora_params = LoraParams()
+        # worker id -> (the LoRA adapters the router routed there, least recently used first, when
+        # it last did): its guess, ahead of the worker's reports for LORA_GUESS_NS (_lora_decide)
+        self.lora_loaded: dict[str, tuple[tuple[str, ...], int]] = {}
 
     # ---------------------------------------------------------------- inputs
     def on_worker_event(self, event: WorkerRegistered | WorkerStatusReported, now_ns: int, stale: bool = False) -> WorkerInfo:
@@ -238,6 +248,7 @@ class Scheduler:
         self.ledger.remove_worker(worker_id)
         self.prefill_gated.discard(worker_id)
         self.decode_gated.discard(worker_id)
+        self.lora_loaded.pop(worker_id, None)
         for item in orphans:
             self.on_terminal(item.request_id)
         return orphans
@@ -499,6 +510,36 @@ class Scheduler:
         return RouteDecision(stage, policy.name, self.decision_seq, seed, pick)
 
     # ---------------------------------------------------------------- admission
+    def _lora_decide(self, req: AdmitRequest, adapter: str, workers: list[WorkerInfo], now_ns: int) -> RouteDecision:
+        """Which worker serves a request naming LoRA adapter `adapter` (services/core/lora.py:
+        loaded > free slot > evicting the least recently used, load within each, a load cap),
+        among the colocated workers that serve it; those that do not are filtered by "lora".
+        A worker's adapters (least recently used first) are the router's own guess from what it
+        routed there, until LORA_GUESS_NS after it last did, then what the worker reports loaded
+        (a report lags what was just routed: trusting it at once sent the next request for an
+        adapter to another worker, as if the first had not loaded it); the guess alone while
+        the worker reports nothing. Its slots: `max_loras`, 1 when unknown (vLLM's default)."""
+        self.decision_seq += 1
+        seed = decision_seed(self.config.seed, self.decision_seq)
+        serving, others = [], []
+        for w in workers:
+            (serving if adapter in w.lora_adapters else others).append(w)
+        aws = []
+        for w in serving:
+            inf = self.ledger.workers.get(w.worker_id)
+            outstanding = len(inf.reservations) if inf is not None else w.num_running_requests
+            guess = self.lora_loaded.get(w.worker_id)
+            if guess is not None and (w.loaded_lora_adapters is None or now_ns - guess[1] < LORA_GUESS_NS):
+                loaded = guess[0]
+            else:
+                loaded = tuple(w.loaded_lora_adapters or ())
+            aws.append(AdapterWorker(w.worker_id, loaded, max(w.max_loras, 1), outstanding))
+        d = lora_pick(aws, adapter, self.lora_params)
+        scores = [Score(c.worker_id, round(c.score, 6), {"outstanding": float(c.outstanding), "over_cap": float(c.over_cap),
+                                                         **{f"state_{c.state}": 1.0}})
+                  for c in d.candidates] + [Score(w.worker_id, 0.0, {}, "lora") for w in others]
+        return RouteDecision("lora", "lora-affinity", self.decision_seq, seed, Pick(d.worker_id, d.reason, scores))
+
     def admit(self, req: AdmitRequest, now_ns: int) -> Admitted | Rejected:
         cfg = self.config
         n = req.num_prompt_tokens
@@ -508,17 +549,18 @@ class Scheduler:
             return Rejected("too_large", f"prompt of {n} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         if len(self.inflight) >= cfg.max_inflight_requests:
             return Rejected("queue_full", f"global inflight cap of {cfg.max_inflight_requests} reached")
+        adapter = ""
         if not self.view.is_known_model(req.model):
             parent = self.view.adapter_parent(req.model)
-            if parent is not None:  # listed by /v1/models, but its workers would run the base model
-                return Rejected("invalid_request", f"model {req.model!r} is a LoRA adapter of {parent!r}; requests "
-                                                   f"for an adapter are not routed yet: name {parent!r}")
-            return Rejected("model_not_found", f"model {req.model!r} is not served here: no worker has reported it "
-                                               f"(the router's default model is {cfg.model_name!r})")
+            if parent is None:
+                return Rejected("model_not_found", f"model {req.model!r} is not served here: no worker has reported it "
+                                                   f"(the router's default model is {cfg.model_name!r})")
+            adapter, model = req.model, parent  # a LoRA adapter: routed in its parent's pool (_lora_decide)
+        else:
+            model = self.view.resolve_model(req.model)
         # Live workers of the request's model that can hold it, by role (the view caches the
         # partition per model; only a request beyond the smallest limit among them needs a
         # filtering pass). Live workers of other models are shown filtered by "model".
-        model = self.view.resolve_model(req.model)
         routable = self.view.routable(model)
         if not routable.num_live:
             return Rejected("no_worker", f"no live worker serves model {model!r}"
@@ -537,6 +579,17 @@ class Scheduler:
         priority = cfg.slo.default_priority if req.priority is None else req.priority
         slo_ttft, slo_tpot = slo_targets(cfg.slo, n, priority, req.slo_ttft_ms, req.slo_tpot_ms)
         decisions: list[RouteDecision] = []
+        if adapter:
+            if decode_workers or prefill_workers:
+                return Rejected("invalid_request", f"model {adapter!r} is a LoRA adapter of {model!r}, whose pool is "
+                                                   "disaggregated: adapters run on colocated workers only (the decode "
+                                                   f"side would run the base model); name {model!r}")
+            lora = self._lora_decide(req, adapter, colocated, now_ns)
+            decisions.append(lora)
+            if lora.pick.worker_id is None:
+                return Rejected("no_worker", f"no live worker of {model!r} can serve adapter {adapter!r}: "
+                                             f"{lora.pick.reason}", decisions)
+            colocated = [w for w in colocated if w.worker_id == lora.pick.worker_id]
         if decode_workers and prefill_workers:
             d = self._decide("decode", self.decode_policy, req, self._decode_candidates(decode_workers), now_ns, slo_ttft,
                              others=routable.other_models)
@@ -606,8 +659,12 @@ class Scheduler:
             deadline_ns=now_ns + int(slo_ttft * 1e6), tpot_target_ms=slo_tpot,
             strict_deadline=mode == "reject" or (mode != "best-effort" and req.slo_ttft_ms is not None),
             prefill_worker_id=p.pick.worker_id,
-            decode_worker_id=decode_worker_id, payload=req.payload,
+            decode_worker_id=decode_worker_id, payload=req.payload, lora_adapter=adapter,
         )
+        if adapter:  # the worker loads it (or uses it): the router's guess until its next report
+            w = self.view.workers[p.pick.worker_id]
+            loaded = self.lora_loaded[w.worker_id][0] if w.worker_id in self.lora_loaded else tuple(w.loaded_lora_adapters or ())
+            self.lora_loaded[w.worker_id] = (touch(loaded, adapter, max(w.max_loras, 1))[0], now_ns)
         self.queued[req.request_id] = (p.pick.worker_id, self.batcher(p.pick.worker_id).add(item))
         self.inflight.add(req.request_id)
         return Admitted(item, decisions, predicted_ttft, slo_ttft, slo_tpot, priority, best_effort)
@@ -623,9 +680,9 @@ class Scheduler:
         the queue is off, or the model unknown: admission answers); else queue it or refuse
         it by the queue's bounds (admission.py). A ValueError names a bad priority class."""
         fair = self.fair
-        if not fair.config.enabled or not self.view.is_known_model(req.model):
+        pool = self.view.pool_of(req.model) if fair.config.enabled else None
+        if pool is None:
             return self.admit(req, now_ns)
-        pool = self.view.resolve_model(req.model)
         q = fair.queues.get(pool)
         if q is None or not q.num_queued():
             room = self.pool_room(pool)

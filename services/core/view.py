@@ -254,8 +254,15 @@ class WorkerView:
         return not model or model == self.default_model or model in self.models_seen
 
     def adapter_parent(self, name: str) -> str | None:
-        """The model of a worker that has LoRA adapter `name` loaded; None if none has."""
+        """The model of a worker that serves LoRA adapter `name`; None if none does."""
         return next((w.model for w in self.workers.values() if name in w.lora_adapters), None)
+
+    def pool_of(self, model: str) -> str | None:
+        """The pool a request's `model` routes in: its model's (resolve_model), or for a LoRA
+        adapter its parent's; None for a name no worker serves (and not the default)."""
+        if self.is_known_model(model):
+            return self.resolve_model(model)
+        return self.adapter_parent(model)
 
     def models(self) -> dict[str, list[str]]:
         """Every model of the workers in the view, and the default, each with the LoRA adapters

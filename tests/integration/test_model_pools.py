@@ -88,3 +88,27 @@ async def test_a_standby_forwards_the_requests_model_to_the_leader(flexlb_up):
     envs = await wait_all_terminal(state["nats_url"], set(sent), timeout_s=60)
     finished = {e.payload.request_id: e.payload.worker_id for e in envs if isinstance(e.payload, m.RequestFinished)}
     assert {rid: model_of[w] for rid, w in finished.items()} == sent
+
+
+async def test_requests_for_lora_adapters_are_served_with_their_adapter_and_keep_to_the_workers_holding_it(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.05", "--workers", "4", "--lora-adapters", "sql,chat,code", "--max-loras", "1")
+    url = state["router_url"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        models = {d["id"]: d.get("parent") for d in (await c.get(url + "/v1/models")).json()["data"]}
+        assert models["sql"] == models["chat"] == models["code"] == "flexlb-sim", models
+        outs = []
+        for i in range(24):  # one at a time: affinity alone decides (no load)
+            adapter = ("sql", "chat", "code")[i % 3]
+            resp = await c.post(url + "/v1/completions", json={"model": adapter, "prompt": f"p{i}", "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["model"] == adapter
+            outs.append((resp.json()["id"], adapter))
+        records = {rid: (await c.get(url + f"/admin/requests/{rid}")).json() for rid, _ in outs}
+    placed = {}
+    for rid, adapter in outs:
+        placed.setdefault(adapter, set()).add(records[rid]["admission"]["prefill_worker_id"])
+    # One slot per worker, three adapters on four workers: each adapter stays on the worker it
+    # was first loaded on, so the 24 requests cost 3 loads, not one per switch.
+    assert all(len(ws) == 1 for ws in placed.values()), placed
+    assert len(set().union(*placed.values())) == 3, placed
+    assert all(records[rid]["decisions"][0]["stage"] == "lora" for rid, _ in outs)

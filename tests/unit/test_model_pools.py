@@ -141,6 +141,9 @@ def test_a_bad_pool_is_refused_naming_it(values):
         parse_pools(values)
 
 
-def test_a_request_for_a_loaded_adapter_is_refused_naming_its_parent_not_served_by_the_base_model():
-    out = admit(make_scheduler(make_worker("a0", "a", adapters=["sql"]), make_worker("b0", "b")), "r", "sql")
-    assert isinstance(out, Rejected) and out.code == "invalid_request" and "'a'" in out.message, out
+def test_a_request_for_an_adapter_is_routed_in_its_parents_pool_to_a_worker_serving_it():
+    s = make_scheduler(make_worker("a0", "a", adapters=["sql"]), make_worker("a1", "a"), make_worker("b0", "b"))
+    out = admit(s, "r", "sql")
+    assert isinstance(out, Admitted) and out.request.prefill_worker_id == "a0" and out.request.lora_adapter == "sql"
+    lora = out.decisions[0]
+    assert lora.stage == "lora" and {c.worker_id: c.filtered_by for c in lora.pick.scores} == {"a0": None, "a1": "lora"}
