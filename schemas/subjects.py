@@ -22,6 +22,7 @@ Ids used in subjects must be subject-safe tokens: `validate_token` enforces it.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import msgspec
@@ -88,9 +89,18 @@ def resend_subject(worker_id: str) -> str:
     return f"{PREFIX}.cmd.resend.{worker_id}"
 
 
-def submit_subject(cluster: str) -> str:
-    """Where the leader router of a cluster takes requests forwarded by standby routers."""
-    return f"{PREFIX}.cmd.submit.{cluster}"
+def submit_subject(cluster: str, pool: str = "") -> str:
+    """Where the leader router of a cluster takes requests forwarded by standby routers; with
+    `pool` (routers leading one pool each, `scheduling_pool`), that pool's leader."""
+    return f"{PREFIX}.cmd.submit.{cluster}" + (f".pool.{pool_token(pool)}" if pool else "")
+
+
+def pool_token(pool: str) -> str:
+    """A model (pool) name as one subject token or key part: model names hold '/' and '.'
+    (Qwen/Qwen2.5-7B), so the safe characters are kept and a hash of the whole name keeps
+    two names that differ only in the others apart."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", pool)[:40]
+    return f"{safe}-{hashlib.sha1(pool.encode()).hexdigest()[:8]}"
 
 
 ALL_ROUTER_EVENTS = f"{PREFIX}.evt.router.>"

@@ -226,7 +226,8 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
         if not service.running:
             return _error("not_ready", "router is not running")
         return {"status": "ok", "router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
-                "role": "leader" if service.is_leader else "standby", "nats_server": service.nats_server}
+                "role": "leader" if service.is_leader else "standby", "nats_server": service.nats_server,
+                "scheduling_pool": service.settings.scheduling_pool}
 
     @app.get("/readyz")
     async def readyz():

@@ -89,6 +89,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--tenant-weights", help="JSON object: tenant -> weight of its fair share (default 1 each)")
     p.add_argument("--tenant-header", help="the header naming a request's tenant (default x-flexlb-tenant; "
                                            "'' ignores client-sent tenant headers)")
+    p.add_argument("--scheduling-pool", help="lead this pool (model) only: its own lease and ledger; requests for "
+                                             "other pools go to their leaders (default: lead every pool)")
     p.add_argument("--tenant-api-keys", help="JSON object: API key (Authorization: Bearer) -> tenant; wins over the header")
     p.add_argument("--log-level", help="debug | info | warning | error")
 

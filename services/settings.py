@@ -128,6 +128,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     journal_max_age_s: float = 24 * 3600  # retention of the core journal (FLEXLB_JOURNAL) ...
     journal_max_bytes: int = 1024 * 1024 * 1024  # ... whichever limit comes first
     admin_token: str = ""  # bearer token of /admin/*; required when host is not loopback
+    # Lead one pool only (a model's workers): its own Redis lease, ledger and submit subject, so
+    # that the leaders of different pools run in different processes; requests for another
+    # pool are forwarded to its leader. "": lead every pool, one lease for the cluster (a
+    # cluster runs one way or the other: every router set, or none).
+    scheduling_pool: str = ""
     # The fair queue under overload (services/core/admission.py, fairness.py): work beyond what
     # the engines run (their max_num_seqs) plus fair_engine_buffer each waits at the router,
     # released by priority class, then by tenants' fair share of tokens.

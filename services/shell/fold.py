@@ -62,6 +62,12 @@ class Fold:
         now = time.time_ns()
         stale_ns = self.s.settings.dead_after_missed_syncs * self.s.settings.liveness_sync_ms * 1_000_000
         stale = now - env.time_ns > stale_ns
+        ev = env.payload
+        self.s.note_worker_model(ev.worker_id, ev.model or self.s.settings.model_name, ev.lora_adapters)
+        if self.s.is_other_pool(ev.model):  # another pool's worker: its leader schedules it
+            if isinstance(ev, m.WorkerStatusReported) and not stale:
+                self.s.max_worker_epoch = max(self.s.max_worker_epoch, ev.fencing_epoch)
+            return
         info = self.s.scheduler.on_worker_event(env.payload, min(env.time_ns, now), stale=stale)
         # The epoch a live worker accepts (a fresh report: not the history read at start, nor a
         # worker long gone) is a floor for our next epoch. Above ours, from a worker we have
@@ -116,6 +122,8 @@ class Fold:
         except m.DecodeError as exc:
             await self.s.undecodable("kv", msg, exc)
             return
+        if self.s.pool and self.s.is_other_pool(self.s.worker_models.get(env.payload.worker_id, "?")):
+            return  # another pool's worker (or one not heard yet: its snapshot comes when it is)
         update = self.s.scheduler.on_kv_event(env.payload)
         self.s.metrics.kv_events.labels(update.status).inc()
         if update.status == "needs_resync":
@@ -174,7 +182,9 @@ class Fold:
             return
         ev = env.payload
         if isinstance(ev, m.WorkerRegistered):
-            self.s.scheduler.on_worker_event(ev, min(env.time_ns, time.time_ns()))
+            self.s.note_worker_model(ev.worker_id, ev.model or self.s.settings.model_name, ev.lora_adapters)
+            if not self.s.is_other_pool(ev.model):
+                self.s.scheduler.on_worker_event(ev, min(env.time_ns, time.time_ns()))
         elif isinstance(ev, m.BatchStarted):
             self.s.scheduler.on_batch_started(ev.worker_id, ev.batch_id, min(env.time_ns, time.time_ns()))
             for rid in ev.request_ids:

@@ -50,10 +50,13 @@ class Intake:
         the one the client named ("": none, the default pool); `tenant`, `priority_class`: its
         place in the fair queue. A handle whose `admission` future is set waits in the fair
         queue: the caller awaits it (None: admitted; a Rejected: refused while waiting)."""
-        if not self.s.is_leader:
+        to_pool = self.s.pool
+        if self.s.pool:  # a router leading one pool: another pool's requests go to that pool's leader
+            to_pool = self.s.pool_of_model(model) or self.s.pool
+        if not self.s.is_leader or to_pool != self.s.pool:
             return await self.forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
                                        sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
-                                       priority_class=priority_class)
+                                       priority_class=priority_class, to_pool=to_pool)
         return await self.admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
                                        timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
                                        priority_class=priority_class)
@@ -214,10 +217,12 @@ class Intake:
 
     async def forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
                        sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None, model: str = "",
-                       tenant: str = "", priority_class: str = ""):
+                       tenant: str = "", priority_class: str = "", to_pool: str = ""):
+        """To the leader of `to_pool` ("": the cluster's one leader) over NATS request-reply."""
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
                                timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
-                               stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class)
+                               stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class,
+                               leader_pool=to_pool)
         self.s.handles[request_id] = handle
         cmd = m.SubmitRequest(
             request_id=request_id, router_id=self.s.router_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
@@ -226,13 +231,14 @@ class Intake:
             tenant=tenant, priority_class=priority_class,
         )
         try:
-            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster), m.encode(self.s.envelopes.wrap(cmd, time.time_ns())),
-                                        timeout=FORWARD_TIMEOUT_S)
+            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster, to_pool),
+                                          m.encode(self.s.envelopes.wrap(cmd, time.time_ns())), timeout=FORWARD_TIMEOUT_S)
             reply = m.decode_as(msg.data, m.SubmitReply).payload
         except Exception as exc:  # no leader now (failover in progress) or a broken reply
             self.s.handles.pop(request_id, None)
             self.s.metrics.requests.labels("rejected", "not_ready").inc()
-            return Rejected("not_ready", f"no leader router answered ({exc.__class__.__name__}); retry")
+            whose = f"pool {to_pool!r}'s leader router" if to_pool else "leader router"
+            return Rejected("not_ready", f"no {whose} answered ({exc.__class__.__name__}); retry")
         if not reply.admitted:
             self.s.handles.pop(request_id, None)
             return Rejected(reply.code, reply.message)
@@ -268,13 +274,14 @@ class Intake:
             stop=handle.stop, chat=handle.chat, model=adm.model, tenant=adm.tenant, priority_class=adm.priority_class,
         )
         try:
-            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster),
+            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster, self.s.pool),
                                           m.encode(self.s.envelopes.wrap(cmd, time.time_ns())), timeout=FORWARD_TIMEOUT_S)
             reply = m.decode_as(msg.data, m.SubmitReply).payload
         except Exception as exc:  # no leader (yet): the caller fails it retryable
             return f"no leader router answered ({exc.__class__.__name__})"
         if not reply.admitted:
             return f"the leader refused it: {reply.code}: {reply.message}"
+        handle.leader_pool = self.s.pool
         self._took(handle, reply)
         self.s.records.note(rid, time.time_ns(), "handed_over", leader=reply.router_id, queued=reply.code == "queued")
         return None
@@ -306,14 +313,18 @@ class Intake:
         await msg.respond(m.encode(self.s.envelopes.wrap(reply, time.time_ns())))
 
     async def on_router_event_msg(self, msg) -> None:
-        """Standby: the leader's router-side terminal events for requests we forwarded."""
-        if self.s.is_leader:
+        """Standby (or a pool's leader, for requests it forwarded to another pool's): the
+        leader's router-side events for requests we forwarded."""
+        if self.s.is_leader and not self.s.pool:
             return
         try:
-            ev = m.decode(msg.data).payload
+            env = m.decode(msg.data)
         except m.DecodeError as exc:
             await self.s.undecodable("router_events", msg, exc)
             return
+        if env.producer == self.s.router_id:
+            return
+        ev = env.payload
         if isinstance(ev, m.BatchDispatched):
             for rid in ev.request_ids:
                 handle = self.s.handles.get(rid)

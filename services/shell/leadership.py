@@ -1,4 +1,12 @@
-"""Leadership: one scheduler per cluster.
+"""Leadership: one scheduler per cluster, or one per pool.
+
+With `scheduling_pool` set, each router leads one pool (a model's workers): the lease, the
+submit subject and the Redis ledger are the pool's, so the leaders of different pools run in
+different processes and the fleet's scheduling grows with its pools; a router's core holds
+its own pool's workers only (fold.py keeps the others out), and it forwards a request for
+another pool to that pool's leader (intake.py). The fencing epoch stays one counter for the
+cluster: every lease taken, of any pool, gets a number above all before, and each worker
+only ever hears its own pool's leaders.
 
 Owns: the Redis lease (PX TTL, renewed every LEASE_RENEW_S), the fencing epoch it bumps when
 it takes the lease and announces to every worker, stepping down (queued requests fail
@@ -15,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from schemas import messages as m
-from schemas.subjects import epoch_subject, submit_subject
+from schemas.subjects import epoch_subject, pool_token, submit_subject
 from services.shell.state import RouterState
 
 if TYPE_CHECKING:
@@ -76,8 +84,10 @@ class Leadership:
         self.s = state
         self.intake = intake
 
-    def lease_key(self) -> str:
-        return f"flexlb:{self.s.settings.cluster}:leader"
+    def lease_key(self, pool: str | None = None) -> str:
+        """The scheduling lease of `pool` (None: ours; "": the cluster's one leader's)."""
+        pool = self.s.pool if pool is None else pool
+        return f"flexlb:{self.s.settings.cluster}:leader" + (f":pool:{pool_token(pool)}" if pool else "")
 
     def epoch_key(self) -> str:
         return f"flexlb:{self.s.settings.cluster}:epoch"
@@ -119,21 +129,36 @@ class Leadership:
             if renewed == 2:
                 log.warning("router %s took the lease again (it was gone: Redis restarted or failed over); epoch %d kept",
                             self.s.router_id, self.s.epoch)
+            if self.s.pool:
+                await self.check_other_pools()
             return
         if await self.s.redis.eval(ACQUIRE_LUA, 1, key, self.s.lease_value, ttl_ms, f"{self.s.router_id}:"):
             self.s.lease_valid_until = sent + LEASE_TTL_S
             floor = max(self.s.epoch, self.s.max_worker_epoch)
             self.s.epoch = int(await self.s.redis.eval(EPOCH_LUA, 1, self.epoch_key(), floor))
             self.s.is_leader = True
-            self.s.submit_sub = await self.s.nc.subscribe(submit_subject(self.s.settings.cluster), cb=self.intake.on_submit)
+            self.s.submit_sub = await self.s.nc.subscribe(submit_subject(self.s.settings.cluster, self.s.pool),
+                                                          cb=self.intake.on_submit)
             self.s.metrics.leader.set(1)
             log.warning("router %s is the leader (epoch %d)", self.s.router_id, self.s.epoch)
             await self.announce_epoch()
-            await self.fail_stranded_forwards(self.s.router_id)
+            await self.fail_stranded_forwards(self.s.router_id, self.s.pool)
+            await self.check_other_pools()
             return
         holder = await self.s.redis.get(key)
         if holder:
-            await self.fail_stranded_forwards((holder.decode() if isinstance(holder, bytes) else holder).split(":")[0])
+            await self.fail_stranded_forwards((holder.decode() if isinstance(holder, bytes) else holder).split(":")[0],
+                                              self.s.pool)
+        await self.check_other_pools()
+
+    async def check_other_pools(self) -> None:
+        """Requests we forwarded to other pools' leaders: fail those stranded at one that is gone."""
+        pools = {h.leader_pool for h in self.s.handles.values() if h.leader_id and h.leader_pool != self.s.pool}
+        for pool in sorted(pools):
+            holder = await self.s.redis.get(self.lease_key(pool))
+            if holder:
+                await self.fail_stranded_forwards((holder.decode() if isinstance(holder, bytes) else holder).split(":")[0],
+                                                  pool)
 
     async def lease_unrenewed(self, exc: Exception) -> None:
         """A lease cycle failed (Redis unreachable). Past the lease's TTL the leader stops
@@ -157,14 +182,15 @@ class Leadership:
         self.s.dispatch_paused = paused
         self.s.metrics.dispatch_paused.set(1 if paused else 0)
 
-    async def fail_stranded_forwards(self, leader_id: str) -> None:
+    async def fail_stranded_forwards(self, leader_id: str, pool: str) -> None:
         """Standby: requests we forwarded to a leader that is gone, and that it never
         dispatched, were queued in its memory only: nothing will ever answer them. Fail them
         now (retryable) instead of at their deadline. One it dispatched is running on a worker
         that streams to us directly and is left alone. (A lost batch.dispatched event makes
         us fail a request that is running: the client retries; its tokens are dropped.)"""
         for handle in list(self.s.handles.values()):
-            if (handle.leader_id and handle.leader_id != leader_id and not handle.remote and not handle.done
+            if (handle.leader_id and handle.leader_pool == pool and handle.leader_id != leader_id and not handle.remote
+                    and not handle.done
                     and not handle.dispatched and handle.next_index == 0):
                 self.s.metrics.requests.labels("failed", "not_ready").inc()
                 self.s.records.note(handle.request_id, time.time_ns(), "failed_by_router", code="not_ready",

@@ -71,6 +71,7 @@ from schemas.subjects import (
     JOURNAL_STREAM,
     all_tokens_subject,
     nats_servers,
+    pool_token,
     router_events_consumer,
     token_batch_subject,
 )
@@ -173,7 +174,14 @@ class RouterService:
 
     def models(self) -> dict[str, list[str]]:
         """Every model the view has (and the default), each with its workers' LoRA adapters."""
-        return self.s.scheduler.view.models()
+        models = self.s.scheduler.view.models()
+        if self.s.pool:  # the other pools' models too (their workers stay out of our core)
+            for worker_id, model in self.s.worker_models.items():
+                models.setdefault(model, [])
+            for adapter, parent in self.s.adapter_models.items():
+                if adapter not in models.get(parent, []):
+                    models[parent] = sorted([*models.get(parent, []), adapter])
+        return dict(sorted(models.items()))
 
     def refresh_gauges(self) -> None:
         """Gauges read from the view at scrape time (a worker gone from the view leaves them)."""
@@ -204,7 +212,9 @@ class RouterService:
         s.acked = AckedPublisher(s.nc, f"router {s.router_id} fact", on_lost=s.acked_lost)
         await ensure_streams(s.js, self._stream_specs(), s.settings.nats_replicas)
         s.redis = redis_client(s.settings)
-        s.ledger = Ledger(s.redis, s.settings.cluster, s.settings.ledger_ttl_s)
+        # A pool's leader keeps its ledger apart (its rebuild from memory clears only its own).
+        namespace = s.settings.cluster + (f":pool:{pool_token(s.pool)}" if s.pool else "")
+        s.ledger = Ledger(s.redis, namespace, s.settings.ledger_ttl_s)
         await self.admin.refresh_drain_flags()
         s.running = True
         await self.leadership.lease_cycle()

@@ -160,6 +160,7 @@ class RequestHandle:
     token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
     remote: bool = False  # forwarded by a standby: no local client reads this handle
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
+    leader_pool: str = ""  # the pool whose leader that is ("": the cluster's one leader)
     dispatched: bool = False  # standby: the leader's batch.dispatched listed it
     sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
     stop: list[str] = field(default_factory=list)  # OpenAI stop strings (the API cuts the text at the first)
@@ -222,6 +223,28 @@ class RouterState:
         self.submit_sub = None
         self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
         self.redis_run_id: str | None = None
+        self.pool = settings.scheduling_pool  # the one pool this router leads ("": all)
+        self.worker_models: dict[str, str] = {}  # worker id -> its model, every pool's (note_worker_model)
+        self.adapter_models: dict[str, str] = {}  # LoRA adapter -> its parent model
+
+    # ---------------------------------------------------------------- pools (scheduling_pool)
+    def note_worker_model(self, worker_id: str, model: str, adapters: list[str]) -> None:
+        """Every worker's model and adapters, of every pool: where a request's model is led."""
+        self.worker_models[worker_id] = model
+        for a in adapters:
+            self.adapter_models[a] = model
+
+    def pool_of_model(self, model: str) -> str | None:
+        """The pool (model) whose leader schedules a request naming `model` ("": the default);
+        None if no worker has reported it (any router answers: model_not_found)."""
+        name = model or self.settings.model_name
+        if name in self.adapter_models and name not in self.worker_models.values():
+            return self.adapter_models[name]
+        return name if name in self.worker_models.values() else None
+
+    def is_other_pool(self, model: str) -> bool:
+        """A router leading one pool keeps the workers of the others out of its core."""
+        return bool(self.pool) and (model or self.settings.model_name) != self.pool
 
     def may_dispatch(self) -> bool:
         """Leader, the lease surely still ours, and no worker has accepted a newer epoch."""
