@@ -230,8 +230,15 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
                 "scheduling_pool": service.settings.scheduling_pool}
 
     @app.get("/readyz")
-    async def readyz():
+    async def readyz(model: str | None = None):
+        """The router's readiness; with `?model=NAME`, also that pool's: a live worker serves
+        it (or, led by another router: its leader holds the pool's lease). A load balancer
+        per model probes its pool, so one model's outage does not take the others' endpoint."""
         ok, reason = await service.readiness()
+        if ok and model is not None:
+            ok, reason = await service.pool_readiness(model)
+            if ok is None:
+                return _error("model_not_found", reason)
         if not ok:
             return _error("not_ready", reason)
         return {"status": "ready", "reason": reason, "view_ready_after_ms": service.view_ready_after_ms}

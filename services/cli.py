@@ -82,7 +82,7 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--fair-queue", help="true (default) | false: under overload hold work beyond what the engines run "
                                         "at the router, released by priority class and tenants' fair share")
     p.add_argument("--fair-engine-buffer", type=int,
-                   help="requests each engine may hold waiting beyond its max_num_seqs (default 2)")
+                   help="requests each engine may hold waiting beyond its max_num_seqs (default 0)")
     p.add_argument("--fairness-params", help="JSON object over the fair queue's defaults: w_out, starvation_bound_ms, "
                                              "max_queued_per_class, max_queued_per_tenant, max_queued_total, "
                                              "max_queue_wait_ms, retry_after_ms, default_weight")
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "per model; instead of the default model's workers unless --workers is given too")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated mode, with --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated mode, with --prefill)")
+    up.add_argument("--leader-per-pool", action="store_true",
+                    help="with --pool: one router per pool, each leading its pool's scheduling (--scheduling-pool), "
+                         "more with --routers (standbys, pools in turn); any router takes any model")
     up.add_argument("--routers", type=int, default=1, help="router replicas on consecutive ports, or free ones if taken (leader + standbys)")
     up.add_argument("--http-workers", type=int, default=1,
                     help="router processes sharing --port (SO_REUSEPORT): the leader and N-1 standbys that take HTTP "

@@ -137,7 +137,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the engines run (their max_num_seqs) plus fair_engine_buffer each waits at the router,
     # released by priority class, then by tenants' fair share of tokens.
     fair_queue: bool = True
-    fair_engine_buffer: int = 2
+    fair_engine_buffer: int = 0
     # FairnessParams over the defaults (JSON object): w_out, starvation_bound_ms,
     # max_queued_per_class, max_queued_per_tenant, max_queued_total, max_queue_wait_ms,
     # retry_after_ms, default_weight.

@@ -248,6 +248,13 @@ def run_up(args, settings: RouterSettings) -> int:
     pools = parse_pools(args.pool or [])
     if pools and (args.prefill or args.engine == "openai"):
         raise ValueError("--pool starts colocated sim or torch workers (no --prefill / --decode, no --engine openai)")
+    if args.scheduling_pool:
+        raise ValueError("flexlb up starts its routers itself: --leader-per-pool gives each one a pool "
+                         "(--scheduling-pool is for a `flexlb router` of your own)")
+    if args.leader_per_pool and (not pools or args.workers or args.http_workers > 1):
+        raise ValueError("--leader-per-pool goes with --pool NAME=N (every worker in a pool: no --workers, "
+                         "no --http-workers)")
+    num_routers = max(args.routers, len(pools)) if args.leader_per_pool else args.routers
     num_workers = args.workers if args.workers is not None else (0 if pools else 2)
     if args.prefill == 0 and num_workers < (0 if pools else 1):
         raise ValueError("--workers must be >= 1 (>= 0 with --pool)")
@@ -353,7 +360,7 @@ def run_up(args, settings: RouterSettings) -> int:
             children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags,
                                                       *per_worker.get(worker_id, [])], env, nice=worker_nice)
         router_urls, http_worker_urls = [], []
-        for i in range(max(args.routers, args.http_workers)):
+        for i in range(max(num_routers, args.http_workers)):
             router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"
             if args.http_workers > 1:  # one shared port; each process also has its own
                 port = settings.port
@@ -383,6 +390,9 @@ def run_up(args, settings: RouterSettings) -> int:
                 router_flags += ["--tokenizer", os.path.abspath(settings.tokenizer)]
             if settings.chat_template:
                 router_flags += ["--chat-template", os.path.abspath(settings.chat_template)]
+            led = pools[i % len(pools)][0] if args.leader_per_pool else ""
+            if led:
+                router_flags += ["--scheduling-pool", led]
             children["router" if i == 0 else f"router-{i}"] = _child(router_flags, env)
             if args.http_workers > 1:
                 http_worker_urls.append(f"http://{settings.host}:{own_port}")
@@ -393,7 +403,8 @@ def run_up(args, settings: RouterSettings) -> int:
             if i == 0:  # the first router takes the lease; the others start as standbys
                 url = http_worker_urls[0] if http_worker_urls else router_urls[0]
                 waiting(f"the router at {url} to be ready")
-                _wait_ready(url, children, READY_TIMEOUT_S, [w for w, _ in fleet], settings.admin_token,
+                _wait_ready(url, children, READY_TIMEOUT_S,
+                            [w for w, _ in fleet if not led or worker_models.get(w) == led], settings.admin_token,
                             lambda why, url=url: waiting(f"the router at {url} to be ready: {why}"))
         router_url = router_urls[0]
         for url in router_urls[1:] + http_worker_urls[1:]:

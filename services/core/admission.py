@@ -6,16 +6,22 @@ Pure like the rest of the core: the scheduler owns one `FairAdmission` and calls
 
 Room. A pool's engines have room for `Σ max(0, max_num_seqs + engine_buffer - outstanding)`
 over its live workers that run decode (colocated or decode role), where `max_num_seqs` is
-what the worker reports its engine runs at once and `outstanding` is FlexLB's pending count
-of the worker (the requests routed to it and not ended, plus running ones it reports that
-the router does not know: `WorkerInflight.num_requests`). Each engine thus gets what it can
-run plus `engine_buffer` (default 2) waiting, so that a slot that frees is refilled from the
-engine's own queue at once while the router's next release is on its way; everything beyond
-waits here, where the classes and tenants are ordered (an engine's queue is FCFS).
-Why 2: bench/fairness.py measured the quiet tenant's TTFT p99 at 1.50x its p99 alone with no
-buffer and 1.93x with 8 (every request in an engine's queue is served FCFS, whoever sent
-it), and the router's release after a finish takes a fold and a batch window (tens of ms),
-so with none a freed slot idles that long; 2 keeps the engines busy at a small FCFS share.
+what the worker reports its engine runs at once and `outstanding` the requests the router
+routed to it that have not ended (its decode reservations: exact, and free the moment the
+terminal event folds). Not the running count the worker reports: that lags by up to a
+heartbeat (200 ms), and counting it held every release until the next report (measured:
+the quiet tenant's queue wait p50 354 ms with it). Work the router does not know of (a
+previous incarnation's, after a restart) waits in the engine's own queue meanwhile. Each engine thus gets what it can
+run plus `engine_buffer` (default 0) waiting; everything beyond waits here, where the
+classes and tenants are ordered (an engine's own queue is FCFS, whoever sent the request).
+Why 0: a buffer refills a freed slot at once while the router's release is on its way (a
+fold and a batch window, tens of ms), but every buffered request is served FCFS ahead of
+what the queue orders later. Measured with bench/fairness_live.py (4 sim workers x 4
+sequences behind `flexlb up`, a quiet tenant at 0.25 x capacity beside a noisy one at 2 x,
+60 s): the quiet tenant's TTFT p99 1.87x its p99 alone with no buffer, 4.32x with 2, 90x
+with the queue off; utilisation stayed above capacity measured closed-loop either way (the
+slot idles for the release's tens of ms, against seconds of decode). In virtual time
+(bench/fairness.py, 8 engines x 32): 1.50x with none, 1.61x with 2, 1.93x with 8.
 
 A worker that reports no `max_num_seqs` (0: an OpenAI-compatible server that did not say
 and has not shown its limit yet) makes its pool's room unknown: the router holds nothing
@@ -66,7 +72,7 @@ class FairAdmissionConfig:
     """The router's queue settings (`fair_queue`, `fair_engine_buffer`, `fairness_*`)."""
 
     enabled: bool = True
-    engine_buffer: int = 2  # requests each engine may hold waiting beyond max_num_seqs (module docstring)
+    engine_buffer: int = 0  # requests each engine may hold waiting beyond max_num_seqs (module docstring)
     params: FairnessParams = field(default_factory=FairnessParams)
 
     def __post_init__(self) -> None:
@@ -113,9 +119,8 @@ class FairAdmission:
     def num_waiting(self) -> int:
         return sum(q.num_queued() for q in self.queues.values())
 
-    def room(self, pool: str, view: "WorkerView", ledger: "InflightLedger", num_queued: dict[str, int]) -> int | None:
-        """How many more requests the pool's engines take now; None: unknown (module docstring).
-        `num_queued`: worker id -> requests in its batcher queue (colocated workers' count)."""
+    def room(self, pool: str, view: "WorkerView", ledger: "InflightLedger") -> int | None:
+        """How many more requests the pool's engines take now; None: unknown (module docstring)."""
         buffer = self.config.engine_buffer
         total = 0
         seen = False
@@ -124,11 +129,7 @@ class FairAdmission:
                 return None
             seen = True
             inf = ledger.workers.get(w.worker_id)
-            colocated = w.role == "pd_fusion"
-            if inf is None:
-                outstanding = w.num_running_requests
-            else:
-                outstanding = inf.num_requests(num_queued.get(w.worker_id, 0), w.num_running_requests, colocated)
+            outstanding = len(inf.reservations) if inf is not None else 0
             free = w.max_num_seqs + buffer - outstanding
             if free > 0:
                 total += free

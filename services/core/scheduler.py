@@ -672,8 +672,7 @@ class Scheduler:
     # ---------------------------------------------------------------- the fair queue
     def pool_room(self, pool: str) -> int | None:
         """How many more requests the pool's engines take now (None: unknown; admission.py)."""
-        num_queued = {w: len(b) for w, b in self.batchers.items() if len(b)}
-        return self.fair.room(pool, self.view, self.ledger, num_queued)
+        return self.fair.room(pool, self.view, self.ledger)
 
     def offer(self, req: AdmitRequest, now_ns: int) -> Admitted | Rejected | Queued | Refused:
         """Admit the request now if its pool's queue is empty and its engines have room (or

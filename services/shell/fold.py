@@ -222,6 +222,9 @@ class Fold:
                 tenant = rec.get("tenant", DEFAULT_TENANT)
                 self.s.metrics.tenant_tokens.labels(tenant, "input").inc(ev.num_prompt_tokens)
                 self.s.metrics.tenant_tokens.labels(tenant, "output").inc(ev.num_output_tokens)
+                model = rec.get("admission", {}).get("model")
+                if model is not None:
+                    self.s.metrics.model_requests.labels(model, "finished").inc()
         self.s.records.note(request_id, time.time_ns(), type(ev).__struct_config__.tag, worker_id=ev.worker_id,
                           **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
         # What it produced settles its tenant's fair-queue charge (a remote request's tokens

@@ -110,9 +110,11 @@ class Intake:
                 rec["admission"] = {"verdict": "rejected", "code": decision.code, "message": decision.message,
                                     "predicted_ttft_ms": decision.predicted_ttft_ms, "slo_ttft_ms": decision.slo_ttft_ms}
             self.s.metrics.tenant_requests.labels(handle.tenant or DEFAULT_TENANT, decision.code).inc()
+            pool = self.s.scheduler.view.pool_of(handle.admit.model)
+            self.s.metrics.model_requests.labels(pool or handle.admit.model or "", decision.code).inc()
             return await self.reject(request_id, decision.code, decision.message)
         assert isinstance(decision, Admitted)
-        pool = self.s.scheduler.view.resolve_model(handle.admit.model)  # the model whose workers it was routed among
+        pool = self.s.scheduler.view.pool_of(handle.admit.model) or ""  # the model whose workers it was routed among
         if rec is not None:
             rec["admission"] = {
                 "verdict": "best_effort" if decision.best_effort else "admitted",
@@ -130,6 +132,7 @@ class Intake:
         if decision.best_effort:
             self.s.metrics.best_effort.inc()
         self.s.metrics.tenant_requests.labels(handle.tenant or DEFAULT_TENANT, "admitted").inc()
+        self.s.metrics.model_requests.labels(pool, "admitted").inc()
         await self.s.emit(
             m.RequestAdmitted(
                 request_id=request_id, router_id=self.s.router_id, prefill_worker_id=handle.prefill_worker_id,

@@ -98,3 +98,6 @@ class RouterMetrics:
         self.tenant_tokens = Counter(
             "flexlb_tenant_tokens_total", "Tokens served per tenant (finished requests): kind input or output",
             ["tenant", "kind"], registry=r)
+        self.model_requests = Counter(
+            "flexlb_model_requests_total", "Requests by model (pool) and outcome: admitted, finished, or the refusal's "
+            "code", ["model", "outcome"], registry=r)

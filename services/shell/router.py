@@ -284,6 +284,24 @@ class RouterService:
             await s.redis.aclose()
 
     # ------------------------------------------------------------------ health
+    async def pool_readiness(self, model: str) -> tuple[bool | None, str]:
+        """Whether the pool `model` names can serve now (None: no such model)."""
+        s = self.s
+        view = s.scheduler.view
+        pool = view.pool_of(model)
+        if pool is None and s.pool:
+            other = s.pool_of_model(model)
+            if other is not None and other != s.pool:  # led elsewhere: its leader must hold its lease
+                if await s.redis.exists(self.leadership.lease_key(other)):
+                    return True, f"pool {other!r} has a leader router"
+                return False, f"no leader router holds pool {other!r}'s lease (failover in progress?)"
+        if pool is None:
+            return None, f"model {model!r} is not served here"
+        live = view.routable(pool).num_live
+        if not live:
+            return False, f"no live worker serves model {pool!r}"
+        return True, f"{live} live worker(s) serve model {pool!r}"
+
     async def readiness(self) -> tuple[bool, str]:
         s = self.s
         if s.nc is None or not s.nc.is_connected:

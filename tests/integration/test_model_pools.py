@@ -69,6 +69,13 @@ async def test_two_pools_route_every_request_to_its_model_and_refuse_what_they_c
         assert "b" in {d["id"] for d in (await c.get(url + "/v1/models")).json()["data"]}  # still listed
         ok = await c.post(url + "/v1/completions", json={"model": "a", "prompt": "still here", "max_tokens": 2})
         assert ok.status_code == 200
+        # Readiness per pool, for a load balancer in front of each model.
+        ready = {m: (await c.get(url + f"/readyz?model={m}")) for m in ("a", "b", "gpt-9")}
+        assert [ready[m].status_code for m in ("a", "b", "gpt-9")] == [200, 503, 404], {m: r.text for m, r in ready.items()}
+        assert "no live worker serves model 'b'" in ready["b"].json()["error"]["message"]
+        metrics = (await c.get(url + "/metrics")).text
+        assert 'flexlb_model_requests_total{model="a",outcome="admitted"}' in metrics
+        assert 'flexlb_model_requests_total{model="b",outcome="no_worker"}' in metrics
 
 
 

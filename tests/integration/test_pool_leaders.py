@@ -125,3 +125,15 @@ async def test_each_pool_has_its_leader_and_one_fails_over_within_3_s_while_the_
     print({k: summary[k] for k in ("journals", "events", "decisions", "matched", "first_divergence")})
     assert rc == 0 and summary["errors"] == [] and summary["first_divergence"] is None, summary
     assert summary["journals"] >= 3 and summary["matched"] == summary["decisions"] > 0, summary
+
+
+async def test_flexlb_up_starts_a_leader_per_pool(flexlb_up):
+    _, state = flexlb_up("--time-scale", "0.01", "--pool", "a=1", "--pool", "b=1", "--leader-per-pool")
+    urls = state["router_urls"]
+    assert [(_health(u)["role"], _health(u)["scheduling_pool"]) for u in urls] == [("leader", "a"), ("leader", "b")]
+    async with httpx.AsyncClient(timeout=60) as c:
+        for url in urls:  # each router takes both models: its own, and the other forwarded to its leader
+            for model in ("a", "b"):
+                assert (await _one(c, url, model, 1))[0] == "ok"
+        workers = {w["id"] for w in (await c.get(urls[0] + "/admin/workers")).json()["workers"]}
+    assert workers == {w["id"] for w in state["workers"] if w["model"] == "a"}  # its core holds its own pool only
