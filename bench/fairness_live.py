@@ -8,6 +8,10 @@ Runs, each on a fresh stack (`--workers` sim workers of `--max-num-seqs` sequenc
 2. quiet alone: the quiet tenant's Poisson arrivals at 0.25 x capacity for `--duration-s`;
 3. noisy neighbour, fair queue on, for each `--buffers` (fair_engine_buffer): both tenants;
 4. the same with the fair queue off.
+With `--scenario backlogged` instead: four tenants of different request sizes (SIZES), each
+at 1 x capacity, with the queue and without, then two tenants at 2 x weighted 4:1; per 60 s
+window the cost tokens (input + 2 x output) of the requests each finished, Jain's index over
+the tenants, and the weighted ratio.
 Per run: the quiet tenant's TTFT p50 / p99 (of the requests sent after `--warmup-s`), its
 refusals, the noisy tenant's refusals, and utilisation (completions per second over the
 run against the capacity). Tenants by the `X-Flexlb-Tenant` header. Prompts of
@@ -50,10 +54,18 @@ class Stack:
         self.stack.stop()
 
 
+# Scenario "backlogged": four tenants with different request sizes (prompt characters, output
+# tokens), each sending at 1 x capacity, then two at 2 x with weights 4:1.
+SIZES = {"t0": (1_500, 32), "t1": (3_000, 16), "t2": (500, 64), "t3": (1_000, 32), "heavy": (1_500, 32),
+         "light": (1_500, 32)}
+
+
 async def one(c: httpx.AsyncClient, url: str, tenant: str, i: int, args, out: list) -> None:
-    body = {"prompt": f"{tenant} {i} " + "x" * args.prompt_chars, "max_tokens": args.output_tokens, "stream": True}
+    chars, max_tokens = SIZES.get(tenant, (args.prompt_chars, args.output_tokens))
+    prompt = f"{tenant} {i} " + "x" * chars
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
     t0 = time.perf_counter()
-    rec = {"tenant": tenant, "sent": t0, "status": None, "ttft_s": None, "done": False}
+    rec = {"tenant": tenant, "sent": t0, "status": None, "ttft_s": None, "done": False, "prompt": len(prompt), "output": 0}
     out.append(rec)
     try:
         async with c.stream("POST", url + "/v1/completions", json=body, headers={"x-flexlb-tenant": tenant}) as r:
@@ -63,8 +75,11 @@ async def one(c: httpx.AsyncClient, url: str, tenant: str, i: int, args, out: li
                 rec["code"] = (await r.aread()).decode()[:120]
                 return
             async for line in r.aiter_lines():
-                if line.startswith("data: ") and rec["ttft_s"] is None and '"text"' in line:
-                    rec["ttft_s"] = time.perf_counter() - t0
+                if line.startswith("data: ") and '"text"' in line:
+                    text = json.loads(line[6:])["choices"][0]["text"]
+                    rec["output"] += len(text)  # (the byte tokenizer: one character is one token)
+                    if rec["ttft_s"] is None and text:
+                        rec["ttft_s"] = time.perf_counter() - t0
                 if line == "data: [DONE]":
                     rec["done"] = True
                     rec["end"] = time.perf_counter()
@@ -130,6 +145,41 @@ def summarize(recs: list[dict], args, capacity: float) -> dict:
             "codes": sorted({r.get("code", "")[:60] for r in recs if r["status"] not in (200, None)})[:5]}
 
 
+def served_cost(recs: list[dict], lo: float, hi: float, w_out: float = 2.0) -> dict[str, float]:
+    """Cost tokens (input + w_out x output) of the requests finished in [lo, hi), per tenant."""
+    out: dict[str, float] = {}
+    for r in recs:
+        if r["done"] and lo <= r["end"] < hi:
+            out[r["tenant"]] = out.get(r["tenant"], 0.0) + r["prompt"] + w_out * r["output"]
+    return out
+
+
+def jain(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0.0
+
+
+def backlogged(args, workdir: Path, capacity: float, report: dict) -> None:
+    """Four backlogged tenants of different sizes; then weights 4:1 (module docstring)."""
+    window = 60.0
+    args.duration_s = args.warmup_s + 2 * window
+    for name, flags, rates in (
+            ("four tenants", [], {t: capacity for t in ("t0", "t1", "t2", "t3")}),
+            ("four tenants, queue off", ["--fair-queue", "false"], {t: capacity for t in ("t0", "t1", "t2", "t3")}),
+            ("weights 4:1", ["--tenant-weights", json.dumps({"heavy": 4})], {"heavy": 2 * capacity, "light": 2 * capacity})):
+        with Stack(args, workdir, *flags) as url:
+            recs, _ = asyncio.run(open_loop(url, rates, args, args.seed))
+        windows = []
+        for k in range(2):
+            lo = args.warmup_s + k * window
+            cost = served_cost(recs, lo, lo + window)
+            windows.append({t: round(cost.get(t, 0.0)) for t in rates})
+        row = {"windows": windows, "jain": [round(jain(list(w.values())), 4) for w in windows]}
+        if "heavy" in rates:
+            row["heavy_to_light"] = [round(w["heavy"] / max(w["light"], 1), 3) for w in windows]
+        report["runs"][name] = row
+        print(f"{name}: {row}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -142,6 +192,7 @@ def main() -> None:
     ap.add_argument("--capacity-s", type=float, default=20.0)
     ap.add_argument("--buffers", default="0,2")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scenario", choices=["noisy", "backlogged"], default="noisy")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="fairness-live-"))
@@ -150,6 +201,12 @@ def main() -> None:
         capacity = asyncio.run(closed_loop(url, 2 * args.workers * args.max_num_seqs, args.capacity_s, args))
     print(f"capacity: {capacity:.2f} completions/s", flush=True)
     report["capacity_per_s"] = round(capacity, 3)
+    if args.scenario == "backlogged":
+        backlogged(args, workdir, capacity, report)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            print(f"wrote {args.out}")
+        return
     quiet_rate, noisy_rate = 0.25 * capacity, 2.0 * capacity
     with Stack(args, workdir) as url:
         recs, _ = asyncio.run(open_loop(url, {"quiet": quiet_rate}, args, args.seed))

@@ -151,8 +151,8 @@ from workers.agent import ReqMeta, WorkerAgent  # noqa: F401  (ReqMeta: as befor
 from workers.openai_relays import FINISH_REASONS, SGLangRelay, StreamRelay  # noqa: F401  (FINISH_REASONS: as before)
 from workers.openai_status import (  # noqa: F401  (STATUS_METRICS, parse_prometheus: this module's API)
     STATUS_METRICS,
+    MaxNumSeqsLearner,
     ServerStatus,
-    learn_max_num_seqs,
     parse_prometheus,
     server_status,
 )
@@ -205,6 +205,7 @@ class OpenAIAgent(WorkerAgent):
         # reported unless engine_max_num_seqs is set; forgotten when the server counts as gone
         # (it may come back with other settings).
         self.learned_max_num_seqs = 0
+        self.max_num_seqs_learner = MaxNumSeqsLearner()
         self.num_upstream_failures = 0
         # Which endpoint says the server is up: "" (not yet known), "metrics" (Prometheus text
         # with vLLM's or SGLang's names), "health" (GET /health 200), "models" (GET /v1/models,
@@ -336,6 +337,7 @@ class OpenAIAgent(WorkerAgent):
                 self.server_ok = False
                 self.server_not_ready_reason = reason
                 self.learned_max_num_seqs = 0
+                self.max_num_seqs_learner.forget()
                 log.error("engine server %s: %d polls failed (%s); not ready, failing what it holds",
                           self.base_url, self.num_failed_polls, exc)
                 await self._fail_held(f"the engine server {self.base_url} stopped answering ({exc})")
@@ -350,7 +352,7 @@ class OpenAIAgent(WorkerAgent):
         self.server_ok = True
         self.server_not_ready_reason = ""
         self.num_failed_polls = 0
-        self.learned_max_num_seqs = learn_max_num_seqs(self.learned_max_num_seqs, self.server)
+        self.learned_max_num_seqs = self.max_num_seqs_learner.observe(self.server)
         self.wake.set()
 
     def signals(self) -> m.EngineSignals:

@@ -13,9 +13,14 @@ without --enable-lora) the loaded adapters are unknown (None).
 
 max_num_seqs (`learn_max_num_seqs`): neither server exports it. A server with requests
 waiting runs all it can (its --max-num-seqs, or fewer when its KV cache is the limit), so
-the highest number running at a poll that saw requests waiting is a lower bound of it,
-the limit itself once one such poll found the KV cache not the limit. Until such a poll it
-is 0 (unknown); an agent whose own upstream_max_concurrency keeps the server below its
+the highest number running while requests kept waiting is a lower bound of it, the limit
+itself once such a stretch found the KV cache not the limit. Kept waiting: LEARN_AFTER_POLLS
+(5) polls in a row (a second at the 200 ms heartbeat), not one: a burst caught between two
+engine steps shows requests waiting beside a few running, and the router, holding work
+beyond the limit it is told (its fair queue, no engine buffer by default), would then never
+send enough for the server to show more: a single poll's count could lock the limit low.
+A server admits from its queue every step (tens of ms), so a second of waiting means it
+runs all it can. Until then it is 0 (unknown: the router holds nothing back); an agent whose own upstream_max_concurrency keeps the server below its
 limit never learns it (nothing waits there), which is right: the agent's limit is then the
 one that matters, and the operator can give the server's with --engine-max-num-seqs
 (workers/config.py).
@@ -108,7 +113,28 @@ def server_status(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> Ser
     return st
 
 
-def learn_max_num_seqs(learned: int, st: ServerStatus) -> int:
-    """What a poll's status teaches of the server's max_num_seqs (module docstring): the most
-    running at a moment with requests waiting, never less than what was learned before."""
-    return max(learned, st.num_running) if st.num_waiting > 0 else learned
+LEARN_AFTER_POLLS = 5  # consecutive polls with requests waiting before their running count is believed
+
+
+class MaxNumSeqsLearner:
+    """The server's max_num_seqs as its polls teach it (module docstring): the most running
+    during LEARN_AFTER_POLLS consecutive polls that all saw requests waiting, never less than
+    what was learned before; 0 until then."""
+
+    def __init__(self) -> None:
+        self.learned = 0
+        self.streak = 0  # consecutive polls with requests waiting
+        self.streak_max = 0  # the most running among them
+
+    def observe(self, st: ServerStatus) -> int:
+        if st.num_waiting > 0:
+            self.streak += 1
+            self.streak_max = max(self.streak_max, st.num_running)
+            if self.streak >= LEARN_AFTER_POLLS:
+                self.learned = max(self.learned, self.streak_max)
+        else:
+            self.streak = self.streak_max = 0
+        return self.learned
+
+    def forget(self) -> None:
+        self.learned = self.streak = self.streak_max = 0

@@ -19,7 +19,7 @@ fold and a batch window, tens of ms), but every buffered request is served FCFS 
 what the queue orders later. Measured with bench/fairness_live.py (4 sim workers x 4
 sequences behind `flexlb up`, a quiet tenant at 0.25 x capacity beside a noisy one at 2 x,
 60 s): the quiet tenant's TTFT p99 1.87x its p99 alone with no buffer, 4.32x with 2, 90x
-with the queue off; utilisation stayed above capacity measured closed-loop either way (the
+with the queue off (bench/CORE.md, run 1); utilisation stayed above capacity measured closed-loop either way (the
 slot idles for the release's tens of ms, against seconds of decode). In virtual time
 (bench/fairness.py, 8 engines x 32): 1.50x with none, 1.61x with 2, 1.93x with 8.
 

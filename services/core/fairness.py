@@ -31,14 +31,20 @@ the bound" would then be FCFS, and critical would lose its priority altogether.
 VTC within a class (Sheng et al., OSDI'24, "Fairness in Serving Large Language Models").
 Each tenant has a virtual counter per class: the service it has received, in cost tokens
 (input + `w_out` x output) divided by its weight. `pop` serves the backlogged tenant with the
-smallest counter (ties: the tenant whose head request arrived first), its oldest request.
+smallest counter (ties: a tenant just lifted, below, first; else the tenant whose head
+request arrived first), its oldest request.
 - Charged at dispatch with the prompt and the estimated output (the request's `max_tokens`
   or the caller's estimate); corrected by `settle(dispatched, actual_output_tokens)` when the
   real output is known (the difference x `w_out` / weight). Every dispatched request should
   be settled once (0 output tokens when it failed before producing any).
 - No banked credit: a tenant that becomes backlogged in a class after idling has its counter
   lifted to the smallest counter of the class's backlogged tenants (or, when none is
-  backlogged, to the counter of the last tenant that left the backlog), as VTC does.
+  backlogged, to the counter of the last tenant that left the backlog), as VTC does. Lifted
+  beside backlogged tenants (its counter was below theirs), it wins the tie at the floor for
+  its first dispatch: VTC leaves ties open, and by arrival the backlogged tenant's older
+  head would go first, so the returning tenant waited one more of its requests (one slot
+  free: measured, bench/CORE.md "Fair admission behind the router"). A credit of one tie:
+  its counter is the floor's, and rises by its request's cost like any.
 - Bound (VTC's, and the property test's): without settle corrections, the counters of a
   class's backlogged tenants stay within one request's cost (the largest cost / weight) of
   each other; settle corrections move a counter by the estimate's error on top of that.
@@ -218,6 +224,13 @@ class _ClassQueue:
     heap: list[tuple[float, int, str]] = field(default_factory=list)  # (counter, head seq, tenant); stale ones skipped
     last_left_counter: float = 0.0  # counter of the last tenant whose backlog emptied
     backlogged_since_ns: int = 0  # starvation clock: max(first queued, last dispatch) while backlogged
+    lifted: set[str] = field(default_factory=set)  # back from idle beside others, not served since: win ties
+
+
+def _tie(cq: _ClassQueue, tenant: str) -> int:
+    """A tenant's tie-break among equal counters: its head's arrival, or 0 (first) while it is
+    lifted (`_enqueue`)."""
+    return 0 if tenant in cq.lifted else cq.tenant_to_queue[tenant][0].seq
 
 
 class FairQueue:
@@ -314,7 +327,7 @@ class FairQueue:
         cq.tenant_to_counter[req.tenant] = after
         q = cq.tenant_to_queue.get(req.tenant)
         if q:  # its heap entry is stale now
-            heapq.heappush(cq.heap, (after, q[0].seq, req.tenant))
+            heapq.heappush(cq.heap, (after, _tie(cq, req.tenant), req.tenant))
         return Settled(request_id=req.request_id, priority_class=dispatched.priority_class, tenant=req.tenant,
                        counter_before=before, counter_after=after, correction_tokens=correction)
 
@@ -363,12 +376,17 @@ class FairQueue:
         if q is not None:
             q.append(entry)
             return
-        # The tenant becomes backlogged: lift its counter (no banked credit).
+        # The tenant becomes backlogged: lift its counter (no banked credit). Lifted to the floor
+        # beside backlogged tenants, it wins the tie with the one at the floor (whose head is
+        # older) for its first dispatch: served next, not after one more of theirs.
         floor = min((cq.tenant_to_counter[t] for t in cq.tenant_to_queue), default=cq.last_left_counter)
-        counter = max(cq.tenant_to_counter.get(tenant, floor), floor)
+        own = cq.tenant_to_counter.get(tenant)
+        counter = max(own if own is not None else floor, floor)
+        if cq.tenant_to_queue and (own if own is not None else 0.0) < floor:  # (really lifted: served less)
+            cq.lifted.add(tenant)
         cq.tenant_to_counter[tenant] = counter
         cq.tenant_to_queue[tenant] = deque((entry,))
-        heapq.heappush(cq.heap, (counter, entry.seq, tenant))
+        heapq.heappush(cq.heap, (counter, _tie(cq, tenant), tenant))
 
     def _remove(self, cq: _ClassQueue, entry: _Entry) -> None:
         """Take a queued entry out without serving it (eviction, cancel)."""
@@ -382,7 +400,7 @@ class FairQueue:
         if not q:
             self._leave(cq, req.tenant)
         elif was_head:
-            heapq.heappush(cq.heap, (cq.tenant_to_counter[req.tenant], q[0].seq, req.tenant))
+            heapq.heappush(cq.heap, (cq.tenant_to_counter[req.tenant], _tie(cq, req.tenant), req.tenant))
 
     @staticmethod
     def _oldest(cq: _ClassQueue) -> _Entry | None:
@@ -398,6 +416,7 @@ class FairQueue:
 
     def _leave(self, cq: _ClassQueue, tenant: str) -> None:
         del cq.tenant_to_queue[tenant]
+        cq.lifted.discard(tenant)
         cq.last_left_counter = cq.tenant_to_counter[tenant]
 
     def _dispatch(self, c: PriorityClass, reason: Literal["priority", "starvation"], now_ns: int) -> Dispatched:
@@ -405,15 +424,16 @@ class FairQueue:
         while True:  # skip stale heap entries: counter or head changed since pushed, or tenant idle
             counter, seq, tenant = cq.heap[0]
             q = cq.tenant_to_queue.get(tenant)
-            if q and q[0].seq == seq and cq.tenant_to_counter[tenant] == counter:
+            if q and _tie(cq, tenant) == seq and cq.tenant_to_counter[tenant] == counter:
                 break
             heapq.heappop(cq.heap)
         heapq.heappop(cq.heap)
         if len(cq.heap) > 4 * len(cq.tenant_to_queue) + 64:  # settles left many stale entries: rebuild
-            cq.heap = [(cq.tenant_to_counter[t], tq[0].seq, t) for t, tq in cq.tenant_to_queue.items() if t != tenant]
+            cq.heap = [(cq.tenant_to_counter[t], _tie(cq, t), t) for t in cq.tenant_to_queue if t != tenant]
             heapq.heapify(cq.heap)
         entry = q.popleft()
         entry.is_gone = True
+        cq.lifted.discard(tenant)
         req = entry.request
         del cq.request_id_to_entry[req.request_id]
         self._num_queued -= 1
@@ -422,7 +442,7 @@ class FairQueue:
         after = counter + cost / weight
         cq.tenant_to_counter[tenant] = after
         if q:
-            heapq.heappush(cq.heap, (after, q[0].seq, tenant))
+            heapq.heappush(cq.heap, (after, _tie(cq, tenant), tenant))
         else:
             self._leave(cq, tenant)
         cq.backlogged_since_ns = now_ns  # the class was just served: its starvation clock restarts

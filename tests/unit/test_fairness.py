@@ -156,8 +156,9 @@ def test_returning_tenant_gets_no_banked_credit():
     q.offer(make_request("a1", "a"), 2 * MS)
     q.offer(make_request("a2", "a"), 2 * MS)
     assert q.counters("standard")["a"] == 500.0  # lifted to the backlogged minimum, not 0
-    # so a alternates with b instead of taking the next ten
-    assert drain(q, 3, 4) == ["b5", "a1", "b6", "a2"]
+    # so a alternates with b instead of taking the next ten; lifted, it wins its first tie with
+    # b (whose head is older): served next, then one request each
+    assert drain(q, 3, 4) == ["a1", "b5", "b6", "a2"]
 
 
 def test_tenant_returning_to_an_empty_class_is_lifted_to_the_last_one_out():

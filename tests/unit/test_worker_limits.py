@@ -15,7 +15,7 @@ from workers.config import WorkerConfig
 from workers.engines.base import EngineBatch, EngineRequest
 from workers.metrics import StatusCollector
 from workers.openai_agent import OpenAIAgent
-from workers.openai_status import ServerStatus, learn_max_num_seqs, parse_prometheus, server_status
+from workers.openai_status import MaxNumSeqsLearner, ServerStatus, parse_prometheus, server_status
 from workers.upstream_http import UpstreamFailure, refusal_of
 
 
@@ -78,19 +78,29 @@ def test_the_sim_agent_passes_the_requests_adapter_to_the_engine():
 
 
 # --------------------------------------------------------------------------- max_num_seqs learned from /metrics
-@pytest.mark.parametrize("learned,running,waiting,expected", [
-    (0, 5, 0, 0),  # nothing waits: the server may run more
-    (0, 5, 2, 5),  # something waits: it runs all it can
-    (8, 5, 2, 8),  # never below what an earlier overload showed
-    (8, 12, 1, 12),
-], ids=["idle", "first-overload", "keeps-the-highest", "raised"])
-def test_max_num_seqs_is_the_most_running_while_requests_waited(learned, running, waiting, expected):
-    assert learn_max_num_seqs(learned, vllm_metrics(running, waiting)) == expected
+def learned(polls: list[tuple[int, int]]) -> int:
+    learner = MaxNumSeqsLearner()
+    for running, waiting in polls:
+        out = learner.observe(vllm_metrics(running, waiting))
+    return out
+
+
+@pytest.mark.parametrize("polls,expected", [
+    ([(5, 0)] * 10, 0),  # nothing waits: the server may run more
+    ([(3, 5)] + [(8, 0)] * 9, 0),  # a burst between two steps: not its limit
+    ([(3, 5), (8, 2), (8, 2), (8, 1), (8, 3)], 8),  # kept waiting for 5 polls: it runs all it can
+    ([(8, 2)] * 5 + [(5, 2)] * 5, 8),  # never below what an earlier overload showed
+    ([(8, 2)] * 5 + [(3, 0)] + [(12, 1)] * 5, 12),  # raised by a later one
+    ([(8, 2)] * 4 + [(3, 0)] + [(12, 1)] * 4, 0),  # two short ones are not one long one
+], ids=["idle", "a-burst", "sustained", "keeps-the-highest", "raised", "broken-streaks"])
+def test_max_num_seqs_is_the_most_running_while_requests_kept_waiting(polls, expected):
+    assert learned(polls) == expected
 
 
 def test_sglangs_metrics_teach_it_too():
+    learner = MaxNumSeqsLearner()
     st = server_status(parse_prometheus("sglang:num_running_reqs 4\nsglang:num_queue_reqs 3\nsglang:token_usage 0.2\n"))
-    assert learn_max_num_seqs(0, st) == 4
+    assert [learner.observe(st) for _ in range(5)] == [0, 0, 0, 0, 4]
 
 
 @pytest.mark.parametrize("setting,learned,expected", [(0, 0, 0), (0, 9, 9), (32, 9, 32)],
