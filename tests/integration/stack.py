@@ -122,13 +122,14 @@ async def wait_all_terminal(nats_url: str, ids: set[str], timeout_s: float = 30)
         raise AssertionError(f"{exc}; {len(missing)} of {len(ids)} without one, e.g. {missing[:3]}") from None
 
 
-def start_sim_server(spawn, *args: str, timeout_s: float = 45) -> tuple[str, object]:
-    """`flexlb sim-server ARGS` on a free loopback port (through the `spawn` fixture); returns
-    (its URL, the process) once /health answers 200, or fails with the server's log tail."""
+def start_sim_server(spawn, *args: str, timeout_s: float = 45, env: dict[str, str] | None = None) -> tuple[str, object]:
+    """`flexlb sim-server ARGS` on a free loopback port (through the `spawn` fixture; `env`:
+    settings in its environment, FLEXLB_*); returns (its URL, the process) once /health
+    answers 200, or fails with the server's log tail."""
     from services.infra import free_port
 
     port = free_port()
-    proc = spawn("sim-server", "--port", str(port), *args, name=f"sim-{port}")
+    proc = spawn("sim-server", "--port", str(port), *args, env=env, name=f"sim-{port}")
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -141,6 +142,24 @@ def start_sim_server(spawn, *args: str, timeout_s: float = 45) -> tuple[str, obj
 
     wait_for(healthy, timeout_s, f"the sim-server at {url} to answer /health")
     return url, proc
+
+
+async def asgi_call(app, method: str, path: str, body: dict | None = None, timeout_s: float = 10) -> tuple[int, bytes]:
+    """One request to an ASGI app in this process, its client staying connected: (status, body)."""
+    inbox = [{"type": "http.request", "body": json.dumps(body or {}).encode(), "more_body": False}]
+    stays = asyncio.Event()  # never set: the client does not disconnect
+    sent: list[dict] = []
+
+    async def receive():
+        if inbox:
+            return inbox.pop(0)
+        await stays.wait()
+
+    async def send(message):
+        sent.append(message)
+
+    await asyncio.wait_for(app({"type": "http", "method": method, "path": path, "headers": []}, receive, send), timeout_s)
+    return sent[0]["status"], b"".join(x.get("body", b"") for x in sent[1:])
 
 
 async def wait_async(predicate, timeout_s: float, what: str, interval_s: float = 0.2):

@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from services.infra import free_port
+from tests.integration.stack import asgi_call
 
 REPO = Path(__file__).resolve().parent.parent.parent
 MODEL = "flexlb-sim"
@@ -425,27 +426,13 @@ async def test_an_engine_bug_mid_stream_ends_the_stream_with_an_error_chunk_not_
         return step
 
     front.engine.step = failing_step
-    body = json.dumps({"prompt": "hi", "max_tokens": 10, "stream": True}).encode()
-    inbox = [{"type": "http.request", "body": body, "more_body": False}]
-    client_stays = asyncio.Event()  # never set: the client does not disconnect
-    sent: list[dict] = []
-
-    async def receive():
-        if inbox:
-            return inbox.pop(0)
-        await client_stays.wait()
-
-    async def send(message):
-        sent.append(message)
-
     front.start()
     try:
-        await asyncio.wait_for(app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
-                                   receive, send), timeout=10)
+        status, raw = await asgi_call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 10, "stream": True})
     finally:
         await front.stop()
-    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
-    events = b"".join(m.get("body", b"") for m in sent[1:]).decode().split("\n\n")
+    assert status == 200
+    events = raw.decode().split("\n\n")
     data = [e.removeprefix("data: ") for e in events if e]
     assert data[-1] == "[DONE]"
     assert [len(json.loads(d)["choices"][0]["text"]) for d in data[:-2]] == [1, 1]  # two steps made it

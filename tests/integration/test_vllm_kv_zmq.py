@@ -25,6 +25,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from schemas.tokens import block_hashes
+from tests.integration.stack import asgi_call
 from workers.vllm_kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -465,23 +466,9 @@ async def test_the_sim_servers_kv_events_give_the_engines_cache_in_our_hashes(so
         await joined(pub, sub, view)
 
         async def complete(prompt: str) -> dict:
-            body = json.dumps({"prompt": prompt, "max_tokens": 3}).encode()
-            inbox = [{"type": "http.request", "body": body, "more_body": False}]
-            stays = asyncio.Event()
-            sent: list[dict] = []
-
-            async def receive():
-                if inbox:
-                    return inbox.pop(0)
-                await stays.wait()
-
-            async def send(message):
-                sent.append(message)
-
-            await asyncio.wait_for(app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
-                                       receive, send), WAIT_S)
-            assert sent[0]["status"] == 200, sent
-            return json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            status, raw = await asgi_call(app, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 3}, WAIT_S)
+            assert status == 200, raw
+            return json.loads(raw)
 
         system = "You are a helpful assistant. "  # 29 tokens: 7 shared blocks
         for wave in range(3):

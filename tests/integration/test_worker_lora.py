@@ -28,50 +28,13 @@ import nats
 from schemas import messages as m
 from schemas.subjects import dispatch_subject, status_subject, token_subject, worker_events_subject
 from services.infra import free_port
-from tests.integration.stack import expected_text, wait_async, wait_for
+from tests.integration.stack import asgi_call, expected_text, start_sim_server, wait_async
 from workers.config import WorkerConfig
 from workers.http_front import SimFront, SimHttpApp
 from workers.openai_status import parse_prometheus
 
 
 # --------------------------------------------------------------------------- builders
-async def call(app: SimHttpApp, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-    """One request to the ASGI app in process: (status, body)."""
-    inbox = [{"type": "http.request", "body": json.dumps(body or {}).encode(), "more_body": False}]
-    stays = asyncio.Event()  # never set: the client does not disconnect
-    sent: list[dict] = []
-
-    async def receive():
-        if inbox:
-            return inbox.pop(0)
-        await stays.wait()
-
-    async def send(message):
-        sent.append(message)
-
-    await asyncio.wait_for(app({"type": "http", "method": method, "path": path, "headers": []}, receive, send), 10)
-    return sent[0]["status"], b"".join(x.get("body", b"") for x in sent[1:])
-
-
-def start_sim_server_with(spawn, env: dict[str, str], *args: str) -> str:
-    """`flexlb sim-server ARGS` with settings in its environment (FLEXLB_*: the flags that
-    services/cli.py may not have); its URL once /health answers."""
-    port = free_port()
-    proc = spawn("sim-server", "--port", str(port), *args, env=env, name=f"sim-{port}")
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"sim-server exited with {proc.popen.returncode}:\n{proc.tail()}")
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, 45, f"the sim-server at {url} to answer /health")
-    return url
-
-
 class Watcher:
     """A worker's events and status reports, as they come (core NATS subscriptions)."""
 
@@ -120,20 +83,20 @@ async def test_the_sim_server_serves_its_adapters_as_vllm_does():
     app = SimHttpApp(front)
     front.start()
     try:
-        status, body = await call(app, "GET", "/v1/models")
+        status, body = await asgi_call(app, "GET", "/v1/models")
         models = json.loads(body)["data"]
         assert status == 200 and [(x["id"], x.get("parent")) for x in models] == [
             ("flexlb-sim", None), ("sql", "flexlb-sim"), ("chat", "flexlb-sim")]
-        status, body = await call(app, "POST", "/v1/completions", {"model": "sql", "prompt": "hello", "max_tokens": 3})
+        status, body = await asgi_call(app, "POST", "/v1/completions", {"model": "sql", "prompt": "hello", "max_tokens": 3})
         assert status == 200 and json.loads(body)["model"] == "sql"
         assert front.engine.num_lora_loads == 1 and front.engine.loaded_lora_adapters() == ["sql"]
-        status, body = await call(app, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hello", "max_tokens": 3})
+        status, body = await asgi_call(app, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "hello", "max_tokens": 3})
         assert status == 200 and json.loads(body)["model"] == "flexlb-sim"  # not an adapter: the base
         assert front.engine.num_lora_loads == 1
-        status, body = await call(app, "POST", "/generate", {"text": "hi", "lora_path": "chat",
+        status, body = await asgi_call(app, "POST", "/generate", {"text": "hi", "lora_path": "chat",
                                                              "sampling_params": {"max_new_tokens": 2}})
         assert status == 200 and front.engine.loaded_lora_adapters() == ["sql", "chat"]
-        status, body = await call(app, "POST", "/generate", {"text": "hi", "lora_path": "nope"})
+        status, body = await asgi_call(app, "POST", "/generate", {"text": "hi", "lora_path": "nope"})
         assert status == 400 and b"nope" in body
         metrics = parse_prometheus(front.metrics_text())
         [(labels, _)] = metrics["vllm:lora_requests_info"]
@@ -149,7 +112,7 @@ async def test_a_sim_server_without_adapters_lists_one_model_and_exports_no_lora
     app = SimHttpApp(front)
     front.start()
     try:
-        _, body = await call(app, "GET", "/v1/models")
+        _, body = await asgi_call(app, "GET", "/v1/models")
         assert [x["id"] for x in json.loads(body)["data"]] == ["flexlb-sim"]
         assert "vllm:lora_requests_info" not in parse_prometheus(front.metrics_text())
     finally:
@@ -191,8 +154,7 @@ async def test_a_sim_worker_registers_its_limits_serves_its_adapters_and_refuses
 
 # --------------------------------------------------------------------------- the openai agent in front of a sim-server
 async def test_the_openai_agent_sends_the_adapter_as_model_and_learns_the_servers_limits(spawn, nats_url):
-    url = start_sim_server_with(spawn, {"FLEXLB_LORA_ADAPTERS": "sql,chat", "FLEXLB_MAX_NUM_SEQS": "2"},
-                                "--time-scale", "0.1")
+    url, _ = start_sim_server(spawn, "--time-scale", "0.1", env={"FLEXLB_LORA_ADAPTERS": "sql,chat", "FLEXLB_MAX_NUM_SEQS": "2"})
     worker, router = f"w-{secrets.token_hex(3)}", f"rt-{secrets.token_hex(3)}"
     nc = await nats.connect(nats_url)
     seen = Watcher()
