@@ -79,10 +79,21 @@ return e
 """
 
 
+# Give the lease up only if it is still ours (stopping while leading).
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+HANDOFF_WAIT_S = 1.0  # stopping: how long the leader waits for a standby to take the lease it gave up
+
+
 class Leadership:
     def __init__(self, state: RouterState, intake: "Intake") -> None:
         self.s = state
         self.intake = intake
+        self.handing_off = False  # stopping: the lease was given up (hand_off); never renewed or taken again
 
     def lease_key(self, pool: str | None = None) -> str:
         """The scheduling lease of `pool` (None: ours; "": the cluster's one leader's)."""
@@ -115,6 +126,8 @@ class Leadership:
     async def lease_cycle(self) -> None:
         """Hold or take the scheduling lease (Redis, PX TTL). Taking it bumps the fencing epoch,
         announced to every worker, so the previous leader's commands are refused."""
+        if self.handing_off:
+            return
         key = self.lease_key()
         ttl_ms = int(LEASE_TTL_S * 1000)
         sent = time.monotonic()
@@ -197,6 +210,30 @@ class Leadership:
                                   message=f"leader {handle.leader_id} gone before dispatching it")
                 self.s.finish_router(handle, "failed", "not_ready",
                                     f"leader router {handle.leader_id} is gone and had not dispatched it; retry")
+
+    async def hand_off(self) -> None:
+        """Stopping while leading (SIGTERM): give the lease up now, so a standby takes it at its
+        next cycle (within LEASE_RENEW_S) instead of after the TTL; wait up to HANDOFF_WAIT_S
+        for it, then step down, handing what we queued to it. Without Redis the standby waits
+        out the TTL, as after a crash."""
+        self.handing_off = True  # the lease loop must not take it back (its renewal would: "nobody holds it")
+        try:
+            released = int(await asyncio.wait_for(
+                self.s.redis.eval(RELEASE_LUA, 1, self.lease_key(), self.s.lease_value), 1.0))
+        except Exception as exc:  # Redis away: the TTL does it
+            log.warning("router %s: could not give the lease up at stop (%s); a standby takes it after its TTL",
+                        self.s.router_id, exc.__class__.__name__)
+            released = 0
+        if released:
+            deadline = time.monotonic() + HANDOFF_WAIT_S
+            while time.monotonic() < deadline:
+                holder = await self.s.redis.get(self.lease_key())
+                if holder and (holder.decode() if isinstance(holder, bytes) else holder) != self.s.lease_value:
+                    log.warning("router %s stopping: %s took the lease", self.s.router_id,
+                                (holder.decode() if isinstance(holder, bytes) else holder).split(":")[0])
+                    break
+                await asyncio.sleep(0.05)
+        await self.step_down("stopping (SIGTERM): leadership handed over" if released else "stopping (SIGTERM)")
 
     async def step_down(self, why: str) -> None:
         log.error("router %s steps down: %s", self.s.router_id, why)

@@ -95,6 +95,9 @@ from services.shell.upkeep import Upkeep
 __all__ = ["RequestHandle", "RouterService", "Terminal"]
 
 log = logging.getLogger("flexlb.router")
+# Stopping while leading: at most this long to give the lease up, see a standby take it and
+# hand it what we queued (ROUTER_STOP_S, 4.5 s, bounds the whole stop).
+HANDOFF_BUDGET_S = 2.0
 
 # An event fetched by a router that then died is redelivered after this long (to its
 # restarted self): short, so the ledger entries it releases do not linger.
@@ -252,6 +255,12 @@ class RouterService:
         s = self.s
         s.running = False
         s.wakeup.set()
+        if s.is_leader and s.redis is not None and s.nc is not None and s.nc.is_connected:
+            try:  # bounded: the process must exit within ROUTER_STOP_S whatever it was doing
+                await asyncio.wait_for(self.leadership.hand_off(), HANDOFF_BUDGET_S)
+            except asyncio.TimeoutError:
+                log.error("router %s: handing leadership over took over %.1f s; stopping anyway", s.router_id,
+                          HANDOFF_BUDGET_S)
         for item in s.scheduler.drain_queues():
             s.finish_router(item.payload, "failed", "no_worker", "router shutting down before dispatch")
         for handle in self.intake.take_waiting():

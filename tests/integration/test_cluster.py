@@ -408,3 +408,54 @@ async def test_a_worker_publishes_a_requests_token_chunks_again_from_an_index_wh
     await asyncio.sleep(0.5)
     assert len(got) == n
     await nc.close()
+
+
+async def test_sigterm_to_the_leader_hands_the_lease_to_a_standby_within_1_s(spawn, nats_url, redis_url):
+    """A leader told to stop gives its lease up: the standby leads at its next lease cycle
+    (not after the 2 s TTL) and dispatches; requests sent through the standby meanwhile are
+    all served (the few the leader held queued are handed over, or refused retryable and
+    served on the client's retry)."""
+    import signal
+    import time
+
+    stack = start_stack(spawn, nats_url, redis_url, num_workers=2, router_id=_ids("leader"))
+    port_b = free_port()
+    b = spawn("router", "--router-id", _ids("standby"), "--port", str(port_b), "--cluster", stack["cluster"],
+              env=stack["env"], name="standby")
+    b_url = f"http://127.0.0.1:{port_b}"
+    wait_for(lambda: b.popen.poll() is None and _ready(b_url), 60, "standby ready")
+    assert httpx.get(b_url + "/healthz").json()["role"] == "standby"
+    outcomes: list[tuple[int, ...]] = []
+    stop = asyncio.Event()
+
+    async def load(k: int) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            i = 0
+            while not stop.is_set():
+                statuses = []
+                for _ in range(10):
+                    r = await c.post(b_url + "/v1/completions", json={"prompt": f"handoff {k} {i}", "max_tokens": 4})
+                    statuses.append(r.status_code)
+                    if r.status_code == 200 or not r.json()["error"]["retryable"]:
+                        break
+                    await asyncio.sleep(0.1)
+                outcomes.append(tuple(statuses))
+                i += 1
+
+    tasks = [asyncio.create_task(load(k)) for k in range(4)]
+    await asyncio.sleep(1.5)
+    stack["router"].popen.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    while (await asyncio.to_thread(lambda: httpx.get(b_url + "/healthz").json()["role"])) != "leader":
+        assert time.monotonic() - t0 < 5, "the standby never took over"
+        await asyncio.sleep(0.02)
+    takeover_s = time.monotonic() - t0
+    await asyncio.sleep(1.5)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert stack["router"].popen.wait(10) == 0  # a requested stop exits 0
+    print(f"standby led {takeover_s:.2f} s after the SIGTERM; {len(outcomes)} requests, "
+          f"{sum(len(o) > 1 for o in outcomes)} retried")
+    assert takeover_s < 1.0
+    assert len(outcomes) >= 20 and all(o[-1] == 200 for o in outcomes), [o for o in outcomes if o[-1] != 200][:5]
+    complete(b_url, "after the hand-off")  # the new leader dispatches
