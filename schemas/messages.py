@@ -139,7 +139,7 @@ class WorkerLivenessChanged(_Event, tag="worker.liveness_changed"):
 
     worker_id: str
     router_id: str
-    liveness: str  # "dead" | "expired" | "removed" (by an operator, with force)
+    liveness: str  # "dead" | "stopped" (silent after reporting "stopping") | "expired" | "removed" (by an operator, with force)
     num_missed_syncs: int = 0
     num_rerouted: int = 0  # requests not yet started there, re-routed
     num_failed: int = 0  # requests started there, failed with worker_failed

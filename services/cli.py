@@ -128,6 +128,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
                    help="torch on CPU: intra-op threads (default: all cores; flexlb up: cores / workers)")
     p.add_argument("--time-scale", type=float, help="sim: engine time multiplier: 1 = profile speed, 0 = instant")
     p.add_argument("--heartbeat-interval-ms", type=int, help="status heartbeat period (default 200)")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help="on SIGTERM, finish what it holds for up to this long, taking no new work, then fail the rest "
+                        "retryable (default 30; 0: at once; flexlb up: 0, as its routers stop first)")
     if not many_servers:  # flexlb up gives each worker a port of its own (--worker-metrics)
         p.add_argument("--metrics-port", type=int, help="serve the worker's own Prometheus /metrics on this port "
                                                         "(env FLEXLB_METRICS_PORT; default 0: off)")
@@ -360,10 +363,11 @@ def run_router(settings: RouterSettings) -> int:
     return uvloop.run(main())
 
 
-def _stopper(stop: asyncio.Event, what: str, exit_within_s: float):
+def _stopper(stop: asyncio.Event, what: str, exit_within_s: float, urgent: asyncio.Event | None = None):
     """A signal handler: set `stop`; the first time, also arm the last word on the stop: a
     process still here `exit_within_s` later (a library that swallowed a cancel and waits on
-    a dead socket) says so and exits 1 (os._exit, from a timer thread)."""
+    a dead socket) says so and exits 1 (os._exit, from a timer thread). A second signal sets
+    `urgent` (a draining worker stops draining)."""
 
     def force_exit() -> None:
         sys.stderr.write(f"flexlb {what}: still stopping {exit_within_s:.1f} s after the signal; exiting now\n")
@@ -375,6 +379,8 @@ def _stopper(stop: asyncio.Event, what: str, exit_within_s: float):
             timer = threading.Timer(exit_within_s, force_exit)
             timer.daemon = True
             timer.start()
+        elif urgent is not None:
+            urgent.set()
         stop.set()
 
     return on_signal
@@ -475,16 +481,16 @@ def run_worker(cfg) -> int:
                          "on NATS; `flexlb sim-server` publishes vLLM's)")
 
     async def main() -> None:
-        stop = asyncio.Event()
+        stop, urgent = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # the agent's own stop is bounded; this bounds the rest
-            loop.add_signal_handler(sig, _stopper(stop, "worker", WORKER_STOP_S))
+            loop.add_signal_handler(sig, _stopper(stop, "worker", cfg.drain_timeout_s + WORKER_STOP_S, urgent))
         if cfg.engine == "openai":
             from workers.openai_agent import OpenAIAgent
 
-            await OpenAIAgent(cfg).run(stop)
+            await OpenAIAgent(cfg).run(stop, urgent)
         else:
-            await WorkerAgent(cfg).run(stop)
+            await WorkerAgent(cfg).run(stop, urgent)
 
     import uvloop  # (a dependency) the agents' CPU per relayed token 53 -> 45 us against asyncio's loop (bench/adapter_cost.py)
 

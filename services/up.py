@@ -315,10 +315,12 @@ def run_up(args, settings: RouterSettings) -> int:
                      "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "scheduler", "max_prefill_tokens",
                      "engine_model", "served_model_name", "engine_protocol",
                      "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic",
-                     "lora_adapters", "max_loras", "lora_load_ms", "engine_max_num_seqs"):
+                     "lora_adapters", "max_loras", "lora_load_ms", "engine_max_num_seqs", "drain_timeout_s"):
             value = getattr(args, flag)
             if value is not None:
                 worker_flags += [f"--{flag.replace('_', '-')}", str(value)]
+        if args.drain_timeout_s is None:  # its routers stop first: nobody waits for what a worker would finish
+            worker_flags += ["--drain-timeout-s", "0"]
         if args.chunked_prefill is False:
             worker_flags.append("--no-chunked-prefill")
         per_worker: dict[str, list[str]] = {}  # flags of one worker only (its server, its pool's model)

@@ -29,8 +29,10 @@ Loops (one asyncio task each):
 
 Undecodable commands are counted (also in the heartbeat), dead-lettered to
 `flexlb.dlq.<worker>` with the reason, and acked so they do not block the queue.
-On SIGTERM the worker fails what it still holds (`worker_failed`, retryable) so no
-request hangs, reports `stopping`, and exits (final reports bounded by SHUTDOWN_TIMEOUT_S).
+On SIGTERM the worker drains: it reports `draining` (the router routes nothing more to it)
+and finishes what it holds for up to `drain_timeout_s` (30 s; a second signal ends it at
+once); then it fails what it still holds (`worker_failed`, retryable) so no request hangs,
+reports `stopping`, and exits (final reports bounded by SHUTDOWN_TIMEOUT_S).
 Start-up waits for NATS as long as it takes, logging "waiting for NATS at URL: why
 (retrying)" every WAIT_LOG_INTERVAL_S, but a SIGTERM meanwhile stops it at once.
 
@@ -95,6 +97,7 @@ SENT_TOKENS_MAX = 2048  # requests whose token chunks are kept for a resend (the
 WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
 RECENT_STEPS_WINDOW_S = 3.0  # the window of WorkerStatusReported.recent_step_ms (3 s: a 1 s window sheds on single long steps)
 SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
+DRAIN_POLL_S = 0.05  # draining: how often the worker looks whether it still holds anything
 WAIT_LOG_INTERVAL_S = 10.0  # while start-up waits for NATS, one "waiting for NATS" line this often
 
 
@@ -402,10 +405,13 @@ class WorkerAgent:
         )
 
     # ------------------------------------------------------------------ run
-    async def run(self, stop: asyncio.Event) -> None:
-        """Start, serve until `stop` is set, stop. Start-up (NATS, streams, the engine's
+    async def run(self, stop: asyncio.Event, urgent: asyncio.Event | None = None) -> None:
+        """Start, serve until `stop` is set, drain, stop. Start-up (NATS, streams, the engine's
         preparation) waits as long as it must, saying what for, but gives way to `stop` at
-        once: a worker told to stop before it registered closes what it opened and returns."""
+        once: a worker told to stop before it registered closes what it opened and returns.
+        Told to stop while serving, it drains first (`drain_timeout_s`): it reports
+        "draining" (the router sends it no new work) and finishes what it holds, for up to
+        the timeout or until `urgent` is set (a second signal), then fails the rest retryable."""
         starting = asyncio.create_task(self._start(), name="start-up")
         stopped = asyncio.create_task(stop.wait(), name="stop")
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -423,6 +429,8 @@ class WorkerAgent:
             asyncio.create_task(self.acked.run(), name="acked"),
         ] + [asyncio.create_task(loop, name="engine") for loop in self.engine_loops()]
         await stop.wait()
+        if self.cfg.drain_timeout_s > 0 and self.meta:
+            await self._drain(self.cfg.drain_timeout_s, urgent)
         self.state, self.not_ready_reason = "stopping", "worker stopping (told to: SIGTERM or SIGINT)"
         for t in tasks:
             t.cancel()
@@ -518,6 +526,26 @@ class WorkerAgent:
         self._waiting_for = "started"
         log.info("worker %s (%s, boot %s) ready", cfg.worker_id, cfg.role, self.boot_id)
         return psub, metrics_server
+
+    async def _drain(self, timeout_s: float, urgent: asyncio.Event | None) -> None:
+        """Report "draining" and serve on until nothing is held, the timeout, or `urgent`."""
+        held = len(self.meta)
+        self.state = "draining"
+        self.not_ready_reason = f"worker stopping (told to): finishing the {held} requests it holds, for up to {timeout_s:g} s"
+        log.warning("worker %s: %s", self.cfg.worker_id, self.not_ready_reason)
+        try:  # at once, not at the next heartbeat: the router stops sending work here
+            await self.nc.publish(status_subject(self.cfg.worker_id), self._env(self.status()))
+        except Exception as exc:  # the bus is away: the heartbeat loop says it when it can
+            log.warning("worker %s: could not report draining: %s", self.cfg.worker_id, exc.__class__.__name__)
+        deadline = time.monotonic() + timeout_s
+        while self.meta and time.monotonic() < deadline and not (urgent is not None and urgent.is_set()):
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.meta:
+            why = "told again to stop" if urgent is not None and urgent.is_set() else f"{timeout_s:g} s drain timeout"
+            log.warning("worker %s: %s with %d of %d requests unfinished: failing them (retryable)", self.cfg.worker_id,
+                        why, len(self.meta), held)
+        else:
+            log.warning("worker %s: drained: the %d requests it held finished", self.cfg.worker_id, held)
 
     async def _say_goodbye(self) -> None:
         await self._fail_everything("worker stopping")

@@ -161,6 +161,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_url: str = "nats://127.0.0.1:4222"  # a cluster: every server's URL, comma-separated
     nats_replicas: int = 1  # copies of each stream it creates if it starts first (the router's setting)
     heartbeat_interval_ms: int = 200
+    # SIGTERM: stop taking work (report "draining") and finish what it holds for up to this
+    # long, then fail the rest retryable and exit; 0: fail what it holds at once. 30 s:
+    # Kubernetes' default termination grace period (docker-compose.yml's stop_grace_period
+    # gives a little more), time for a few hundred decode steps.
+    drain_timeout_s: float = 30.0
     metrics_port: int = 0  # > 0: the worker's own Prometheus /metrics here (workers/metrics.py)
     metrics_host: str = "127.0.0.1"
     max_batch_tokens: int = 65536  # most prompt tokens in one prefill batch (reported to the router)
@@ -250,6 +255,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("heartbeat_interval_ms", "max_batch_tokens", "outbound_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s}")
         for name in ("engine_max_num_seqs", "max_loras"):  # 0: the engine's default (module docstring)
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the engine's default), got {getattr(self, name)}")

@@ -64,6 +64,11 @@ class Fold:
         stale = now - env.time_ns > stale_ns
         ev = env.payload
         self.s.note_worker_model(ev.worker_id, ev.model or self.s.settings.model_name, ev.lora_adapters)
+        if isinstance(ev, m.WorkerStatusReported) and not stale:
+            if ev.state == "draining":
+                self.s.seen_draining.add(ev.worker_id)
+            elif ev.state == "ready":
+                self.s.seen_draining.discard(ev.worker_id)
         if self.s.is_other_pool(ev.model):  # another pool's worker: its leader schedules it
             if isinstance(ev, m.WorkerStatusReported) and not stale:
                 self.s.max_worker_epoch = max(self.s.max_worker_epoch, ev.fencing_epoch)

@@ -67,7 +67,10 @@ class Liveness:
                     await self.admin.refresh_drain_flags()
                     continue
                 for worker_id in result.dead:
-                    await self.recovery.recover_dead_worker(worker_id, "dead")
+                    w = self.s.scheduler.view.workers.get(worker_id)
+                    # Silent after saying it stops (SIGTERM, drained or not): stopped, not dead.
+                    await self.recovery.recover_dead_worker(worker_id, "stopped" if w is not None and w.state == "stopping"
+                                                            else "dead")
                 for worker_id in result.expired:
                     await self.recovery.recover_dead_worker(worker_id, "expired")
                 for item in result.orphans:

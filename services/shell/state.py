@@ -207,6 +207,7 @@ class RouterState:
         self.num_dispatched: dict[str, int] = {}  # worker id -> requests dispatched to it
         self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
         self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
+        self.seen_draining: set[str] = set()  # workers that reported draining themselves (told to stop), until ready again
         self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
         self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
         self.bus_silent_since_ns = 0  # our NATS server stopped answering pings then (0: it answers)

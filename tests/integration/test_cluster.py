@@ -459,3 +459,68 @@ async def test_sigterm_to_the_leader_hands_the_lease_to_a_standby_within_1_s(spa
     assert takeover_s < 1.0
     assert len(outcomes) >= 20 and all(o[-1] == 200 for o in outcomes), [o for o in outcomes if o[-1] != 200][:5]
     complete(b_url, "after the hand-off")  # the new leader dispatches
+
+
+@pytest.mark.parametrize("drain_timeout_s, long_tokens", [(20.0, 120), (1.0, 2000)], ids=["finishes", "times-out"])
+async def test_a_worker_told_to_stop_drains_what_it_holds_and_the_router_says_drained(spawn, nats_url, redis_url,
+                                                                                       drain_timeout_s, long_tokens):
+    """SIGTERM to a worker under load: it takes no new work, finishes what it holds within
+    its drain timeout (the rest fails retryable: none hangs), the router reports it drained,
+    and when it is gone, stopped rather than dead."""
+    import signal
+
+    env = {"FLEXLB_NATS_URL": nats_url, "FLEXLB_REDIS_URL": redis_url}
+    w_stop, w_stay = _ids("wstop"), _ids("wstay")
+    victim = spawn("worker", "--id", w_stop, "--time-scale", "0.5", "--drain-timeout-s", str(drain_timeout_s), env=env,
+                   name=w_stop)
+    spawn("worker", "--id", w_stay, "--time-scale", "0.5", env=env, name=w_stay)
+    stack = start_stack(spawn, nats_url, redis_url, num_workers=0)
+    url = stack["url"]
+    wait_for(lambda: {w["id"] for w in httpx.get(url + "/admin/workers").json()["workers"]
+                      if w["liveness"] == "ready"} >= {w_stop, w_stay}, 30, "both workers ready")
+    async with httpx.AsyncClient(timeout=120) as c:
+        async def one(i: int, max_tokens: int) -> tuple[int, str, str]:
+            r = await c.post(url + "/v1/completions", json={"prompt": f"drain {i}", "max_tokens": max_tokens})
+            rec = (await c.get(url + f"/admin/requests/{r.headers['x-request-id']}")).json()
+            worker = (rec.get("admission") or {}).get("prefill_worker_id", "")
+            return r.status_code, r.text[:200], worker
+
+        held = [asyncio.create_task(one(i, long_tokens)) for i in range(8)]
+        await wait_async(lambda: _holds(url, w_stop), 30, f"{w_stop} to hold requests")
+        victim.popen.send_signal(signal.SIGTERM)
+        await wait_async(lambda: _state_in(url, w_stop, ("draining", "drained")), 10, f"{w_stop} reported draining")
+        later = [await one(100 + i, 4) for i in range(6)]  # sent while it drains: none goes there
+        results = await asyncio.gather(*held)
+    assert all(status == 200 and worker != w_stop for status, _, worker in later), later
+    mine = [(status, text) for status, text, worker in results if worker == w_stop]
+    assert mine, results  # it held some
+    if drain_timeout_s > 5:
+        assert all(status == 200 for status, _ in mine), mine  # finished, not failed
+        await wait_async(lambda: _state_in(url, w_stop, ("drained", "stopped")), 30, f"{w_stop} drained, then stopped")
+    else:
+        assert all(status == 502 and '"retryable":true' in text for status, text in mine), mine
+    assert victim.popen.wait(drain_timeout_s + 10) == 0
+    events = await read_event_log(nats_url)
+    drained = [e.payload for e in events if isinstance(e.payload, m.WorkerDrainChanged) and e.payload.worker_id == w_stop]
+    if drain_timeout_s > 5:
+        assert [(d.action, d.by) for d in drained] == [("drained", "worker")], drained
+    await wait_async(lambda: _verdict(nats_url, w_stop), 20, f"the router's verdict on {w_stop}")
+    assert await _verdict(nats_url, w_stop) == "stopped"
+
+
+async def _holds(url: str, worker_id: str) -> bool:
+    async with httpx.AsyncClient() as c:
+        workers = (await c.get(url + "/admin/workers")).json()["workers"]
+    return any(w["id"] == worker_id and w.get("num_running_requests", 0) > 0 for w in workers)
+
+
+async def _state_in(url: str, worker_id: str, states: tuple[str, ...]) -> bool:
+    async with httpx.AsyncClient() as c:
+        workers = (await c.get(url + "/admin/workers")).json()["workers"]
+    return next((w["state"] for w in workers if w["id"] == worker_id), "unknown") in states
+
+
+async def _verdict(nats_url: str, worker_id: str) -> str | None:
+    events = await read_event_log(nats_url)
+    return next((e.payload.liveness for e in events if isinstance(e.payload, m.WorkerLivenessChanged)
+                 and e.payload.worker_id == worker_id), None)
