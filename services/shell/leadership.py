@@ -213,8 +213,8 @@ class Leadership:
 
     async def hand_off(self) -> None:
         """Stopping while leading (SIGTERM): give the lease up now, so a standby takes it at its
-        next cycle (within LEASE_RENEW_S) instead of after the TTL; wait up to HANDOFF_WAIT_S
-        for it, then step down, handing what we queued to it. Without Redis the standby waits
+        next cycle (within LEASE_RENEW_S) instead of after the TTL; when we hold queued work,
+        wait up to HANDOFF_WAIT_S for it, then step down, handing that work to it. Without Redis the standby waits
         out the TTL, as after a crash."""
         self.handing_off = True  # the lease loop must not take it back (its renewal would: "nobody holds it")
         try:
@@ -224,7 +224,8 @@ class Leadership:
             log.warning("router %s: could not give the lease up at stop (%s); a standby takes it after its TTL",
                         self.s.router_id, exc.__class__.__name__)
             released = 0
-        if released:
+        queued = sum(len(b) for b in self.s.scheduler.batchers.values()) + len(self.s.scheduler.fair.waiting)
+        if released and queued:  # (nothing to hand over: no need to see the standby take it)
             deadline = time.monotonic() + HANDOFF_WAIT_S
             while time.monotonic() < deadline:
                 holder = await self.s.redis.get(self.lease_key())

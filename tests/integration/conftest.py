@@ -124,6 +124,9 @@ def spawn(tmp_path):
     def _spawn(*argv: str, env: dict[str, str] | None = None, name: str | None = None) -> Proc:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXLB_")}
         full_env["FLEXLB_UP_STATE"] = str(tmp_path / "last-up.json")  # not the user's ~/.local/state
+        # A worker stopped at a test's end has nobody to finish its requests for: no drain
+        # (30 s by default) unless the test asks (its --drain-timeout-s flag wins over this).
+        full_env["FLEXLB_DRAIN_TIMEOUT_S"] = "0"
         full_env.update(env or {})
         proc = Proc(list(argv), full_env, tmp_path / f"{name or argv[0]}-{len(procs)}.log")
         procs.append(proc)
