@@ -124,7 +124,8 @@ class FairAdmission:
         buffer = self.config.engine_buffer
         total = 0
         seen = False
-        for w in view.routable(pool).colocated + view.routable(pool).decode:
+        routable = view.routable(pool)
+        for w in routable.colocated + routable.decode:
             if w.max_num_seqs <= 0:
                 return None
             seen = True

@@ -162,6 +162,21 @@ async def asgi_call(app, method: str, path: str, body: dict | None = None, timeo
     return sent[0]["status"], b"".join(x.get("body", b"") for x in sent[1:])
 
 
+async def seconds_until_leader(url: str, limit_s: float) -> float:
+    """After a leader is stopped or killed: seconds until the router at `url` says it leads
+    (its /healthz role), polled every 20 ms; AssertionError past `limit_s`."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            async with httpx.AsyncClient(timeout=2) as c:
+                if (await c.get(url + "/healthz")).json().get("role") == "leader":
+                    return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass  # busy or restarting: asked again below
+        assert time.monotonic() - t0 < limit_s, f"{url} did not take over within {limit_s} s"
+        await asyncio.sleep(0.02)
+
+
 async def wait_async(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
