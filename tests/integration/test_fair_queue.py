@@ -78,8 +78,10 @@ async def test_sheddable_work_is_refused_first_with_retry_after_and_a_critical_r
     async with httpx.AsyncClient(timeout=120) as c:
         first = asyncio.create_task(stream_completion(c, url, body(0, "t", max_tokens=100)))  # holds the one slot a while
         await wait_async(lambda: metric_at_least(url, "flexlb_inflight_requests ", 1), 30, "the first request running")
-        shed = [asyncio.create_task(stream_completion(c, url, body(i, "t", priority_class="sheddable"))) for i in range(1, 5)]
-        await wait_async(lambda: waiting_at_least(url, "sheddable", 4), 30, "four sheddable requests waiting")
+        shed = []
+        for i in range(1, 5):  # one at a time: which is "newest" is the order they reached the router
+            shed.append(asyncio.create_task(stream_completion(c, url, body(i, "t", priority_class="sheddable"))))
+            await wait_async(lambda: waiting_at_least(url, "sheddable", i), 30, f"{i} sheddable requests waiting")
         # The queue is full: a standard and then a critical request each evict the newest sheddable one.
         std = asyncio.create_task(stream_completion(c, url, body(10, "t", priority=50)))
         await wait_async(lambda: waiting_at_least(url, "standard", 1), 30, "the standard request waiting")
