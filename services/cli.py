@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", help="run one router process")
     _add_router_flags(router)
+    router.add_argument("--drain-timeout-s", type=float,
+                        help="on SIGTERM: hand leadership over at once, stop listening and relay the streams already "
+                             "open for up to this long (default 30; 0: cut them; a second signal ends the wait)")
 
     worker = sub.add_parser("worker", help="run one engine worker process")
     worker.add_argument("--id", dest="worker_id", help="worker id (env FLEXLB_WORKER_ID)")
@@ -299,7 +302,7 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-ROUTER_STOP_S = 4.5  # SIGTERM / SIGINT -> exit within this, whatever it was doing (in-flight streams get 1 s)
+ROUTER_STOP_S = 4.5  # SIGTERM / SIGINT -> exit within this after the drain of open streams (--drain-timeout-s)
 WORKER_STOP_S = 4.5  # the same for a worker (its final reports get SHUTDOWN_TIMEOUT_S, 3 s)
 WAIT_LOG_INTERVAL_S = 10.0  # while waiting for NATS or Redis at start, one line saying so this often
 log = logging.getLogger("flexlb.cli")
@@ -309,7 +312,9 @@ def run_router(settings: RouterSettings) -> int:
     """One router process. It waits for NATS and Redis to answer before it starts (logging
     "waiting for NATS at URL: why (retrying)" every WAIT_LOG_INTERVAL_S), then serves.
     SIGTERM or SIGINT at any moment (waiting, starting, serving) stops it within
-    ROUTER_STOP_S: exit 0; 1 if its stop had to be cut short; 3 if start-up failed."""
+    ROUTER_STOP_S, after --drain-timeout-s at most for the streams already open when it was
+    serving (a leader hands its lease over first): exit 0; 1 if its stop had to be cut short;
+    3 if start-up failed."""
     import uvicorn
     import uvloop
 
@@ -325,15 +330,17 @@ def run_router(settings: RouterSettings) -> int:
             yield  # main() below owns SIGINT / SIGTERM (uvicorn's would wait out a start-up, then re-raise them)
 
     async def main() -> int:
-        stop = asyncio.Event()
+        stop, urgent = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
+        drain_s = settings.drain_timeout_s
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, _stopper(stop, "router", ROUTER_STOP_S + 0.3))
+            loop.add_signal_handler(sig, _stopper(stop, "router", drain_s + ROUTER_STOP_S + 0.3, urgent))
         if not await _unless_stopped(stop, _wait_for_bus_and_store(settings)):
             return 0  # (it said what it was waiting for)
+        service = RouterService(settings)
         server = Server(uvicorn.Config(
-            create_app(RouterService(settings)), host=settings.host, port=settings.port, log_level=settings.log_level,
-            access_log=False, lifespan="on", timeout_graceful_shutdown=1,
+            create_app(service), host=settings.host, port=settings.port, log_level=settings.log_level,
+            access_log=False, lifespan="on", timeout_graceful_shutdown=drain_s,
             loop="uvloop", http="httptools",  # dependencies: a third less CPU per request than asyncio + h11
         ))
         serving = asyncio.create_task(server.serve(sockets=sockets), name="uvicorn")
@@ -349,7 +356,22 @@ def run_router(settings: RouterSettings) -> int:
             await asyncio.gather(serving, return_exceptions=True)
             log.warning("router %s: stopped during start-up", settings.router_id)
             return 0
-        server.should_exit = True  # uvicorn: stop listening, 1 s for open requests, then the router's own stop
+        # Leadership first, so a standby schedules while we drain; then uvicorn stops listening and
+        # waits up to drain_s for the open requests (we relay their tokens as a standby would),
+        # then the router's own stop.
+        await service.hand_off()
+        open_requests = len(server.server_state.connections)
+        if drain_s > 0 and open_requests:
+            log.warning("router %s stopping: relaying the streams of %d open connections for up to %.0f s "
+                        "(a second signal ends the wait)", settings.router_id, open_requests, drain_s)
+        server.should_exit = True
+        urgent_wait = asyncio.create_task(urgent.wait(), name="urgent")
+        await asyncio.wait({serving, urgent_wait}, timeout=drain_s + ROUTER_STOP_S, return_when=asyncio.FIRST_COMPLETED)
+        urgent_wait.cancel()
+        if urgent.is_set() and not serving.done():
+            log.warning("router %s: a second signal: cutting the open streams", settings.router_id)
+            for task in list(server.server_state.tasks):  # (not force_exit: it would skip the router's own stop)
+                task.cancel(msg="router stopping: a second signal")
         done, _ = await asyncio.wait({serving}, timeout=ROUTER_STOP_S)
         if not done:
             server.force_exit = True

@@ -150,6 +150,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenant_header: str = "x-flexlb-tenant"
     tenant_api_keys: dict[str, str] = {}
     log_level: str = "info"
+    # On SIGTERM: give the lease up at once (a standby leads), stop listening, and relay the
+    # streams already open for up to this long (a second signal ends the wait); 0: cut them.
+    # flexlb up's routers: 1 s unless --drain-timeout-s is given.
+    drain_timeout_s: float = 30.0
 
     def validate(self) -> "RouterSettings":
         try:
@@ -183,6 +187,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise SettingsError(f"setting {name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.own_port < 65536 or (self.own_port and (not self.reuse_port or self.own_port == self.port)):
             raise SettingsError(f"setting own_port goes with reuse_port and must be another port than port, got {self.own_port!r}")
+        if not self.drain_timeout_s >= 0:
+            raise SettingsError(f"setting drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s!r}")
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise SettingsError(f"setting batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
         if self.batch_size_max is not None and self.batch_size_max < 1:

@@ -387,7 +387,10 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--fairness-params", json.dumps(settings.fairness_params),
                             "--tenant-weights", json.dumps(settings.tenant_weights),
                             "--tenant-header", settings.tenant_header,
-                            "--tenant-api-keys", json.dumps(settings.tenant_api_keys)]
+                            "--tenant-api-keys", json.dumps(settings.tenant_api_keys),
+                            # up stops its routers first, then its workers: a router relays its open
+                            # streams 1 s (not 30) unless told otherwise
+                            "--drain-timeout-s", str(1.0 if args.drain_timeout_s is None else args.drain_timeout_s)]
             if settings.tokenizer:  # every replica tokenizes alike: a standby forwards ids, not text
                 router_flags += ["--tokenizer", os.path.abspath(settings.tokenizer)]
             if settings.chat_template:

@@ -251,16 +251,23 @@ class RouterService:
         ]
         log.info("router %s (boot %s) started", s.router_id, s.boot_id)
 
-    async def stop(self) -> None:
+    async def hand_off(self) -> None:
+        """Stopping: when leading, give leadership (and what we queued) to a standby now,
+        bounded by HANDOFF_BUDGET_S; a no-op otherwise. The process calls it on SIGTERM before
+        it drains its open streams (which it relays as a standby would), and stop() again."""
         s = self.s
-        s.running = False
-        s.wakeup.set()
         if s.is_leader and s.redis is not None and s.nc is not None and s.nc.is_connected:
             try:  # bounded: the process must exit within ROUTER_STOP_S whatever it was doing
                 await asyncio.wait_for(self.leadership.hand_off(), HANDOFF_BUDGET_S)
             except asyncio.TimeoutError:
                 log.error("router %s: handing leadership over took over %.1f s; stopping anyway", s.router_id,
                           HANDOFF_BUDGET_S)
+
+    async def stop(self) -> None:
+        s = self.s
+        s.running = False
+        s.wakeup.set()
+        await self.hand_off()
         for item in s.scheduler.drain_queues():
             s.finish_router(item.payload, "failed", "no_worker", "router shutting down before dispatch")
         for handle in self.intake.take_waiting():

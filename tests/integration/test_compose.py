@@ -12,23 +12,39 @@ against the Compose specification too; otherwise that one test is skipped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fnmatch
 import io
 import json
 import os
+import random
 import re
 import shutil
+import string
 import subprocess
+import time
 import tomllib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from services.cli import build_parser, router_settings, worker_config
 from services.settings import ENV_PREFIX, RouterSettings, known_env_vars
+from tests.integration.stack import (
+    _stream_into,
+    expected_text,
+    fault_outcome,
+    make_bodies,
+    run_concurrent_streams,
+    seconds_until_leader,
+    wait_async,
+    wait_for,
+)
 from workers.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -397,20 +413,6 @@ def test_router_port_check_rejects_mismatches():
 
 
 # ---------------------------------------------------------------------------------------- with an engine
-def _docker_compose_available() -> str | None:
-    """None when `docker compose` can run here; else why not."""
-    if shutil.which("docker") is None:
-        return "no docker client on PATH"
-    try:
-        if subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode != 0:
-            return "no Docker daemon reachable (`docker info` fails)"
-        if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20).returncode != 0:
-            return "the docker compose plugin is not installed"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"docker does not answer: {exc}"
-    return None
-
-
 def _compose_cli() -> list[str] | None:
     """`docker compose` (the plugin) or `docker-compose` (the standalone one, which .ci/run
     installs: `config` needs no engine), whichever answers."""
@@ -433,25 +435,6 @@ def test_docker_compose_config_validates(profiles):
     proc = subprocess.run([*cli, "-f", str(COMPOSE_FILE), *profiles, "config", "-q"], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "FLEXLB_ADMIN_TOKEN": "ci-check"})
     assert proc.returncode == 0, proc.stderr
-
-
-def test_the_ha_profile_comes_up_where_docker_runs():
-    reason = _docker_compose_available()
-    if reason:
-        pytest.skip(reason)
-    import httpx
-
-    env = {**os.environ, "FLEXLB_ADMIN_TOKEN": "ci-check"}
-    base = ["docker", "compose", "-f", str(COMPOSE_FILE), "--profile", "ha"]
-    up = subprocess.run([*base, "up", "-d", "--build", "--wait"], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=900)
-    try:
-        assert up.returncode == 0, up.stderr[-4000:]
-        r = httpx.post("http://127.0.0.1:8010/v1/completions", json={"prompt": "ha", "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert httpx.get("http://127.0.0.1:9090/-/ready", timeout=10).status_code == 200
-    finally:
-        subprocess.run([*base, "down", "-v"], cwd=REPO, env=env, capture_output=True, timeout=300)
 
 
 # ---------------------------------------------------------------------------------------- profile ha
@@ -534,3 +517,393 @@ def test_grafana_provisions_the_dashboard_from_its_datasource():
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == ds["uid"], panel["title"]
         assert panel["targets"], panel["title"]
+
+
+# ---------------------------------------------------------------------------------------- brought up for real
+# The stack in containers, both profiles, on an engine (tests/integration/dockerstack.py: the
+# machine's daemon, else a dockerd of our own; the official base images, else stand-ins built
+# from Debian packages). The compose file and Dockerfile are used as users run them. The
+# default stack comes up first and is exercised, then the `ha` profile beside it, then
+# `down -v`. The tests below run in file order and share the stack (a module fixture).
+# FLEXLB_REQUIRE_DOCKER=1 (.ci/run sets it) turns "no engine here" from a skip into a failure.
+LIVE_TIMEOUT_S = 1800  # the first test pays for images, the build and the bring-up
+PROJECT = "flexlbtest"
+ADMIN_TOKEN = "ci-check"
+ROUTER_URL = "http://127.0.0.1:8000"
+HA_URLS = {"ha-router-0": "http://127.0.0.1:8010", "ha-router-1": "http://127.0.0.1:8011"}
+PROMETHEUS_URL = "http://127.0.0.1:9090"
+PUBLISHED = (8000, 8010, 8011, 9090)
+
+
+class Stack:
+    """The compose project under test: runs compose commands, keeps the timings."""
+
+    def __init__(self, engine, cli: list[str], unavailable: dict[str, str]):
+        self.engine, self.cli, self.unavailable = engine, cli, unavailable
+        engine.env["FLEXLB_ADMIN_TOKEN"] = ADMIN_TOKEN  # the compose file requires one (the routers listen on 0.0.0.0)
+        self.timings: dict[str, float] = {}
+        self.is_down = False
+        services = services_of(load_compose())
+        images = {name: str(svc.get("image", "")) for name, svc in services.items()}
+        self.left_out = sorted(n for n, img in images.items() if img in unavailable)
+        self.default = [n for n, s in services.items() if not s.get("profiles")]
+        self.ha = [n for n, s in services.items() if in_ha(s) and n not in self.left_out]
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> str:
+        argv = [*self.cli, "-p", PROJECT, "-f", str(COMPOSE_FILE), "--profile", "ha", *args]
+        proc = self.engine.run(*argv, timeout=timeout, check=False)
+        out = (proc.stdout + proc.stderr).decode(errors="replace")
+        if check and proc.returncode != 0:
+            raise AssertionError(f"`compose {' '.join(args)}` exited {proc.returncode}:\n{out[-4000:]}")
+        return out
+
+    def timed(self, what: str, *args: str, timeout: float = 600) -> str:
+        t0 = time.monotonic()
+        out = self.compose(*args, timeout=timeout)
+        self.timings[what] = self.timings.get(what, 0.0) + time.monotonic() - t0
+        return out
+
+    def container(self, service: str) -> str:
+        [cid] = self.compose("ps", "-q", service).split()
+        return cid
+
+    def inspect(self, service: str, template: str) -> str:
+        return self.engine.docker("inspect", "-f", template, self.container(service)).strip()
+
+    def logs(self, *services: str) -> str:
+        return self.compose("logs", "--no-color", "--tail", "60", *services, check=False)[-6000:]
+
+    def down(self) -> str:
+        self.is_down = True
+        return self.timed("down -v", "down", "-v", "--remove-orphans", "--timeout", "40")
+
+
+def _port_taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _get(url: str, **kw) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=5, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, **kw)
+    except httpx.HTTPError:
+        return None
+
+
+def _ready(url: str) -> bool:
+    r = _get(url + "/readyz")
+    return r is not None and r.status_code == 200
+
+
+def _workers(url: str) -> dict[str, dict]:
+    r = _get(url + "/admin/workers")
+    return {w["id"]: w for w in r.json()["workers"]} if r is not None and r.status_code == 200 else {}
+
+
+def _worker(url: str, worker_id: str) -> dict:
+    return _workers(url).get(worker_id, {})
+
+
+def _wait_workers_ready(url: str, ids: set[str], timeout_s: float = 120) -> None:
+    wait_for(lambda: all(w.get("liveness") == "ready" and w.get("state") == "ready" and not w.get("draining")
+                         for w in [_workers(url).get(i, {}) for i in ids]), timeout_s, f"workers {sorted(ids)} ready at {url}")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from tests.integration import dockerstack
+
+    t0 = time.monotonic()
+    try:
+        engine = dockerstack.start_engine()
+    except dockerstack.DockerUnavailable as exc:
+        if os.environ.get("FLEXLB_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"FLEXLB_REQUIRE_DOCKER=1 but {exc}")
+        pytest.skip(str(exc))
+    env_cli = _compose_cli()
+    assert env_cli is not None, "neither `docker compose` nor `docker-compose` is installed (.ci/run installs docker-compose)"
+    started_engine = time.monotonic() - t0
+    stack = None
+    try:
+        taken = [p for p in PUBLISHED if _port_taken(p)]
+        assert not taken, f"the compose file publishes {taken} on this machine, and something already listens there"
+        t1 = time.monotonic()
+        provided = dockerstack.provide_images(engine)
+        stack = Stack(engine, env_cli, provided.unavailable)
+        stack.timings["engine start"] = started_engine
+        stack.timings["base images"] = time.monotonic() - t1
+        print(f"\nengine: {'ours (dockerd --storage-driver=vfs)' if engine.owned else 'the machine’s'}; images "
+              f"built {sorted(provided.built)}, present {provided.present}, unavailable {provided.unavailable}")
+        assert "python:3.11-slim" not in provided.unavailable
+        stack.timed("image build", "build", timeout=1200)
+        stack.timed("up (default)", "up", "-d", *stack.default)
+        t2 = time.monotonic()
+        wait_for(lambda: _ready(ROUTER_URL), 120, "the router's /readyz through the published port")
+        _wait_workers_ready(ROUTER_URL, {"w0", "w1"})
+        stack.timings["up (default)"] += time.monotonic() - t2
+        yield stack
+    except BaseException:
+        if stack is not None:
+            print(stack.logs())
+        raise
+    finally:
+        if stack is not None and not stack.is_down:
+            stack.down()
+        if stack is not None:
+            print("compose timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in stack.timings.items()))
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def ha_stack(stack):
+    t0 = time.monotonic()
+    stack.compose("up", "-d", *stack.ha)
+    wait_for(lambda: all(_ready(u) for u in HA_URLS.values()), 180, "both ha routers ready")
+    _wait_workers_ready(HA_URLS["ha-router-0"], {"ha-w0", "ha-w1"})
+    wait_for(lambda: sorted(_role(u) for u in HA_URLS.values()) == ["leader", "standby"], 60, "one ha leader, one standby")
+    stack.timings["up (ha)"] = time.monotonic() - t0
+    return stack
+
+
+def _role(url: str) -> str:
+    r = _get(url + "/healthz")
+    return r.json().get("role", "?") if r is not None and r.status_code == 200 else "?"
+
+
+async def _one(client: httpx.AsyncClient, urls: list[str], body: dict) -> dict:
+    """One streamed completion, as a client behind a load balancer sends it: a connection refused
+    (the router is gone) goes to the next URL; what came back is the result."""
+    sent = time.monotonic()
+    for url in urls:
+        out = {"request_id": None, "texts": [], "finish_reason": None, "done": False, "errors": [], "status": None,
+               "sent": sent, "ended": None, "url": url}
+        try:
+            await _stream_into(out, client, url, body)
+        except httpx.TransportError as exc:
+            out["errors"].append(f"{exc!r}")
+            if out["status"] is None:  # refused, or closed before any answer: the next router
+                continue
+        out["ended"] = time.monotonic()
+        return out
+    return {**out, "ended": time.monotonic(), "url": None}
+
+
+async def _record(url: str, rid: str) -> dict:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return (await c.get(url + f"/admin/requests/{rid}", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})).json()
+
+
+def _worker_of(record: dict) -> str:
+    return (record.get("admission") or {}).get("prefill_worker_id", "")
+
+
+def _exact(body: dict, res: dict) -> bool:
+    return (res["status"] == 200 and res["done"] and not res["errors"]
+            and "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"]))
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_the_default_stack_streams_completions_through_the_published_port(stack):
+    bodies = make_bodies(24, seed=28)
+    t0 = time.monotonic()
+    results = await run_concurrent_streams(ROUTER_URL, bodies)
+    took = time.monotonic() - t0
+    bad = [(b, r) for b, r in zip(bodies, results) if not _exact(b, r)]
+    assert not bad, bad[:3]
+    served = Counter([_worker_of(await _record(ROUTER_URL, r["request_id"])) for r in results])
+    print(f"24 streamed completions in {took:.2f} s, by worker {dict(served)}")
+    assert set(served) == {"w0", "w1"}, served
+    # The admin API wants the token beyond loopback (the router listens on 0.0.0.0 in its container).
+    assert httpx.get(ROUTER_URL + "/admin/workers", timeout=10).status_code == 401
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_drain_and_undrain_through_the_admin_api(stack):
+    auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(ROUTER_URL + "/admin/workers/w0/drain", headers=auth)
+        assert r.status_code == 200, r.text
+        assert _workers(ROUTER_URL)["w0"]["draining"] is True
+        bodies = make_bodies(12, seed=29)
+        results = await run_concurrent_streams(ROUTER_URL, bodies)
+        assert all(_exact(b, res) for b, res in zip(bodies, results)), results
+        drained_to = {_worker_of(await _record(ROUTER_URL, res["request_id"])) for res in results}
+        assert drained_to == {"w1"}, drained_to
+        r = await c.post(ROUTER_URL + "/admin/workers/w0/undrain", headers=auth)
+        assert r.status_code == 200, r.text
+        _wait_workers_ready(ROUTER_URL, {"w0"}, 30)
+        seen = set()
+        for k in range(5):  # concurrent rounds until the undrained worker takes one
+            bodies = make_bodies(8, seed=30 + k)
+            results = await run_concurrent_streams(ROUTER_URL, bodies)
+            assert all(_exact(b, res) for b, res in zip(bodies, results)), results
+            seen |= {_worker_of(await _record(ROUTER_URL, res["request_id"])) for res in results}
+            if "w0" in seen:
+                break
+        assert "w0" in seen, seen
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_docker_stop_of_a_worker_under_load_drains_it(stack):
+    """`docker stop` (SIGTERM, then SIGKILL after stop_grace_period) of a worker holding
+    requests: it takes nothing new, finishes what it holds, exits 0 by itself; the router says
+    drained, then stopped."""
+    bodies = [{**b, "max_tokens": 160} for b in make_bodies(10, seed=31)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        held = [asyncio.create_task(_one(client, [ROUTER_URL], b)) for b in bodies]
+        await wait_async(lambda: asyncio.to_thread(lambda: _worker(ROUTER_URL, "w0").get("num_running_requests", 0) > 0), 30,
+                         "w0 to hold requests")
+        t0 = time.monotonic()
+        stopping = asyncio.create_task(asyncio.to_thread(stack.compose, "stop", "worker-0", timeout=120))
+        await wait_async(lambda: asyncio.to_thread(lambda: _worker(ROUTER_URL, "w0").get("state") in ("draining", "drained")),
+                         10, "w0 reported draining")
+        later_bodies = make_bodies(6, seed=32)
+        later = [await _one(client, [ROUTER_URL], b) for b in later_bodies]
+        results = await asyncio.gather(*held)
+        finished_s = time.monotonic() - t0
+        await stopping
+        stop_s = time.monotonic() - t0
+    later_workers = [_worker_of(await _record(ROUTER_URL, r["request_id"])) for r in later]
+    assert all(_exact(b, r) for b, r in zip(later_bodies, later)) and "w0" not in later_workers, later_workers
+    mine = [(b, r) for b, r in zip(bodies, results) if _worker_of(await _record(ROUTER_URL, r["request_id"])) == "w0"]
+    assert mine, "w0 held none of the requests"
+    assert all(_exact(b, r) for b, r in mine), [r for _, r in mine if not _exact(_, r)][:2]
+    exit_code = stack.inspect("worker-0", "{{.State.ExitCode}}")
+    assert exit_code == "0", (exit_code, stack.logs("worker-0"))  # it exited by itself: not SIGKILLed (137)
+    wait_for(lambda: _worker(ROUTER_URL, "w0").get("state") in ("drained", "stopped"), 30, "the router says w0 drained")
+    print(f"docker stop worker-0 with {len(mine)} requests on it: all finished {finished_s:.1f} s after the stop began, "
+          f"the container exited 0 after {stop_s:.1f} s (grace 35 s); router: {_workers(ROUTER_URL)['w0']['state']}")
+    stack.compose("start", "worker-0")
+    _wait_workers_ready(ROUTER_URL, {"w0"}, 120)
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_a_killed_worker_containers_requests_are_rerouted(stack):
+    """`docker kill` (SIGKILL) of a worker under load: batches it had not started go to the
+    other worker, those it had started fail retryable (the client retries), none hangs."""
+    rng = random.Random(33)
+    bodies = [{"prompt": "".join(rng.choice(string.ascii_letters) for _ in range(rng.randint(3000, 6000))),
+               "max_tokens": rng.randint(20, 60)} for _ in range(60)]
+    async with httpx.AsyncClient(timeout=180) as client:
+        tasks = [asyncio.create_task(_one(client, [ROUTER_URL], b)) for b in bodies]
+        await wait_async(lambda: asyncio.to_thread(lambda: _worker(ROUTER_URL, "w1").get("num_held", 0) > 2), 30,
+                         "w1 to hold several requests")
+        await asyncio.to_thread(stack.compose, "kill", "worker-1")
+        killed_at = time.monotonic()
+        await wait_async(lambda: asyncio.to_thread(lambda: _worker(ROUTER_URL, "w1").get("liveness") == "dead"), 20,
+                         "the router's verdict: w1 dead")  # (a dead worker leaves the view a while later)
+        detected_s = time.monotonic() - killed_at
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 170)
+        retried = [await _one(client, [ROUTER_URL], b) for b, r in zip(bodies, results) if not _exact(b, r)]
+    failed = [r for b, r in zip(bodies, results) if not _exact(b, r)]
+    for r in failed:  # a stream that ended with a retryable code: nothing hung, nothing without a code
+        assert r["done"] and [e.get("code") for e in r["errors"]] == ["worker_failed"] and r["errors"][0]["retryable"], r
+    assert all(r["status"] == 200 and r["done"] and not r["errors"] for r in retried), retried
+    records = [await _record(ROUTER_URL, r["request_id"]) for r in results]
+    rerouted = [rec for rec in records if any(t["event"] == "rerouted" for t in rec["timeline"])]
+    print(f"docker kill worker-1 under load: dead {detected_s:.1f} s after; {len(rerouted)} re-routed and finished, "
+          f"{len(failed)} failed retryable "
+          f"and served on retry, {len(bodies) - len(failed)} ok")
+    assert rerouted, "no request was re-routed"
+    assert all(_exact(b, r) for b, r, rec in zip(bodies, results, records) if rec in rerouted)
+    stack.compose("start", "worker-1")  # (`docker kill` counts as stopped by hand: no restart policy brings it back)
+    _wait_workers_ready(ROUTER_URL, {"w1"}, 120)
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_prometheus_scrapes_every_target_of_both_profiles(ha_stack):
+    config = yaml.safe_load((REPO / "services/monitoring/prometheus.yml").read_text())
+    expected = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+
+    def all_up():
+        r = _get(PROMETHEUS_URL + "/api/v1/targets")
+        if r is None or r.status_code != 200:
+            return None
+        active = r.json()["data"]["activeTargets"]
+        health = {t["labels"]["instance"]: t["health"] for t in active}
+        return health if set(health) == expected and set(health.values()) == {"up"} else None
+
+    health = await asyncio.to_thread(wait_for, all_up, 60, "every Prometheus target up")
+    print(f"prometheus: {health}")
+    # and what it scraped is ours: the router's request counter, from the default stack's router
+    r = httpx.get(PROMETHEUS_URL + "/api/v1/query", params={"query": "flexlb_requests_total"}, timeout=10)
+    assert {s["metric"]["instance"] for s in r.json()["data"]["result"]} >= {"router:8000"}, r.text[:500]
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_one_nats_container_killed_under_load(ha_stack):
+    """The NATS node the leader router is connected to, killed (SIGKILL) under load through both
+    routers: >= 95 % of the requests in flight finish ok, every one ends with a code."""
+    urls = list(HA_URLS.values())
+    leader = next(u for u in urls if _role(u) == "leader")
+    node = _get(leader + "/healthz").json()["nats_server"].split("//")[1].split(":")[0]
+    assert node in {"ha-nats-0", "ha-nats-1", "ha-nats-2"}, node
+    bodies = [{**b, "max_tokens": 60} for b in make_bodies(80, seed=34)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = []
+        for i, body in enumerate(bodies):
+            tasks.append(asyncio.create_task(_one(client, [urls[i % 2]], body)))
+            await asyncio.sleep(0.05)
+            if i == 40:
+                fault_at = time.monotonic()
+                await asyncio.to_thread(ha_stack.compose, "kill", node)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 170)
+    summary = fault_outcome(bodies, results, fault_at)
+    print(f"kill {node} (the leader's node) under load: {summary}")
+    assert summary["in_flight"] >= 20, summary
+    in_flight = [(b, r) for b, r in zip(bodies, results) if r["sent"] <= fault_at < r["ended"]]
+    assert sum(_exact(b, r) for b, r in in_flight) >= 0.95 * len(in_flight), summary
+    ha_stack.compose("start", node)
+    wait_for(lambda: ha_stack.inspect(node, "{{.State.Health.Status}}") == "healthy", 60, f"{node} healthy again")
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+async def test_docker_stop_of_the_leader_router_under_load(ha_stack):
+    """`docker stop` of the leader router while clients stream through both routers: the
+    standby leads within 1 s and dispatches; every request in flight finishes (the stopping
+    router's own streams too); new connections to it are refused and go to the other."""
+    urls = dict(HA_URLS)
+    leader = next(n for n, u in urls.items() if _role(u) == "leader")
+    standby = next(n for n in urls if n != leader)
+    order = {leader: [urls[leader], urls[standby]], standby: [urls[standby], urls[leader]]}
+    bodies = [{**b, "max_tokens": 40} for b in make_bodies(60, seed=35)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = []
+        for i, body in enumerate(bodies):
+            tasks.append(asyncio.create_task(_one(client, order[leader if i % 2 else standby], body)))
+            await asyncio.sleep(0.05)
+            if i == 30:  # `docker stop` itself (compose's CLI takes a while to start): SIGTERM, then wait
+                cid = ha_stack.container(leader)
+                stop_at = time.monotonic()
+                stopping = asyncio.create_task(asyncio.to_thread(ha_stack.engine.docker, "stop", cid, timeout=120))
+                takeover_s = await seconds_until_leader(urls[standby], 10)
+                r = await _one(client, [urls[standby]], {"prompt": "after the stop", "max_tokens": 4})
+                dispatched_s = r.get("first_at", float("inf")) - stop_at
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 170)
+        await stopping
+        stopped_s = time.monotonic() - stop_at
+    summary = fault_outcome(bodies, results, stop_at)
+    print(f"docker stop {leader} (leader) under load: {standby} led {takeover_s:.2f} s after, the first token of a "
+          f"request sent through it then came {dispatched_s:.2f} s after the stop; the container stopped in "
+          f"{stopped_s:.1f} s; {summary}")
+    assert r["status"] == 200 and r["done"] and not r["errors"], r
+    assert takeover_s < 1.0
+    assert summary["ok"] == len(bodies), [(res.get("url"), res["errors"]) for b, res in zip(bodies, results)
+                                          if not _exact(b, res)][:5]
+    assert ha_stack.inspect(leader, "{{.State.ExitCode}}") == "0"
+    ha_stack.compose("start", leader)
+    wait_for(lambda: _ready(urls[leader]), 120, f"{leader} ready again")
+
+
+@pytest.mark.timeout(LIVE_TIMEOUT_S)
+def test_compose_down_leaves_no_container_network_or_volume(ha_stack):
+    ha_stack.down()
+    label = f"label=com.docker.compose.project={PROJECT}"
+    left = {kind: ha_stack.engine.docker(*cmd, "--filter", label, "-q").split()
+            for kind, cmd in {"containers": ("ps", "-a"), "networks": ("network", "ls"),
+                              "volumes": ("volume", "ls")}.items()}
+    assert left == {"containers": [], "networks": [], "volumes": []}, left
+    print(f"left out of the ha profile here: {ha_stack.left_out} ({ha_stack.unavailable})")

@@ -139,6 +139,103 @@ def test_router_stops_on_sigterm_while_serving(spawn, nats_url, redis_url):
     assert rc == 0
 
 
+async def test_a_leader_told_to_stop_hands_over_then_relays_its_open_streams(spawn, nats_url, redis_url):
+    """SIGTERM to a leader router with streams open through it (`--drain-timeout-s 20`): the
+    standby leads within 1 s and dispatches, the stopping router refuses new connections, its
+    open streams finish whole (it relays them as a standby would), and it exits 0 once they have."""
+    import asyncio
+
+    from tests.integration.stack import expected_text, seconds_until_leader, stream_completion
+
+    env = {"FLEXLB_NATS_URL": nats_url, "FLEXLB_REDIS_URL": redis_url}
+    cluster = f"drain{free_port()}"
+    spawn("worker", "--id", f"{cluster}-w", "--time-scale", "1.0", env=env, name="worker")
+    ports = free_port(), free_port()
+    leader = spawn("router", "--port", str(ports[0]), "--cluster", cluster, "--router-id", f"{cluster}-a",
+                   "--drain-timeout-s", "20", env=env, name="leader")
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+
+    def ready(url):
+        try:
+            return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(lambda: ready(urls[0]), 60, "the leader ready")
+    standby = spawn("router", "--port", str(ports[1]), "--cluster", cluster, "--router-id", f"{cluster}-b", env=env,
+                    name="standby")
+    wait_for(lambda: ready(urls[1]), 60, "the standby ready")
+    assert httpx.get(urls[1] + "/healthz").json()["role"] == "standby" and standby.popen.poll() is None
+    bodies = [{"prompt": f"open stream {i}", "max_tokens": 150} for i in range(4)]
+    async with httpx.AsyncClient(timeout=60) as c:
+        streams = [asyncio.create_task(stream_completion(c, urls[0], b)) for b in bodies]
+        await asyncio.sleep(1.0)  # every stream under way (150 tokens take several seconds here)
+        t0 = time.monotonic()
+        leader.popen.send_signal(signal.SIGTERM)
+        takeover_s = await seconds_until_leader(urls[1], 5)
+        r = await c.post(urls[1] + "/v1/completions", json={"prompt": "after the stop", "max_tokens": 4})
+        dispatched_s = time.monotonic() - t0
+        refused = False
+        for _ in range(50):  # the stopping router no longer listens
+            try:
+                await c.get(urls[0] + "/healthz", timeout=1)
+            except httpx.ConnectError:
+                refused = True
+                break
+            await asyncio.sleep(0.1)
+        results = await asyncio.gather(*streams)
+        finished_s = time.monotonic() - t0
+    rc = await asyncio.to_thread(leader.popen.wait, 20)
+    exited_s = time.monotonic() - t0
+    print(f"leader stopping with {len(bodies)} open streams: standby led {takeover_s:.2f} s after, dispatched a "
+          f"request {dispatched_s:.2f} s after; the streams finished {finished_s:.1f} s after; exit {rc} at {exited_s:.1f} s")
+    assert takeover_s < 1.0 and r.status_code == 200, r.text
+    assert refused, "the stopping router still accepted connections"
+    for body, res in zip(bodies, results):
+        assert res["status"] == 200 and res["done"] and not res["errors"], res
+        assert "".join(res["texts"]) == expected_text(res["request_id"], body["max_tokens"])
+    assert rc == 0 and exited_s < finished_s + STOP_S
+
+
+def test_a_second_signal_ends_a_routers_drain(spawn, nats_url, redis_url):
+    env = {"FLEXLB_NATS_URL": nats_url, "FLEXLB_REDIS_URL": redis_url}
+    cluster = f"drain{free_port()}"
+    spawn("worker", "--id", f"{cluster}-w", "--time-scale", "1.0", env=env, name="worker")
+    port = free_port()
+    router = spawn("router", "--port", str(port), "--cluster", cluster, "--drain-timeout-s", "60", env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(url + "/readyz", timeout=2).status_code == 200 if _answers(url) else False, 60, "ready")
+    outcome: dict = {}
+
+    def long_stream():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={"prompt": "long", "max_tokens": 2000, "stream": True},
+                              timeout=60) as resp:
+                outcome["status"] = resp.status_code
+                outcome["text"] = "".join(resp.iter_text())
+        except httpx.HTTPError as exc:  # cut by the second signal: what we expect
+            outcome["error"] = repr(exc)
+
+    client = threading.Thread(target=long_stream)
+    client.start()
+    wait_for(lambda: "status" in outcome, 30, "the stream under way")
+    router.popen.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert router.popen.poll() is None  # draining: it relays the open stream
+    rc, took = stop_and_time(router, what="router draining, second SIGTERM")
+    client.join(30)
+    assert rc == 0 and not client.is_alive()
+    assert "[DONE]" not in outcome.get("text", ""), outcome  # cut, not finished (2000 tokens take far longer)
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/healthz", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 # ---------------------------------------------------------------------------- flexlb up
 def test_up_sigterm_early_in_start_up_stops_everything_it_started(spawn, marker):
     nats_port, redis_port = free_port(), free_port()
