@@ -3,7 +3,10 @@
 Owns: admission (the core's admit, the decision record, route.decided / request.admitted /
 request.rejected events), the client handle it returns, a client's cancel, and forwarding:
 a standby sends the request to the leader over NATS (SubmitRequest) and follows the
-leader's router events for it; the leader admits forwarded requests (on_submit).
+leader's router events for it; the leader admits forwarded requests (on_submit). While no
+leader answers (a hand-off or failover) a forward is asked again (ask_leader). A stopping
+leader's hand-over (leadership.py) is taken back into the client's own handle (on_submit) or
+followed to the new leader (on_router_event_msg).
 Calls: the core, the bus. Called by: the HTTP API, leadership (the submit subscription).
 """
 
@@ -16,16 +19,18 @@ import secrets
 import time
 
 from schemas import messages as m
-from schemas.subjects import cancel_subject, submit_subject, token_subject
+from schemas.subjects import cancel_subject, router_events_subject, token_subject
 from schemas.tokens import block_hashes
 from services.core.admission import DEFAULT_TENANT, priority_class_of
 from services.core.fairness import CLASSES, Dispatched, Queued, Refused
 from services.core.scheduler import AdmitRequest, Admitted, Rejected
-from services.shell.state import RequestHandle, RouterState, decision_event
+from services.shell.state import NOT_LEADER_MESSAGE, RequestHandle, RouterState, decision_event
 
 log = logging.getLogger("flexlb.router")
 
-FORWARD_TIMEOUT_S = 5.0  # a standby waits this long for the leader to admit a forwarded request
+# A forward no leader answers (none subscribed, or one stepping down replied) is asked again for up
+# to this long (RouterState.ask_leader): a lease TTL and a cycle (leadership.py), the longest a failover takes.
+FORWARD_NO_LEADER_WAIT_S = 3.0
 
 
 class Intake:
@@ -54,9 +59,11 @@ class Intake:
         if self.s.pool:  # a router leading one pool: another pool's requests go to that pool's leader
             to_pool = self.s.pool_of_model(model) or self.s.pool
         if not self.s.is_leader or to_pool != self.s.pool:
-            return await self.forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                                       sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
-                                       priority_class=priority_class, to_pool=to_pool)
+            out = await self.forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
+                                     sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
+                                     priority_class=priority_class, to_pool=to_pool)
+            if out is not None:  # (None: no leader answered until we took the lease: admitted here)
+                return out
         return await self.admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
                                        timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
                                        priority_class=priority_class)
@@ -66,14 +73,18 @@ class Intake:
         slo_ttft_ms: float | None, slo_tpot_ms: float | None, timeout_s: float | None,
         token_subject_override: str = "", sampling: m.Sampling | None = None, stop: list[str] | None = None,
         chat: m.ChatForward | None = None, model: str = "", tenant: str = "", priority_class: str = "",
+        forwarded_by: str = "", mine: RequestHandle | None = None,
     ) -> RequestHandle | Rejected:
+        """Admit here. A standby's request (`forwarded_by`) streams to `token_subject_override`;
+        `mine`: one we forwarded, handed back now that we lead: admitted into its client's handle."""
         now = time.time_ns()
-        if request_id in self.s.handles:
+        if self.s.handles.get(request_id, mine) is not mine:  # (another handle of that id is live)
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
-        handle = RequestHandle(request_id, prompt_token_ids, max_tokens, now,
-                               timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
-                               token_subject=token_subject_override, remote=bool(token_subject_override),
-                               sampling=sampling, stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class)
+        handle = mine or RequestHandle(
+            request_id, prompt_token_ids, max_tokens, now, timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
+            token_subject=token_subject_override, remote=bool(token_subject_override), forwarded_by=forwarded_by,
+            stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class)
+        handle.sampling, handle.leader_id, handle.leader_pool = sampling, "", ""
         hashes = tuple(block_hashes(prompt_token_ids, self.s.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
@@ -154,7 +165,8 @@ class Intake:
         rid = handle.request_id
         self.s.records.note(rid, now, "queued", tenant=q.tenant, priority_class=q.priority_class,
                             num_queued_in_class=q.num_queued_in_class)
-        handle.admission = asyncio.get_running_loop().create_future()
+        if handle.admission is None or handle.admission.done():  # (one handed back keeps the one its client awaits)
+            handle.admission = asyncio.get_running_loop().create_future()
         self.s.handles[rid] = handle
         self.s.metrics.fair_requests.labels(q.priority_class, "queued").inc()
         self.s.metrics.tenant_requests.labels(q.tenant, "queued").inc()
@@ -220,8 +232,9 @@ class Intake:
 
     async def forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
                        sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None, model: str = "",
-                       tenant: str = "", priority_class: str = "", to_pool: str = ""):
-        """To the leader of `to_pool` ("": the cluster's one leader) over NATS request-reply."""
+                       tenant: str = "", priority_class: str = "", to_pool: str = "") -> RequestHandle | Rejected | None:
+        """To the leader of `to_pool` ("": the cluster's one leader) over NATS request-reply;
+        None if no leader answered until we took the lease (the caller admits it here)."""
         handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
                                timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
                                stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class,
@@ -234,126 +247,111 @@ class Intake:
             tenant=tenant, priority_class=priority_class,
         )
         try:
-            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster, to_pool),
-                                          m.encode(self.s.envelopes.wrap(cmd, time.time_ns())), timeout=FORWARD_TIMEOUT_S)
-            reply = m.decode_as(msg.data, m.SubmitReply).payload
+            reply = await self.s.ask_leader(cmd, to_pool, min(FORWARD_NO_LEADER_WAIT_S, handle.timeout_s))
         except Exception as exc:  # no leader now (failover in progress) or a broken reply
             self.s.handles.pop(request_id, None)
             self.s.metrics.requests.labels("rejected", "not_ready").inc()
             whose = f"pool {to_pool!r}'s leader router" if to_pool else "leader router"
             return Rejected("not_ready", f"no {whose} answered ({exc.__class__.__name__}); retry")
+        if reply is None:  # we took the lease meanwhile: the caller admits it here
+            self.s.handles.pop(request_id, None)
+            return None
+        if handle.admit is not None:  # the leader stopped and handed it back to us (we lead now): on_submit
+            return handle
         if not reply.admitted:
             self.s.handles.pop(request_id, None)
             return Rejected(reply.code, reply.message)
-        self._took(handle, reply)
+        self.took(handle, reply)
+        self.s.metrics.forwarded.inc()
         return handle
 
-    def _took(self, handle: RequestHandle, reply: m.SubmitReply) -> None:
-        """The leader took a request we forwarded: admitted (its workers), or queued in its
-        fair queue (the workers come with its request.admitted event: on_router_event_msg)."""
-        if reply.code == "queued" and handle.admission is None:
-            handle.admission = asyncio.get_running_loop().create_future()
-        # (Relay may have set the decode worker already, from tokens that beat the reply here.)
-        if reply.code != "queued":
+    def took(self, handle: RequestHandle, reply: m.SubmitReply) -> None:
+        """A leader took a request we forwarded (or that was handed over to it: leadership.py): admitted
+        (its workers), or queued in its fair queue (the workers come with its request.admitted event)."""
+        if reply.code == "queued":
+            if handle.leader_id == reply.router_id:  # its request.admitted came first: not queued any more
+                return
+            if handle.admission is None or handle.admission.done():
+                handle.admission = asyncio.get_running_loop().create_future()
+            handle.prefill_worker_id = handle.decode_worker_id = ""  # (an old leader's picks, if handed over)
+        else:  # (Relay may have set the decode worker already, from tokens that beat the reply here.)
             handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
             handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
-            if handle.admission is not None and not handle.admission.done():  # handed over from our queue: admitted
+            if handle.admission is not None and not handle.admission.done():  # handed over from a queue: admitted
                 handle.admission.set_result(None)
         handle.leader_id = reply.router_id
-        self.s.metrics.forwarded.inc()
-
-    async def hand_over(self, handle: RequestHandle) -> str | None:
-        """We stopped leading with this request of our own client admitted and not dispatched:
-        forward it to the new leader, as a standby forwards a new one (its tokens come to us,
-        our client's stream goes on). None if the leader took it, else why not."""
-        rid, adm = handle.request_id, handle.admit
-        remaining_s = handle.timeout_s - (time.time_ns() - handle.arrival_ns) / 1e9
-        if handle.remote or adm is None or remaining_s <= 0:
-            return "not ours to hand over (forwarded to us, or past its deadline)"
-        cmd = m.SubmitRequest(
-            request_id=rid, router_id=self.s.router_id, prompt_token_ids=handle.prompt_token_ids,
-            max_tokens=handle.max_tokens, token_subject=token_subject(self.s.router_id, rid), priority=adm.priority,
-            slo_ttft_ms=adm.slo_ttft_ms, slo_tpot_ms=adm.slo_tpot_ms, timeout_s=remaining_s, sampling=handle.sampling,
-            stop=handle.stop, chat=handle.chat, model=adm.model, tenant=adm.tenant, priority_class=adm.priority_class,
-        )
-        try:
-            msg = await self.s.nc.request(submit_subject(self.s.settings.cluster, self.s.pool),
-                                          m.encode(self.s.envelopes.wrap(cmd, time.time_ns())), timeout=FORWARD_TIMEOUT_S)
-            reply = m.decode_as(msg.data, m.SubmitReply).payload
-        except Exception as exc:  # no leader (yet): the caller fails it retryable
-            return f"no leader router answered ({exc.__class__.__name__})"
-        if not reply.admitted:
-            return f"the leader refused it: {reply.code}: {reply.message}"
-        handle.leader_pool = self.s.pool
-        self._took(handle, reply)
-        self.s.records.note(rid, time.time_ns(), "handed_over", leader=reply.router_id, queued=reply.code == "queued")
-        return None
 
     async def on_submit(self, msg) -> None:
-        """Leader: a standby forwarded a request."""
+        """Leader: a standby forwarded a request, or the leader before us hands one over."""
         try:
-            cmd = m.decode_as(msg.data, m.SubmitRequest).payload
+            env = m.decode_as(msg.data, m.SubmitRequest)
         except m.DecodeError as exc:
             await self.s.undecodable("submit", msg, exc)
             return
-        if not self.s.is_leader:
-            reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=False, code="not_ready",
-                                  message="not the leader any more")
-        else:
+        cmd: m.SubmitRequest = env.payload
+        mine = self.s.handles.get(cmd.request_id) if cmd.router_id == self.s.router_id else None
+        mine = mine if mine is not None and mine.is_forward and mine.leader_id in ("", env.producer) else None  # (else: a duplicate)
+        out: RequestHandle | Rejected = Rejected("not_ready", NOT_LEADER_MESSAGE)
+        if self.s.is_leader:
             out = await self.admit_local(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.priority,
-                                          cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s, token_subject_override=cmd.token_subject,
-                                          sampling=cmd.sampling, stop=cmd.stop, chat=cmd.chat, model=cmd.model,
-                                          tenant=cmd.tenant, priority_class=cmd.priority_class)
-            if isinstance(out, Rejected):
-                reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=False,
-                                      code=out.code, message=out.message)
-            elif out.admission is not None:  # in our fair queue: its admission comes as an event
-                reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True, code="queued")
-            else:
-                reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True,
-                                      prefill_worker_id=out.prefill_worker_id, decode_worker_id=out.decode_worker_id,
-                                      slo_ttft_ms=out.slo_ttft_ms, slo_tpot_ms=out.slo_tpot_ms)
+                                         cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s,
+                                         token_subject_override="" if mine else cmd.token_subject, sampling=cmd.sampling,
+                                         stop=cmd.stop, chat=cmd.chat, model=cmd.model, tenant=cmd.tenant,
+                                         priority_class=cmd.priority_class, forwarded_by=cmd.router_id, mine=mine)
+            if mine is not None:  # ours again: its client (awaiting its admission, or its stream) goes on here
+                self.s.records.note(cmd.request_id, time.time_ns(), "handed_back", by=env.producer)
+                if isinstance(out, Rejected):
+                    self.s.finish_router(mine, "rejected", out.code, out.message)
+                elif cmd.request_id not in self.s.scheduler.fair.waiting and mine.admission and not mine.admission.done():
+                    mine.admission.set_result(None)
+        if isinstance(out, Rejected):
+            reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=False, code=out.code,
+                                  message=out.message)
+        elif out.admission is not None and not out.admission.done():  # in our fair queue: admission comes as an event
+            reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True, code="queued")
+        else:
+            reply = m.SubmitReply(request_id=cmd.request_id, router_id=self.s.router_id, admitted=True,
+                                  prefill_worker_id=out.prefill_worker_id, decode_worker_id=out.decode_worker_id,
+                                  slo_ttft_ms=out.slo_ttft_ms, slo_tpot_ms=out.slo_tpot_ms)
         await msg.respond(m.encode(self.s.envelopes.wrap(reply, time.time_ns())))
 
     async def on_router_event_msg(self, msg) -> None:
-        """Standby (or a pool's leader, for requests it forwarded to another pool's): the
-        leader's router-side events for requests we forwarded."""
-        if self.s.is_leader and not self.s.pool:
+        """Other routers' events about requests we forwarded (a standby's; a pool leader's, to
+        another pool's; a new leader's, to the one before): dispatched, admitted out of a fair
+        queue, refused or failed there, handed over. (Our own, most of a leader's, not decoded.)"""
+        if msg.subject == router_events_subject(self.s.router_id):
             return
         try:
             env = m.decode(msg.data)
         except m.DecodeError as exc:
             await self.s.undecodable("router_events", msg, exc)
             return
-        if env.producer == self.s.router_id:
-            return
         ev = env.payload
         if isinstance(ev, m.BatchDispatched):
             for rid in ev.request_ids:
                 handle = self.s.handles.get(rid)
-                if handle is not None:
+                if handle is not None and handle.is_forward:
                     handle.dispatched = True
             return
-        if isinstance(ev, (m.RequestAdmitted, m.RequestRejected)):  # a forwarded request the leader had queued
-            handle = self.s.handles.get(ev.request_id)
-            if handle is None or handle.admission is None or handle.admission.done():
-                return
-            if isinstance(ev, m.RequestAdmitted):
-                handle.prefill_worker_id, handle.decode_worker_id = ev.prefill_worker_id, ev.decode_worker_id
-                handle.slo_ttft_ms, handle.slo_tpot_ms = ev.slo_ttft_ms or 0.0, ev.slo_tpot_ms or 0.0
-                handle.admission.set_result(None)
-            else:
-                self.s.handles.pop(ev.request_id, None)
-                handle.done = True
-                handle.admission.set_result(Rejected(ev.code, ev.message))
+        handle = self.s.handles.get(getattr(ev, "request_id", ""))
+        if handle is None or handle.done or not handle.is_forward:
             return
-        if not isinstance(ev, (m.RequestFailed, m.RequestTimedOut, m.RequestCancelled)):
-            return
-        handle = self.s.handles.get(ev.request_id)
-        if handle is None or handle.done:
-            return
-        code = getattr(ev, "code", None) or ("timed_out" if isinstance(ev, m.RequestTimedOut) else "cancelled")
-        self.s.finish_router(handle, "failed", code, getattr(ev, "message", "") or code)
+        queued = handle.admission is not None and not handle.admission.done()  # in its leader's fair queue
+        if isinstance(ev, m.SubmitReply):  # our leader stopped and handed it over: the new leader's answer
+            if ev.admitted and handle.leader_id == env.producer and ev.router_id != self.s.router_id:
+                self.took(handle, ev)
+        elif isinstance(ev, m.RequestAdmitted):  # out of a fair queue, by the leader it was handed to, or before the reply
+            if queued or (handle.leader_id != ev.router_id and not handle.dispatched):
+                self.took(handle, m.SubmitReply(
+                    request_id=ev.request_id, router_id=ev.router_id, admitted=True, prefill_worker_id=ev.prefill_worker_id,
+                    decode_worker_id=ev.decode_worker_id, slo_ttft_ms=ev.slo_ttft_ms or 0.0, slo_tpot_ms=ev.slo_tpot_ms or 0.0))
+        elif isinstance(ev, m.RequestRejected):  # refused while in its leader's fair queue
+            if queued or handle.leader_id == ev.router_id:
+                self.s.finish_router(handle, "rejected", ev.code, ev.message)
+        elif isinstance(ev, (m.RequestFailed, m.RequestTimedOut, m.RequestCancelled)):
+            if handle.leader_id in ("", env.producer):  # (not from a leader that handed it over since)
+                code = getattr(ev, "code", None) or ("timed_out" if isinstance(ev, m.RequestTimedOut) else "cancelled")
+                self.s.finish_router(handle, "failed", code, getattr(ev, "message", "") or code)
 
     async def reject(self, request_id: str, code: str, message: str, retry_after_ms: int = 0) -> Rejected:
         self.s.metrics.requests.labels("rejected", code).inc()

@@ -3,9 +3,10 @@
 RouterState holds the router's identity, its connections (NATS, JetStream, Redis, the Redis
 ledger), the core (the Scheduler, wrapped by the journal's Recorder), the live request
 handles and batch membership, leadership facts (is_leader, epoch) and the counters the admin
-views show. It owns no behaviour beyond three leaf actions every part needs: publish a
-router event (emit), dead-letter an undecodable message, and give a client its terminal
-outcome once (finish_router). Each part (intake, dispatch, fold, relay, leadership,
+views show. It owns no behaviour beyond four leaf actions the parts need: publish a router
+event (emit), dead-letter an undecodable message, give a client its terminal outcome once
+(finish_router), and ask a leader to take a request (ask_leader: intake's forwards,
+leadership's hand-overs). Each part (intake, dispatch, fold, relay, leadership,
 liveness, recovery, upkeep, admin, journal) holds this one object and reads and writes
 these fields; none keeps a copy.
 """
@@ -19,9 +20,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.errors import NoRespondersError
+
 from schemas import messages as m
 from schemas.acked import AckedPublisher
-from schemas.subjects import JOURNAL_PREFIX, router_events_subject
+from schemas.subjects import JOURNAL_PREFIX, router_events_subject, submit_subject
 from services.core.journal import Recorder
 from services.core.scheduler import AdmitRequest, Rejected, RouteDecision, Scheduler
 from services.settings import RouterSettings
@@ -32,6 +35,9 @@ from services.shell.metrics import RouterMetrics
 log = logging.getLogger("flexlb.router")
 
 RECENT_RECORDS_MAX = 10_000  # requests whose decision record /admin/requests/{id} can show
+FORWARD_TIMEOUT_S = 5.0  # a standby waits this long for the leader to admit a forwarded request
+FORWARD_RETRY_S = 0.05  # no leader answered: asked again this often (ask_leader)
+NOT_LEADER_MESSAGE = "not the leader any more"  # a SubmitReply's, from a router that stepped down
 
 
 class RequestRecords:
@@ -159,6 +165,7 @@ class RequestHandle:
     timeout_s: float = 600.0  # its deadline, from arrival
     token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
     remote: bool = False  # forwarded by a standby: no local client reads this handle
+    forwarded_by: str = ""  # remote: the router that forwarded it (its client's), SubmitRequest.router_id
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
     leader_pool: str = ""  # the pool whose leader that is ("": the cluster's one leader)
     dispatched: bool = False  # standby: the leader's batch.dispatched listed it
@@ -174,6 +181,12 @@ class RequestHandle:
     # Set while it waits in the fair queue (the leader's, or the leader's a standby forwarded it
     # to): resolved None when admitted, or with the Rejected that refused it.
     admission: asyncio.Future | None = None
+
+    @property
+    def is_forward(self) -> bool:
+        """Ours, scheduled by another router: forwarded to a leader (or handed over to a new one
+        when we stopped leading). A local request has `admit` set and no leader; a remote one is a standby's."""
+        return not self.remote and (bool(self.leader_id) or self.admit is None)
 
 
 class RouterState:
@@ -217,6 +230,9 @@ class RouterState:
         # standby that reaches Redis may hold the lease by then.
         self.lease_valid_until = 0.0
         self.dispatch_paused = False  # leader whose lease outran its renewal: dispatching nothing
+        # Stopping while leading (leadership.hand_off): the lease was given up, never renewed or
+        # taken again; nothing more is dispatched (what is queued goes to the new leader).
+        self.handing_off = False
         self.max_worker_epoch = 0  # the highest epoch any worker reports accepting (status)
         self.fenced_by_epoch = 0  # the highest of those from workers we dispatched to
         self.fenced = asyncio.Event()  # set when that exceeds ours: leadership steps down
@@ -248,8 +264,10 @@ class RouterState:
         return bool(self.pool) and (model or self.settings.model_name) != self.pool
 
     def may_dispatch(self) -> bool:
-        """Leader, the lease surely still ours, and no worker has accepted a newer epoch."""
-        return self.is_leader and time.monotonic() < self.lease_valid_until and self.fenced_by_epoch <= self.epoch
+        """Leader, the lease surely still ours, no worker has accepted a newer epoch, and not
+        stopping (a stopping leader hands its queue over instead: leadership.hand_off)."""
+        return (self.running and self.is_leader and not self.handing_off and time.monotonic() < self.lease_valid_until
+                and self.fenced_by_epoch <= self.epoch)
 
     def acked_lost(self, subject: str, msg_id: str) -> None:
         """An acked publish given up on (no ack for give_up_s): counted where an operator looks."""
@@ -276,6 +294,26 @@ class RouterState:
             await dead_letter(self.nc, self.router_id, msg.subject, msg.data, str(exc))
         except Exception as dlq_exc:  # the bus is down: the message is lost; say so
             log.error("could not dead-letter a message from %s: %s", msg.subject, dlq_exc)
+
+    async def ask_leader(self, cmd: m.SubmitRequest, pool: str, no_leader_wait_s: float) -> m.SubmitReply | None:
+        """`cmd` to `pool`'s leader ("": the cluster's one leader); its reply. While none answers
+        (none subscribed, or one stepping down replied: a hand-off or failover in progress), asked
+        again every FORWARD_RETRY_S for up to `no_leader_wait_s`; None if we took that lease
+        meanwhile (the caller admits it here). Raises what the last try raised."""
+        deadline = time.monotonic() + no_leader_wait_s
+        while True:
+            try:
+                msg = await self.nc.request(submit_subject(self.settings.cluster, pool),
+                                            m.encode(self.envelopes.wrap(cmd, time.time_ns())), timeout=FORWARD_TIMEOUT_S)
+                reply = m.decode_as(msg.data, m.SubmitReply).payload
+                if reply.admitted or reply.message != NOT_LEADER_MESSAGE or time.monotonic() >= deadline:
+                    return reply
+            except NoRespondersError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(FORWARD_RETRY_S)
+            if self.is_leader and pool == self.pool:
+                return None
 
     def finish_router(self, handle: RequestHandle | None, outcome: str, code: str | None, message: str) -> None:
         """Give the client its terminal outcome (once)."""
