@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("flexlb.router")
 
 SNAPSHOT_RETRY_NS = 1_000_000_000  # ask a worker for a KV snapshot at most once a second
+# Calibration settled a request its worker no longer reports: its terminal event (or, for our own
+# client's, its last token chunk) may only be late, not lost. Status reports come at once; the
+# event stream is pulled in fetches and lags them under load, and a standby's request sends its
+# tokens to that standby, never here. The client's failure waits this long for either to arrive.
+SETTLE_GRACE_S = 2.0
 
 
 class Fold:
@@ -37,6 +42,7 @@ class Fold:
         self.relay = relay
         self.recovery = recovery
         self.upkeep = upkeep
+        self.settling: set[asyncio.Task] = set()  # requests calibration settled, failed unless they end meanwhile
 
     async def load_last_status(self) -> None:
         try:
@@ -102,13 +108,26 @@ class Fold:
         why = f"worker {worker_id} stopped reporting it and no terminal event arrived"
         handle = self.s.handles.get(request_id)
         if handle is not None and not handle.done:
-            await self.recovery.fail_from_router(handle, "worker_failed", why)
+            task = asyncio.create_task(self.fail_unless_ended(handle, why), name=f"settle-{request_id}")
+            self.settling.add(task)
+            task.add_done_callback(self.settling.discard)
         else:
             self.s.scheduler.on_terminal(request_id)
             await self.upkeep.release_request(request_id)
         log.warning("settled %s: %s", request_id, why)
         await self.s.emit(m.LedgerEntryEvicted(worker_id=worker_id, router_id=self.s.router_id, field=kv_field(request_id),
                                               ttl_s=0.0, reason="calibration"))
+
+    async def fail_unless_ended(self, handle, why: str) -> None:
+        """SETTLE_GRACE_S for its terminal event or last token chunk (why: at the constant), then worker_failed."""
+        deadline = time.monotonic() + SETTLE_GRACE_S
+        while not handle.done and time.monotonic() < deadline and self.s.running:
+            await asyncio.sleep(0.05)
+        if handle.done:
+            log.info("%s ended within %.1f s of its settlement: its terminal event was late, not lost",
+                     handle.request_id, SETTLE_GRACE_S)
+            return
+        await self.recovery.fail_from_router(handle, "worker_failed", why)
 
     async def request_snapshot(self, worker_id: str, reason: str, now_ns: int) -> None:
         last = self.s.snapshot_requested_ns.get(worker_id, 0)

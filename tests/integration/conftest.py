@@ -141,9 +141,9 @@ def spawn(tmp_path):
 def flexlb_up(spawn, tmp_path):
     """Run `flexlb up ARGS` and return (proc, state) once it has written its state file."""
 
-    def _up(*argv: str) -> tuple[Proc, dict]:
+    def _up(*argv: str, env: dict[str, str] | None = None) -> tuple[Proc, dict]:
         state_file = tmp_path / f"state-{time.monotonic_ns()}.json"
-        proc = spawn("up", "--port", str(free_port()), "--state-file", str(state_file), *argv, name="up")
+        proc = spawn("up", "--port", str(free_port()), "--state-file", str(state_file), *argv, env=env, name="up")
 
         def ready():
             if proc.popen.poll() is not None:

@@ -543,6 +543,7 @@ class Stack:
         engine.env["FLEXLB_ADMIN_TOKEN"] = ADMIN_TOKEN  # the compose file requires one (the routers listen on 0.0.0.0)
         self.timings: dict[str, float] = {}
         self.is_down = False
+        self.tests_from: float | None = None
         services = services_of(load_compose())
         images = {name: str(svc.get("image", "")) for name, svc in services.items()}
         self.left_out = sorted(n for n, img in images.items() if img in unavailable)
@@ -575,6 +576,8 @@ class Stack:
 
     def down(self) -> str:
         self.is_down = True
+        if self.tests_from is not None:  # the tests' own time: from the default stack ready to `down`, less the ha up
+            self.timings["tests"] = time.monotonic() - self.tests_from - self.timings.get("up (ha)", 0.0)
         return self.timed("down -v", "down", "-v", "--remove-orphans", "--timeout", "40")
 
 
@@ -644,6 +647,7 @@ def stack():
         wait_for(lambda: _ready(ROUTER_URL), 120, "the router's /readyz through the published port")
         _wait_workers_ready(ROUTER_URL, {"w0", "w1"})
         stack.timings["up (default)"] += time.monotonic() - t2
+        stack.tests_from = time.monotonic()
         yield stack
     except BaseException:
         if stack is not None:

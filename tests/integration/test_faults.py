@@ -12,7 +12,16 @@ import time
 import httpx
 
 from schemas import messages as m
-from tests.integration.stack import expected_text, make_bodies, read_event_log, run_concurrent_streams, terminal_counts, wait_all_terminal, wait_async
+from tests.integration.stack import (
+    expected_text,
+    make_bodies,
+    read_event_log,
+    run_concurrent_streams,
+    stream_completion,
+    terminal_counts,
+    wait_all_terminal,
+    wait_async,
+)
 
 DETECTION_S = 3 * 0.5  # dead_after_missed_syncs x liveness_sync_ms (the defaults)
 
@@ -269,7 +278,9 @@ async def test_a_request_the_worker_stops_reporting_without_a_terminal_event_is_
 
     from schemas.subjects import status_subject
 
-    _, state = flexlb_up("--time-scale", "1.0", "--workers", "1")
+    # The frozen worker must not be declared dead (3 missed 0.5 s syncs) before calibration's
+    # settlement fails the request (fold.SETTLE_GRACE_S after the two reports): 12 syncs here.
+    _, state = flexlb_up("--time-scale", "1.0", "--workers", "1", env={"FLEXLB_DEAD_AFTER_MISSED_SYNCS": "12"})
     url, nats_url = state["router_url"], state["nats_url"]
     nc = await nats.connect(nats_url)
     reports: list[m.WorkerStatusReported] = []
@@ -321,6 +332,46 @@ async def test_a_request_the_worker_stops_reporting_without_a_terminal_event_is_
     terminal, evicted = await events_for_rid()
     assert len(terminal) == 1 and isinstance(terminal[0], m.RequestFailed) and terminal[0].code == "worker_failed"
     assert [e.reason for e in evicted] == ["calibration"]
+
+
+async def test_a_request_left_out_of_reports_whose_terminal_event_is_only_late_is_not_failed(flexlb_up):
+    """Calibration's settlement waits SETTLE_GRACE_S before failing the client: two status
+    reports that leave a running request out (as a report that beats the request's terminal
+    event, lagging in the pulled event stream, does) must not fail it when it then finishes."""
+    import msgspec
+    import nats
+
+    from schemas.subjects import status_subject
+
+    _, state = flexlb_up("--time-scale", "1.0", "--workers", "1")
+    url, nats_url = state["router_url"], state["nats_url"]
+    nc = await nats.connect(nats_url)
+    reports: list[m.WorkerStatusReported] = []
+
+    async def on_status(msg):
+        env = m.decode(msg.data)
+        if isinstance(env.payload, m.WorkerStatusReported):
+            reports.append(env.payload)
+
+    await nc.subscribe(status_subject("w0"), cb=on_status)
+    async with httpx.AsyncClient(timeout=60) as c:
+        body = {"prompt": "late, not lost", "max_tokens": 60, "stream": True}  # ~2 s here: running when settled
+        task = asyncio.create_task(stream_completion(c, url, body))
+        await wait_async(lambda: _listed(reports, 3), 20, "three reports listing the request (the router saw it running)")
+        factory = m.EnvelopeFactory("w0", reports[-1].boot_id + "-probe")
+        lost = msgspec.structs.replace(reports[-1], running_request_ids=[], num_running_requests=0)
+        for _ in range(2):  # back to back: no real report (every 200 ms) between them
+            await nc.publish(status_subject("w0"), m.encode(factory.wrap(lost, time.time_ns())))
+        res = await asyncio.wait_for(task, 30)
+        metrics = (await c.get(url + "/metrics")).text
+    await nc.close()
+    assert res["status"] == 200 and res["done"] and not res["errors"], res
+    assert "".join(res["texts"]) == expected_text(res["request_id"], 60)
+    assert "flexlb_ledger_settlements_total 1.0" in metrics  # it was settled, and still not failed
+
+
+async def _listed(reports: list, n: int) -> bool:
+    return sum(bool(r.running_request_ids) for r in reports) >= n
 
 
 async def test_a_worker_outbound_buffer_overflow_stops_the_request_visibly(flexlb_up):
