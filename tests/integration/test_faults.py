@@ -274,7 +274,6 @@ async def test_a_request_the_worker_stops_reporting_without_a_terminal_event_is_
     it — the client gets worker_failed, one terminal event, a calibration eviction event, and
     its Redis ledger entry is gone — instead of holding it until the TTL sweep."""
     import msgspec
-    import nats
 
     from schemas.subjects import status_subject
 
@@ -282,15 +281,7 @@ async def test_a_request_the_worker_stops_reporting_without_a_terminal_event_is_
     # settlement fails the request (fold.SETTLE_GRACE_S after the two reports): 12 syncs here.
     _, state = flexlb_up("--time-scale", "1.0", "--workers", "1", env={"FLEXLB_DEAD_AFTER_MISSED_SYNCS": "12"})
     url, nats_url = state["router_url"], state["nats_url"]
-    nc = await nats.connect(nats_url)
-    reports: list[m.WorkerStatusReported] = []
-
-    async def on_status(msg):
-        env = m.decode(msg.data)
-        if isinstance(env.payload, m.WorkerStatusReported):
-            reports.append(env.payload)
-
-    await nc.subscribe(status_subject("w0"), cb=on_status)
+    nc, reports = await _status_reports(nats_url, "w0")
     worker_pid = state["pids"]["worker-w0"]
     async with httpx.AsyncClient(timeout=60) as c:
         task = asyncio.create_task(c.post(url + "/v1/completions", json={"prompt": "settle me", "max_tokens": 600}))
@@ -339,21 +330,12 @@ async def test_a_request_left_out_of_reports_whose_terminal_event_is_only_late_i
     reports that leave a running request out (as a report that beats the request's terminal
     event, lagging in the pulled event stream, does) must not fail it when it then finishes."""
     import msgspec
-    import nats
 
     from schemas.subjects import status_subject
 
     _, state = flexlb_up("--time-scale", "1.0", "--workers", "1")
     url, nats_url = state["router_url"], state["nats_url"]
-    nc = await nats.connect(nats_url)
-    reports: list[m.WorkerStatusReported] = []
-
-    async def on_status(msg):
-        env = m.decode(msg.data)
-        if isinstance(env.payload, m.WorkerStatusReported):
-            reports.append(env.payload)
-
-    await nc.subscribe(status_subject("w0"), cb=on_status)
+    nc, reports = await _status_reports(nats_url, "w0")
     async with httpx.AsyncClient(timeout=60) as c:
         body = {"prompt": "late, not lost", "max_tokens": 60, "stream": True}  # ~2 s here: running when settled
         task = asyncio.create_task(stream_completion(c, url, body))
@@ -368,6 +350,24 @@ async def test_a_request_left_out_of_reports_whose_terminal_event_is_only_late_i
     assert res["status"] == 200 and res["done"] and not res["errors"], res
     assert "".join(res["texts"]) == expected_text(res["request_id"], 60)
     assert "flexlb_ledger_settlements_total 1.0" in metrics  # it was settled, and still not failed
+
+
+async def _status_reports(nats_url: str, worker_id: str):
+    """A connection to the bus and the list the worker's status reports are appended to as they come."""
+    import nats
+
+    from schemas.subjects import status_subject
+
+    nc = await nats.connect(nats_url)
+    reports: list[m.WorkerStatusReported] = []
+
+    async def on_status(msg):
+        env = m.decode(msg.data)
+        if isinstance(env.payload, m.WorkerStatusReported):
+            reports.append(env.payload)
+
+    await nc.subscribe(status_subject(worker_id), cb=on_status)
+    return nc, reports
 
 
 async def _listed(reports: list, n: int) -> bool:
