@@ -8,6 +8,7 @@ highest load it sustains with at least 90 % of requests within their SLO.
     python bench/peers.py --trace azure-code --configs flexlb,sglang-cache_aware,vllm-cache_aware --rates 0.5,1,2
     python bench/peers.py --configs flexlb --flexlb-args "--slo-mode reject" --name flexlb-reject --rates 1,2
     python bench/peers.py --trace chat --quick --engine-modes vllm,sglang          # the matrix, a first look
+    python bench/peers.py --trace long-conv --quick --chat-turns 4                   # long prompts, one knob changed
 
 The matrix (issue 24): every configuration on every engine mode, on each workload, with
 run-to-run spread. One invocation per workload, then one report over all of them:
@@ -78,12 +79,17 @@ the process group leader, then SIGKILL to the group; each wait bounded).
 
 Workloads (`--trace`; rows `--start-row S --rows N`), from bench/workloads.py (its docstring
 says exactly how each prompt is built): `mooncake`, `azure-conv`, `azure-code` (the public
-traces, or a path to one) and `chat` (multi-turn sessions re-sending their history, tenants
-with long system prompts, ShareGPT lengths; `--chat-tenants`, `--chat-session-rate`,
-`--chat-turns`, `--chat-think-s`, `--chat-seed`). Text prompts: with the byte-level tokenizer
+traces, or a path to one) and the generated chat family: `chat` (multi-turn sessions
+re-sending their history, tenants with long system prompts, ShareGPT lengths) and `long-conv`
+(Mooncake-like long-prompt conversations: a document of its own per session, prompts up to
+16000 tokens, little cross-session sharing). For either, `--chat-tenants`,
+`--chat-session-rate`, `--chat-turns`, `--chat-think-s` replace the workload's own value when
+given, `--chat-seed` picks the seed; the report's "chat" field holds the parameters used
+(bench/peers_report.py rebuilds the rows from it). Text prompts: with the byte-level tokenizer
 (schemas/tokens.py) one ASCII character is one token, for every router alike. A trace's
 prompts longer than `--max-prompt-tokens` (32000; FlexLB refuses more than 32768) are cut to
-it, and the report says how many; a chat session ends before its history would exceed it.
+it, and the report says how many; a chat-family session ends before its history would exceed
+it (long-conv: before it would exceed 16000 tokens, or this when lower).
 The run's facts give the workload's prefix reuse with an unbounded cache shared by the
 fleet (`prefix_reuse_unbounded`). max_tokens = max(1, output length). Every body carries the
 SLO: `"slo_ttft_ms": 2000, "slo_tpot_ms": 100` (`--slo-ttft-ms`, `--slo-tpot-ms`); the peers and
@@ -206,6 +212,7 @@ from bench.peers_fleet import (  # noqa: E402
 )
 from bench.peers_tables import headline, plot, print_report  # noqa: E402
 from bench.workloads import (  # noqa: E402
+    CHAT_WORKLOADS,
     WORKLOADS,
     ChatParams,
     Row,
@@ -553,18 +560,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--max-prompt-tokens", type=int, default=32000,
-                   help="traces: longer prompts are cut; chat: a session ends before its history exceeds it "
-                        "(default 32000)")
+                   help="traces: longer prompts are cut; chat, long-conv: a session ends before its history "
+                        "exceeds it (default 32000)")
     p.add_argument("--model-name", default="flexlb-sim", help="the body's model field (SGLang's router needs one)")
-    chat = p.add_argument_group("the chat workload (--trace chat; bench/workloads.py ChatParams)")
-    chat_defaults = ChatParams()
-    chat.add_argument("--chat-tenants", type=int, help=f"tenants, each with its own system prompt "
-                                                       f"(default {chat_defaults.num_tenants})")
+    chat = p.add_argument_group(f"the chat workloads (--trace {' | '.join(CHAT_WORKLOADS)}; bench/workloads.py "
+                                f"ChatParams); each knob replaces the workload's own value")
+
+    def defaults(field: str) -> str:
+        return "default " + ", ".join(f"{n} {getattr(c, field):g}" for n, c in CHAT_WORKLOADS.items())
+
+    chat.add_argument("--chat-tenants", type=int,
+                      help=f"tenants, each with its own system prompt ({defaults('num_tenants')})")
     chat.add_argument("--chat-session-rate", type=float,
-                      help=f"sessions starting per second at ×1 (default {chat_defaults.session_rate_per_s:g})")
-    chat.add_argument("--chat-turns", type=float, help=f"mean turns per session (default {chat_defaults.mean_turns:g})")
+                      help=f"sessions starting per second at ×1 ({defaults('session_rate_per_s')})")
+    chat.add_argument("--chat-turns", type=float, help=f"mean turns per session ({defaults('mean_turns')})")
     chat.add_argument("--chat-think-s", type=float,
-                      help=f"mean think time between turns, s (default {chat_defaults.mean_think_s:g})")
+                      help=f"mean think time between turns, s ({defaults('mean_think_s')})")
     chat.add_argument("--chat-seed", type=int, help="the workload's seed (default 0)")
     eng = p.add_argument_group("engine flags (every engine of every configuration; default: the engine's own)")
     for name in ENGINE_INT_FLAGS:
@@ -600,11 +611,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--engine-modes takes {', '.join(SCHEDULERS)}; got {args.engine_modes!r}")
     chat_knobs = {"num_tenants": args.chat_tenants, "session_rate_per_s": args.chat_session_rate,
                   "mean_turns": args.chat_turns, "mean_think_s": args.chat_think_s}
-    if args.trace == "chat":
+    if args.trace in CHAT_WORKLOADS:
         try:
-            args.chat_params = ChatParams(**{k: v for k, v in chat_knobs.items() if v is not None})
+            args.chat_params = dataclasses.replace(CHAT_WORKLOADS[args.trace],
+                                                   **{k: v for k, v in chat_knobs.items() if v is not None})
         except ValueError as exc:
-            p.error(f"chat workload: {exc}")
+            p.error(f"{args.trace} workload: {exc}")
         args.chat_seed = args.chat_seed or 0
     else:
         given = [f"--{k}" for k, v in (("chat-tenants", args.chat_tenants),
@@ -612,7 +624,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                        ("chat-think-s", args.chat_think_s), ("chat-seed", args.chat_seed))
                  if v is not None]
         if given:
-            p.error(f"{', '.join(given)} apply to --trace chat only")
+            p.error(f"{', '.join(given)} apply to --trace {' / '.join(CHAT_WORKLOADS)} only, not {args.trace}")
         args.chat_params, args.chat_seed = None, 0
         try:
             resolve_trace(args.trace)
@@ -663,6 +675,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def chat_field(params: ChatParams | None, seed: int) -> dict[str, Any] | None:
+    """The report's "chat" field: the chat-family workload's seed and every parameter, as JSON
+    (bench/peers_report.py rebuilds the rows from it and the report's "trace"); None: a trace."""
+    if params is None:
+        return None
+    return {"seed": seed} | {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+                             for k, v in dataclasses.asdict(params).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.sim_server_has_host = False
@@ -674,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = StepCosts.from_file(args.profile or DEFAULT_PROFILE)
     limits, engine_cfg, notes = engine_defaults(args)
     modes = args.engine_mode_list
-    trace_name, trace_path = ("chat", None) if args.trace == "chat" else resolve_trace(args.trace)
+    trace_name, trace_path = (args.trace, None) if args.trace in CHAT_WORKLOADS else resolve_trace(args.trace)
     t_build = time.monotonic()
     rows = choose_rows(args, costs, limits)
     if len(rows) < 2 or rows[-1].ts_ms <= 0:
@@ -767,9 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_facts() | {"versions": versions()},
         "trace": trace_name,
         "trace_path": str(trace_path) if trace_path else None,
-        "chat": ({"seed": args.chat_seed} | {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path)
-                                               else v) for k, v in dataclasses.asdict(args.chat_params).items()}
-                 if args.chat_params else None),
+        "chat": chat_field(args.chat_params, args.chat_seed),
         "flags": {k: v for k, v in vars(args).items()
                   if k not in ("selected", "chat_params", "engine_mode_list") and not callable(v)}
         | {"configs_run": [lbl for _, lbl in args.selected]},

@@ -12,7 +12,7 @@ configuration, one workload per invocation), and where no configuration can reac
 the headline is taken at a target relative to that ceiling (`--target`, or per workload
 `--workload-target mooncake=0.55`).
 
-Reports are grouped by workload (the trace, or `chat`). The reports of one workload must
+Reports are grouped by workload (the trace, or `chat`, `long-conv`). The reports of one workload must
 describe the same workload (rows, first row, prompt cap, chat parameters, SLO, engines, time
 scale): a mismatch is an error, not a silent merge. Runs of the same cell (configuration and
 engine mode) at the same load: the later file's runs replace the earlier file's (all its
@@ -59,7 +59,7 @@ from bench.peers_tables import (  # noqa: E402
     runs_table,
     split_label,
 )
-from bench.workloads import ChatParams, load_workload  # noqa: E402
+from bench.workloads import CHAT_WORKLOADS, ChatParams, load_workload  # noqa: E402
 
 SAME = ("trace", "workload_rows", "first_row", "max_prompt_tokens", "chat", "slo_ttft_ms", "slo_tpot_ms", "workers",
         "time_scale")
@@ -161,8 +161,12 @@ def refresh_capacity(result: dict[str, Any]) -> list[str]:
             knobs = {k: (tuple(v) if isinstance(v, list) else Path(v) if k == "lengths_path" else v)
                      for k, v in chat.items() if k != "seed"}
             params = ChatParams(**knobs)
-        source = result.get("trace_path") or result["trace"]
-        rows = load_workload("chat" if chat else source, w["first_row"], w["rows"], f.get("max_prompt_tokens", 32000),
+        # a chat-family report (chat, long-conv): its own name with the stored params (fields a
+        # report predates keep their defaults, which leave the workload as it was then)
+        name = result["trace"] if chat else result.get("trace_path") or result["trace"]
+        if chat and name not in CHAT_WORKLOADS:
+            raise ValueError(f"chat parameters stored for {name!r}, not one of {', '.join(CHAT_WORKLOADS)}")
+        rows = load_workload(name, w["first_row"], w["rows"], f.get("max_prompt_tokens", 32000),
                              seed=chat["seed"] if chat else 0, chat=params)
         costs = StepCosts.from_file(engine.get("profile") or DEFAULT_PROFILE)
         keys = ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "block_size_tokens", "max_seq_len_tokens",

@@ -26,6 +26,10 @@ Workloads (`name`; the data files are read from ../shared/data, never copied):
   rows, prompts and request ids `row-NNNNN`; tests/unit/test_workloads.py pins them), so old
   results stay comparable. `seed` and `chat` do not apply to them (a ValueError if given).
 - `chat`: a synthetic multi-turn chat with shared system prompts (`ChatParams`, below).
+- `long-conv`: long-prompt multi-turn conversations, Mooncake-like (`LONG_CONV`, below): the
+  same generator as `chat` with other parameters.
+`CHAT_WORKLOADS` maps the generated ones (the chat family) to their `ChatParams`; for them a
+`chat=` argument replaces those parameters.
 
 The chat workload. Tenants (`num_tenants`, 4) each have a system prompt of a length drawn
 uniformly from `system_prompt_tokens` (1000-4000). Sessions start as a Poisson process of
@@ -66,6 +70,44 @@ ones, in its cache: with the real answer in the history the blocks holding it wo
 recomputed all the same). Across sessions, the tenant's system prompt is shared. The
 unbounded-cache reuse (`prefix_reuse`: the share of prompt tokens a cache of infinite size,
 shared by the whole fleet, would serve) is reported by bench/peers.py in the run's facts.
+Rows 0-1999 of `chat` (seed 0): 1.70 req/s recorded, input mean 11090 / p50 9351 / p99
+29959 tokens, output mean 439, 3.87 turns per session, prefix reuse 0.763 (0.557 among
+turn-0 prompts: the system prompts are 26 % of all prompt tokens), 78 % of prompts <= 16000.
+
+The long-conv workload (`LONG_CONV`): long-prompt conversations like the Mooncake
+conversation trace (FAST'25: mean input ~12k tokens, mean output ~343, multi-turn, little
+sharing across sessions). That trace's text is not public, so the workload is generated from
+the public statistics of such traces: long prompts, multi-turn sessions, little cross-session
+sharing. It is the chat generator with four more knobs, whose defaults leave `chat` as it
+was (same draws, same stream):
+- `session_context_tokens` (2000-10000, uniform per session): each session's own document,
+  unique to it, placed right after the tenant's system prompt in every turn:
+
+      prompt(k) = system prompt + context + user(0) + answer(0) + ... + user(k)
+
+  (so turn k+1 still starts with turn k's whole prompt); its length and text come from
+  streams of their own (random.Random seeded by `seed`, "context-length" / "context" and the
+  session), not from the session's stream;
+- `max_user_tokens` (2000): a user message is min(ShareGPT num_prefill_tokens, 2000) (the
+  documents are the context; ShareGPT's long user messages would dwarf them);
+- `max_session_prompt_tokens` (16000): a session ends before a prompt would exceed
+  min(16000, max_prompt_tokens), so that nearly every request can meet a 2 s TTFT alone on an
+  idle engine (the profile's prefill_ms ≈ 26.45 + 0.06414·p + 3.635e-6·p² for p uncached
+  tokens: 1983 ms at p = 16000);
+- `request_id_prefix` ("lconv"): request ids `lconv-sSSSSS-tTT`.
+The rest: 4 tenants with short system prompts (200-600 tokens: the only cross-session
+sharing), answers from ShareGPT's num_decode_tokens as in chat, mean 3 turns (geometric),
+mean think time 20 s, and 0.75 sessions per second: the 16000-token cap ends some sessions
+early, leaving ~2.6 turns a session, so the stream settles at ~1.9 req/s, as chat's 0.5
+sessions/s × ~3.9 turns does: the same multiplier loads both alike (rows 0-1999, 4 engines,
+vllm mode, the default profile: capacity bounds of 2.36 req/s for chat, 2.40 for long-conv).
+Rows 0-1999 (seed 0): 1.81 req/s recorded (rows 0-399: 1.53; chat's: 1.29), input mean 9570 /
+p50 9590 / p99 15674 / max 15986 tokens (the 16000 cap keeps the mean below Mooncake's 12k),
+output mean 441, 2.56 turns per session, prefix reuse 0.579 with an unbounded cache (within
+sessions: each turn re-sends the previous prompt; 0.056 among turn-0 prompts, where the system
+prompts are all that is shared: 4.6 % of all prompt tokens), 100 % of prompts <= 16000 tokens;
+alone on an idle engine (bench/capacity.py `zero_load_slo_fraction`, 2 s TTFT and 100 ms TPOT,
+the default profile and engine limits) all meet the SLO with the infinite cache, 99.8 % cold.
 """
 
 from __future__ import annotations
@@ -76,6 +118,7 @@ import functools
 import heapq
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -92,7 +135,7 @@ TRACES = {
     "azure-code": DATA / "AzureLLMInferenceTrace_code_2023.csv",
 }
 SHAREGPT_LENGTHS = DATA / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
-WORKLOADS = (*TRACES, "chat")
+WORKLOADS = (*TRACES, "chat", "long-conv")  # CHAT_WORKLOADS (below) are the generated ones
 HASH_BLOCK_TOKENS = 512  # tokens (= characters) per Mooncake hash id
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # one byte, one token each
 DEFAULT_MAX_PROMPT_TOKENS = 32000  # FlexLB refuses more than 32768
@@ -110,8 +153,8 @@ class PromptSource(Protocol):
 class Row:
     """One request of a workload."""
 
-    row: int  # traces: the data row in the file (from 0); chat: the position in the generated stream
-    request_id: str  # traces: row-NNNNN; chat: chat-sSSSSS-tTT
+    row: int  # traces: the data row in the file (from 0); chat, long-conv: the position in the generated stream
+    request_id: str  # traces: row-NNNNN; chat: chat-sSSSSS-tTT; long-conv: lconv-sSSSSS-tTT
     ts_ms: float  # arrival relative to the first row of the slice (trace ms, before any rate multiplier)
     recorded_input_length: int  # prompt tokens in the trace (chat: as sent)
     input_length: int  # prompt tokens as sent: min(recorded, max_prompt_tokens)
@@ -146,15 +189,17 @@ class Row:
 def load_workload(name: str, start_row: int = 0, rows: int = 200, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
                   seed: int = 0, chat: "ChatParams | None" = None) -> list[Row]:
     """Requests `start_row .. start_row + rows - 1` of workload `name` (module docstring), in
-    arrival order, `ts_ms` relative to the first. `seed` and `chat` apply to `chat` only."""
+    arrival order, `ts_ms` relative to the first. `seed` and `chat` apply to the chat family
+    only (`CHAT_WORKLOADS`: `chat`, `long-conv`); `chat` replaces the workload's own params."""
     if start_row < 0 or rows < 1:
         raise ValueError(f"start_row must be >= 0 and rows >= 1, got {start_row}, {rows}")
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-    if name == "chat":
-        return load_chat(chat or ChatParams(), start_row, rows, max_prompt_tokens, seed)
+    if name in CHAT_WORKLOADS:
+        return load_chat(chat or CHAT_WORKLOADS[name], start_row, rows, max_prompt_tokens, seed)
     if seed != 0 or chat is not None:
-        raise ValueError(f"seed and chat parameters apply to the chat workload, not to {name!r}")
+        raise ValueError(f"seed and chat parameters apply to the chat workloads ({', '.join(CHAT_WORKLOADS)}), "
+                         f"not to {name!r}")
     return load_trace(resolve_trace(name)[1], start_row, rows, max_prompt_tokens)
 
 
@@ -256,7 +301,9 @@ def load_trace(path: Path, start: int, count: int, max_prompt_tokens: int) -> li
 # --------------------------------------------------------------------------- chat
 @dataclass(frozen=True)
 class ChatParams:
-    """The chat workload's knobs (module docstring); the defaults are what `chat` means."""
+    """The chat family's knobs (module docstring); the defaults are what `chat` means,
+    `LONG_CONV` is `long-conv`. The last four fields' defaults change nothing (no context, no
+    cap, the `chat-` ids): `chat` is the same stream as before they existed."""
 
     num_tenants: int = 4
     system_prompt_tokens: tuple[int, int] = (1000, 4000)  # each tenant's length: uniform in [lo, hi]
@@ -265,6 +312,13 @@ class ChatParams:
     mean_think_s: float = 20.0  # exponential think time between an answer's nominal end and the next turn
     nominal_ms_per_token: float = 50.0  # the answer's nominal speed, for the next turn's arrival
     lengths_path: Path = SHAREGPT_LENGTHS  # user / answer lengths: num_prefill_tokens / num_decode_tokens
+    # each session's own context (a document: shared with no other session), after the system
+    # prompt in every turn; its length uniform in [lo, hi] per session; (0, 0): none
+    session_context_tokens: tuple[int, int] = (0, 0)
+    max_user_tokens: int = 0  # a user message: min(num_prefill_tokens, this); 0: no cap
+    # a session ends before a prompt would exceed min(this, max_prompt_tokens); 0: max_prompt_tokens
+    max_session_prompt_tokens: int = 0
+    request_id_prefix: str = "chat"  # request ids <prefix>-sSSSSS-tTT
 
     def __post_init__(self) -> None:
         lo, hi = self.system_prompt_tokens
@@ -279,8 +333,44 @@ class ChatParams:
             problems.append(f"mean_turns must be >= 1, got {self.mean_turns}")
         if self.mean_think_s < 0 or self.nominal_ms_per_token < 0:
             problems.append("mean_think_s and nominal_ms_per_token must be >= 0")
+        context = self.session_context_tokens
+        if len(context) != 2 or not 0 <= context[0] <= context[1]:
+            problems.append(f"session_context_tokens must be 0 <= lo <= hi, got {context}")
+        if self.max_user_tokens < 0:
+            problems.append(f"max_user_tokens must be >= 0 (0: no cap), got {self.max_user_tokens}")
+        if self.max_session_prompt_tokens < 0:
+            problems.append(f"max_session_prompt_tokens must be >= 0 (0: max_prompt_tokens alone), "
+                            f"got {self.max_session_prompt_tokens}")
+        if not isinstance(self.request_id_prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.request_id_prefix):
+            problems.append(f"request_id_prefix must be letters, digits, '_', '.' or '-' (at least one), "
+                            f"got {self.request_id_prefix!r}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def prompt_limit(self, max_prompt_tokens: int) -> int:
+        """The longest prompt a session may send: min(max_session_prompt_tokens, max_prompt_tokens)."""
+        return min(self.max_session_prompt_tokens or max_prompt_tokens, max_prompt_tokens)
+
+
+# `long-conv` (module docstring): long-prompt conversations, Mooncake-like.
+LONG_CONV = ChatParams(
+    num_tenants=4,
+    system_prompt_tokens=(200, 600),  # short: the only thing sessions share
+    session_rate_per_s=0.75,  # ~2.6 turns a session (the cap ends some): ~1.9 req/s, as chat's 0.5 x ~3.9
+    mean_turns=3.0,
+    mean_think_s=20.0,
+    session_context_tokens=(2000, 10000),
+    max_user_tokens=2000,
+    max_session_prompt_tokens=16000,  # a 16000-token prefill alone: ~1.98 s, within a 2 s TTFT
+    request_id_prefix="lconv",
+)
+# The generated workloads, by name: what `load_workload` uses when no `chat=` is given.
+CHAT_WORKLOADS: dict[str, ChatParams] = {"chat": ChatParams(), "long-conv": LONG_CONV}
+
+
+def chat_params_of(name: str) -> ChatParams | None:
+    """The parameters of a chat-family workload (`CHAT_WORKLOADS`); None for a trace or a path."""
+    return CHAT_WORKLOADS.get(name)
 
 
 @functools.lru_cache(maxsize=4)
@@ -304,11 +394,13 @@ class ChatSession:
     start_ms: float
     turn_lengths: tuple[tuple[int, int], ...]  # per turn sent: (user message tokens, answer tokens)
     turn_ts_ms: tuple[float, ...]  # per turn sent: arrival (ms from the first session's start)
+    context_tokens: int = 0  # the session's own context, after the system prompt in every turn
 
 
 class ChatPrompts:
-    """The chat workload's text: system prompts, user messages and filler answers, each a
-    deterministic piece seeded by (seed, kind, session, turn); a prompt is their concatenation.
+    """The chat family's text: system prompts, session contexts, user messages and filler
+    answers, each a deterministic piece seeded by (seed, kind, session, turn); a prompt is
+    their concatenation.
     Block hashes of a session's turn extend those of its previous turn (the prompt does)."""
 
     def __init__(self, params: ChatParams, seed: int, sessions: dict[int, ChatSession],
@@ -330,6 +422,8 @@ class ChatPrompts:
     def prompt(self, row: Row) -> str:
         s = self.sessions[row.session]
         parts = [self.piece("system", s.tenant, 0, self.system_lengths[s.tenant])]
+        if s.context_tokens:
+            parts.append(self.piece("context", s.session, 0, s.context_tokens))
         for k in range(row.turn):
             user, answer = s.turn_lengths[k]
             parts += [self.piece("user", s.session, k, user), self.piece("answer", s.session, k, answer)]
@@ -359,13 +453,19 @@ def _chat_session(params: ChatParams, seed: int, session: int, start_ms: float, 
                   lengths: tuple[tuple[int, int], ...], max_prompt_tokens: int) -> ChatSession:
     rng = random.Random(f"flexlb-chat:{seed}:session:{session}")
     tenant = rng.randrange(params.num_tenants)
-    history = system_lengths[tenant]
+    lo, hi = params.session_context_tokens
+    # its own stream: the session's draws above stay those of a workload without contexts
+    context = random.Random(f"flexlb-chat:{seed}:context-length:{session}").randint(lo, hi) if hi else 0
+    limit = params.prompt_limit(max_prompt_tokens)
+    history = system_lengths[tenant] + context
     ts = start_ms
     turn_lengths: list[tuple[int, int]] = []
     turn_ts: list[float] = []
     while True:
         user, answer = lengths[rng.randrange(len(lengths))]
-        if history + user > max_prompt_tokens:
+        if params.max_user_tokens:
+            user = min(user, params.max_user_tokens)
+        if history + user > limit:
             break  # the history no longer fits: the session ends
         turn_lengths.append((user, answer))
         turn_ts.append(ts)
@@ -374,14 +474,19 @@ def _chat_session(params: ChatParams, seed: int, session: int, start_ms: float, 
             break  # the user leaves
         think_ms = rng.expovariate(1.0 / params.mean_think_s) * 1000.0 if params.mean_think_s > 0 else 0.0
         ts += answer * params.nominal_ms_per_token + think_ms
-    return ChatSession(session, tenant, start_ms, tuple(turn_lengths), tuple(turn_ts))
+    return ChatSession(session, tenant, start_ms, tuple(turn_lengths), tuple(turn_ts), context)
 
 
 def load_chat(params: ChatParams, start_row: int, rows: int, max_prompt_tokens: int, seed: int) -> list[Row]:
-    """Requests start_row .. start_row + rows - 1 of the chat stream (module docstring)."""
+    """Requests start_row .. start_row + rows - 1 of a chat-family stream (module docstring)."""
     lo, hi = params.system_prompt_tokens
-    if hi >= max_prompt_tokens:
-        raise ValueError(f"system prompts up to {hi} tokens leave no room under max_prompt_tokens {max_prompt_tokens}")
+    limit = params.prompt_limit(max_prompt_tokens)
+    if hi + params.session_context_tokens[1] >= limit:
+        what = (f"system prompts up to {hi} tokens" if not params.session_context_tokens[1] else
+                f"system prompts up to {hi} tokens and session contexts up to {params.session_context_tokens[1]}")
+        raise ValueError(f"{what} leave no room under max_prompt_tokens {max_prompt_tokens}"
+                         + (f" / max_session_prompt_tokens {params.max_session_prompt_tokens}"
+                            if params.max_session_prompt_tokens else ""))
     lengths = sharegpt_lengths(params.lengths_path)
     system_lengths = [random.Random(f"flexlb-chat:{seed}:tenant:{t}").randint(lo, hi)
                       for t in range(params.num_tenants)]
@@ -405,7 +510,7 @@ def load_chat(params: ChatParams, start_row: int, rows: int, max_prompt_tokens: 
             heapq.heappush(pending, (ts, session, turn))
         empty_in_a_row = 0 if s.turn_lengths else empty_in_a_row + 1
         if empty_in_a_row > 1000:
-            raise ValueError(f"1000 sessions in a row had no turn under max_prompt_tokens {max_prompt_tokens}")
+            raise ValueError(f"1000 sessions in a row had no turn under the prompt limit {limit}")
         session += 1
         start_ms += arrivals.expovariate(params.session_rate_per_s) * 1000.0
     picked = final[start_row:need]
@@ -414,8 +519,9 @@ def load_chat(params: ChatParams, start_row: int, rows: int, max_prompt_tokens: 
     out = []
     for i, (ts, s_id, turn) in enumerate(picked, start=start_row):
         s = sessions[s_id]
-        n = system_lengths[s.tenant] + sum(u + a for u, a in s.turn_lengths[:turn]) + s.turn_lengths[turn][0]
-        out.append(Row(row=i, request_id=f"chat-s{s_id:05d}-t{turn:02d}", ts_ms=ts - t0, recorded_input_length=n,
+        n = (system_lengths[s.tenant] + s.context_tokens + sum(u + a for u, a in s.turn_lengths[:turn])
+             + s.turn_lengths[turn][0])
+        out.append(Row(row=i, request_id=f"{params.request_id_prefix}-s{s_id:05d}-t{turn:02d}", ts_ms=ts - t0, recorded_input_length=n,
                        input_length=n, max_tokens=s.turn_lengths[turn][1], prefix_block_tokens=16, session=s_id,
                        turn=turn, source=source))
     # Prefix ids for the capacity bound: the 16-token block hashes themselves (chained, so two

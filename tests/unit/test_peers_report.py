@@ -232,3 +232,34 @@ def test_an_older_reports_bound_is_recomputed_with_the_current_formula():
     refresh_capacity(low)
     assert low["capacity_by_mode"]["vllm"]["serve_fraction"] == 0.55
     assert low["capacity_by_mode"]["vllm"]["rate_req_per_s"] > cap["rate_req_per_s"]
+
+
+@pytest.mark.parametrize("trace", ["chat", "long-conv", "chat-before-long-conv"])
+def test_a_chat_family_reports_rows_are_rebuilt_from_its_trace_name_and_stored_params(trace):
+    import dataclasses
+
+    from bench.capacity import EngineLimits, StepCosts
+    from bench.peers import DEFAULT_PROFILE, chat_field, workload_capacity
+    from bench.workloads import CHAT_WORKLOADS
+
+    name = trace.removesuffix("-before-long-conv")
+    params = dataclasses.replace(CHAT_WORKLOADS[name], mean_turns=5.0)
+    stored = json.loads(json.dumps(chat_field(params, 3)))  # as the JSON file holds it
+    if trace != name:  # a chat report written before ChatParams had long-conv's fields
+        for k in ("session_context_tokens", "max_user_tokens", "max_session_prompt_tokens", "request_id_prefix"):
+            del stored[k]
+    engine = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "num_kv_blocks": 16384, "block_size_tokens": 16,
+              "max_seq_len_tokens": 40960, "chunked_prefill": True}
+    old = report([run("flexlb", 1, 4.0, 0.95)], rows=80, trace=name, capacity={"rate_req_per_s": 1.0},
+                 engine=engine, chat=stored)
+    old["flags"]["max_prompt_tokens"] = 32000
+    m = merge([old], 0.9)
+    assert "recomputed" in refresh_capacity(m)[0]
+    costs, limits = StepCosts.from_file(DEFAULT_PROFILE), EngineLimits(scheduler="vllm", **engine)
+    expected, _ = workload_capacity(load_workload(name, 0, 80, 32000, seed=3, chat=params), costs, limits, 4,
+                                    serve_fraction=0.9)
+    assert m["capacity_by_mode"]["vllm"]["rate_req_per_s"] == expected.rate_req_per_s
+    # the other chat-family workload with the same seed is another workload, with another bound
+    other = "chat" if name == "long-conv" else "long-conv"
+    others, _ = workload_capacity(load_workload(other, 0, 80, 32000, seed=3), costs, limits, 4, serve_fraction=0.9)
+    assert others.rate_req_per_s != expected.rate_req_per_s
