@@ -356,8 +356,8 @@ def one_run(config: Config, label: str, multiplier: float, rows: list[Row], args
               f"TTFT p50/p90 {c['ttft_ms']['p50']}/{c['ttft_ms']['p90']} ms; TPOT p50 {c['tpot_ms']['p50']} ms; "
               f"hit {run['engines'].get('prefix_hit_rate')}; errors {c['errors'] or 0}; "
               f"CPU machine {cpu['machine_busy_cores']['mean']} cores (others {cpu['foreign_cores']['mean']}), "
-              f"client {client['cores']}, send lateness p99 {c['send_lateness_wall_ms']['p99']} ms",
-              file=sys.stderr, flush=True)
+              f"client {client['cores']}, send lateness p99 {c['send_lateness_wall_ms']['p99']} ms"
+              + over_refusal_note(run["engines"]), file=sys.stderr, flush=True)
         late_p99 = c["send_lateness_wall_ms"]["p99"] or 0.0
         if (client["cores"] or 0.0) > 0.7 * client["processes"] or late_p99 > 50.0:
             run["client_bottleneck"] = (f"the client may have been a bottleneck: {client['cores']} cores over "
@@ -673,6 +673,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.time_scale <= 0:
         p.error("--time-scale must be > 0")
     return args
+
+
+def over_refusal_note(engines: dict[str, Any]) -> str:
+    """'; refused N, M would have met their SLO (x % of requests)' for a FlexLB run."""
+    over = engines.get("over_refusal") or engines.get("flexlb_over_refusal")
+    if not over:
+        return ""
+    return (f"; refused {over['refused']} slo_unattainable, {over['would_meet']} would have met their SLO "
+            f"(over-refusal {over['over_refusal_rate']:.2%} of requests)")
 
 
 def chat_field(params: ChatParams | None, seed: int) -> dict[str, Any] | None:

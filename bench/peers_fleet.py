@@ -222,6 +222,15 @@ class FlexlbFleet(Fleet):
                 terminal[f"rejected:{p.code}"] += 1
             elif isinstance(p, m.RequestCancelled):
                 terminal["cancelled"] += 1
+        from schemas.subjects import JOURNAL_STREAM
+
+        journal = await asyncio.wait_for(read_event_log(self.state["nats_url"], JOURNAL_STREAM.name),
+                                         self.args.startup_timeout_s * 4)
+        over = self.over_refusal(journal)
+        status, text = http_get(self.state["router_url"] + "/admin/workers")
+        # what the router learned of each worker (decode model, TPOT calibration), for the report
+        learned = ({w["id"]: {k: w.get(k) for k in ("decode_model", "predicted_step_ms", "predicted_tpot_ms")}
+                    for w in json.loads(text).get("workers", [])} if status == 200 else None)
         after = self.router_counters() or {}
         best_effort = None
         if after and before is not None:
@@ -236,8 +245,30 @@ class FlexlbFleet(Fleet):
             "terminal_events": dict(sorted(terminal.items())),
             "failure_messages": dict(failures.most_common(10)),
             "best_effort_admissions": best_effort,
+            "over_refusal": over,
+            "workers_learned": learned,
             "events": len(envs),
         }
+
+    def over_refusal(self, envs: list) -> dict[str, Any] | None:
+        """How many of the run's slo_unattainable refusals would have met their SLO: the run's
+        journal (`envs`: the FLEXLB_JOURNAL stream) re-run in virtual time with refusal off (services/whatif.py `over_refusal`),
+        on engines of the cell's mode, heard as the cell's workers are (openai agents or sim
+        workers); warm-ups left out of the counts. None: no journal to re-run."""
+        from services import whatif
+
+        try:
+            rec = whatif.recording_from_envs(envs)
+        except ValueError as exc:
+            print(f"    over-refusal: not computed ({exc})", file=sys.stderr, flush=True)
+            return None
+        rec.workers = [dataclasses.replace(w, scheduler=self.config.engine_mode) for w in rec.workers]
+        out = whatif.over_refusal(rec, agent="openai" if self.config.kind == "flexlb-openai" else "sim")
+        warm = sum(1 for a in rec.arrivals if a.request.request_id.startswith(WARMUP_PREFIX))
+        n = out["requests"] - warm
+        out["requests"] = n
+        out["over_refusal_rate"] = round(out["would_meet"] / n, 4) if n else 0.0
+        return out
 
 
 class SimFleet(Fleet):
@@ -433,7 +464,7 @@ class AdapterFleet(SimFleet, FlexlbFleet):
     async def after_replay(self, before: dict[str, Any] | None) -> dict[str, Any]:
         engines = await SimFleet.after_replay(self, before)
         flexlb = await self.event_log_facts(None)
-        keep = ("terminal_events", "failure_messages", "requests_per_worker", "events")
+        keep = ("terminal_events", "failure_messages", "requests_per_worker", "events", "over_refusal", "workers_learned")
         # That the servers' KV events reach the router's prefix index (a run without them
         # routes blind to the cache and says nothing else about it).
         kv = {k: v for k, v in (self.router_counters() or {}).items() if k.startswith("flexlb_kv_events_total")}

@@ -221,16 +221,25 @@ def matrix_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[st
     return cols, rows
 
 
+def refusals(engines: dict[str, Any]) -> str:
+    """A FlexLB run's slo_unattainable refusals and how many of them would have met their SLO
+    with refusal off (services/whatif.py over_refusal), as "N (M = x %)"; "-" for the peers."""
+    over = engines.get("flexlb_over_refusal") or engines.get("over_refusal")
+    if not over:
+        return "-"
+    return f"{over['refused']} ({over['would_meet']} = {over['over_refusal_rate']:.1%})"
+
+
 def runs_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     cols = ["config", "×rate", "#", "req/s", "attain", "goodput", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99",
-            "missed T/P/both", "hit rate", "per worker", "errors", "client cores", "machine cores (sat.)",
-            "others' cores", "wall s"]
+            "missed T/P/both", "refused (would meet)", "hit rate", "per worker", "errors", "client cores",
+            "machine cores (sat.)", "others' cores", "wall s"]
     rows = []
     for r in result["runs"]:
         rep = str(r.get("repeat", 0) + 1)
         if "attainment" not in r:
             rows.append([r["config"], fmt(r["multiplier"], 3), rep, fmt(r.get("load_req_per_s"), 2), "FAILED",
-                         *["-"] * 14, fmt(r.get("wall_s"), 0)])
+                         *["-"] * 15, fmt(r.get("wall_s"), 0)])
             continue
         e = r.get("engines", {})
         per_worker = " ".join(str(v) for v in (e.get("requests_per_worker") or {}).values())
@@ -242,7 +251,7 @@ def runs_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                      fmt(r["ttft_ms"]["p99"]), fmt(r["tpot_ms"]["p50"], 1), fmt(r["tpot_ms"]["p90"], 1),
                      fmt(r["tpot_ms"].get("p99"), 1),
                      "/".join(str(m[k]) for k in ("ttft_only", "tpot_only", "both")) if m else "-",
-                     fmt(e.get("prefix_hit_rate"), 3), per_worker or "-", errors, fmt(r["client"]["cores"], 2),
+                     refusals(e), fmt(e.get("prefix_hit_rate"), 3), per_worker or "-", errors, fmt(r["client"]["cores"], 2),
                      f"{fmt(cpu['machine_busy_cores']['mean'], 2)} ({fmt(cpu['saturated_fraction'], 2)})",
                      fmt(cpu["foreign_cores"]["mean"], 2), fmt(r["wall_s"], 0)])
     return cols, rows

@@ -8,6 +8,16 @@ code: `invalid_request` (400) for malformed JSON, wrong types, missing prompt or
 max_tokens; `too_large` (413) for bodies over `max_body_bytes` or prompts over
 `max_prompt_tokens`. A client that disconnects mid-stream cancels its request.
 
+A streaming response starts (its status line and headers) only once its request is
+dispatched (its batch's publish acked by the stream: Dispatcher.dispatch, or, forwarded by
+a standby, its leader's batch.dispatched event) or its first token or outcome arrives,
+whichever comes first. Until then nothing is sent, so a refusal (admission, or the
+batcher giving up on it: slo_unattainable, queue_timeout, too_large, a failed dispatch) is
+an HTTP status with the JSON error body, and Retry-After where the code asks the client to
+come back (error_headers): never an error event inside a 200 stream, which clients count
+as accepted and do not retry. What fails after that (a worker that dies) still arrives as
+an error event in the stream.
+
 Text prompts are tokenized here, by `settings.tokenizer` (a Hugging Face tokenizer.json,
 loaded once by `create_app`; default the byte-level one, `schemas/tokens.py`): the router
 hashes and dispatches those ids, so they must be the model's. Before tokenizing, a text
@@ -36,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import messages as m
 from schemas.api import CompletionRequest
+from schemas.errors import ERROR_CODES
 from schemas.http import (
     JSON_TYPE,
     SSE_DONE,
@@ -71,13 +82,17 @@ log = logging.getLogger("flexlb.api")
 
 _REQ_DECODER = msgspec.json.Decoder(CompletionRequest)
 _ENC = msgspec.json.Encoder()
-# Retry-After (seconds) of a `no_worker` refusal (no live worker serves the request's model):
-# a worker that restarts is routable on its first status report (heartbeats come every
-# 200 ms by default) and a dead one is declared dead within a second, so 1 s is soon enough
-# to find one back and long enough not to spin a client against an empty pool.
-NO_WORKER_RETRY_AFTER_S = b"1"
-# Refusals under overload that say when to come back (the fair queue's hint, else 1 s).
-RETRY_AFTER_CODES = frozenset(("queue_full", "shed", "queue_timeout"))
+# Refusals that say when to come back (Retry-After): every retryable code answered 429 or 503
+# (queue_full, shed, slo_unattainable, no_worker, not_ready, ...), and queue_timeout (504: the
+# wait was at the router, not in an engine). error_headers gives it, to admission refusals and
+# to a stream's failure before its response started alike.
+RETRY_AFTER_CODES = frozenset([c.code for c in ERROR_CODES.values() if c.retryable and c.http_status in (429, 503)]
+                              + ["queue_timeout"])
+# Retry-After where the refusal gives no hint of its own (the fair queue's retry_after_ms does):
+# 1 s. A worker that restarts is routable on its first status report (heartbeats come every
+# 200 ms by default) and a dead one is declared dead within a second, so for `no_worker` 1 s is
+# soon enough to find one back and long enough not to spin a client against an empty pool; a
+# batch window or a TPOT hold (slo_unattainable) moves on within a second too.
 DEFAULT_RETRY_AFTER_MS = 1000
 
 
@@ -297,6 +312,18 @@ def _id_header(request_id: str | None) -> list[tuple[bytes, bytes]] | None:
     return [(b"x-request-id", request_id.encode())] if request_id else None
 
 
+def error_headers(request_id: str | None, code: str, retry_after_ms: int = 0) -> list[tuple[bytes, bytes]]:
+    """The headers of a refusal: X-Request-Id, and for a code in RETRY_AFTER_CODES Retry-After
+    in whole seconds (at least 1): `retry_after_ms` rounded up (the fair queue's hint), else
+    DEFAULT_RETRY_AFTER_MS. One rule for admission refusals and a stream's failure before its
+    response started (module docstring)."""
+    headers = _id_header(request_id) or []
+    if code in RETRY_AFTER_CODES:
+        retry_s = max(1, math.ceil((retry_after_ms or DEFAULT_RETRY_AFTER_MS) / 1000))
+        headers.append((b"retry-after", str(retry_s).encode()))
+    return headers
+
+
 class CompletionsFront:
     """`POST /v1/completions` and `POST /v1/chat/completions` on the raw ASGI path; every
     other request goes to FastAPI.
@@ -307,8 +334,8 @@ class CompletionsFront:
     sent as ASGI messages; one deadline timer per request bounds the wait for its outcome
     (the request's timeout plus 2 s for the worker's timed_out report to arrive first). A
     streaming client that disconnects cancels its request: a watcher on `receive` tells the
-    stream. Both endpoints share the path; what differs is the parsing and the shapes
-    (services/chat.py).
+    stream, before its response started as after. Both endpoints share the path; what differs
+    is the parsing and the shapes (services/chat.py).
     """
 
     PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -399,13 +426,8 @@ class CompletionsFront:
             if outcome is None:
                 return  # the client left while it waited (its request was taken out of the queue)
         if isinstance(outcome, Rejected):
-            headers = _id_header(request_id) or []
-            if outcome.code == "no_worker":
-                headers.append((b"retry-after", NO_WORKER_RETRY_AFTER_S))
-            elif outcome.code in RETRY_AFTER_CODES:
-                retry_s = max(1, math.ceil((outcome.retry_after_ms or DEFAULT_RETRY_AFTER_MS) / 1000))
-                headers.append((b"retry-after", str(retry_s).encode()))
-            await send_error(send, outcome.code, outcome.message, headers)
+            await send_error(send, outcome.code, outcome.message,
+                             error_headers(request_id, outcome.code, outcome.retry_after_ms))
             return
         shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), req.model or self.settings.model_name,
                                                          include_usage)
@@ -443,6 +465,9 @@ class CompletionsFront:
         return asyncio.get_running_loop().time() + handle.timeout_s + 2.0
 
     async def stream(self, handle: RequestHandle, receive, send, shape) -> None:
+        """Server-sent events. The response starts at the request's dispatch or its first token
+        or outcome, whichever comes first (module docstring): a failure before that, or the
+        router's deadline, is an HTTP error status; after it, an error event in the stream."""
         service = self.service
         rid = handle.request_id
         cursor = OutputCursor(handle.stop)
@@ -453,14 +478,28 @@ class CompletionsFront:
             handle.queue.put_nowait(_GONE)
 
         watcher = asyncio.get_running_loop().create_task(watch_disconnect())
-        finished = False
+        finished = started = False
         queue = handle.queue
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", SSE_TYPE), (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
-            first = shape.first()
             try:
                 async with asyncio.timeout_at(self._deadline(handle)):
+                    # Dispatch (mark_dispatched wakes the inbox) or the first item (a token, the
+                    # outcome, or the client gone): one future, the inbox's, waits for both.
+                    while not handle.dispatched and queue.empty():
+                        await queue.wait()
+                    head = queue.peek()
+                    if head is _GONE:
+                        return  # finally: cancel the work
+                    if head is not None and not isinstance(head, m.TokensGenerated) and head.outcome != "finished":
+                        queue.get_nowait()  # it ended before its response started: an HTTP status
+                        finished = True
+                        code = head.code or "worker_failed"
+                        await send_error(send, code, head.message, error_headers(rid, code))
+                        return
+                    started = True
+                    await send({"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", SSE_TYPE), (b"x-request-id", rid.encode()), (b"cache-control", b"no-cache")]})
+                    first = shape.first()
                     while not finished:
                         # Every chunk already queued goes out in one write: an engine step's
                         # tokens often arrive together, and each ASGI send is a transport write.
@@ -496,9 +535,12 @@ class CompletionsFront:
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": not finished})
             except TimeoutError:
                 await service.cancel(handle, "router request timeout")
-                body = error_body("timed_out", f"no terminal outcome within {self.settings.request_timeout_s}s")
                 finished = True
-                await send({"type": "http.response.body", "body": sse(body) + SSE_DONE})
+                message = f"no terminal outcome within {handle.timeout_s}s"
+                if started:
+                    await send({"type": "http.response.body", "body": sse(error_body("timed_out", message)) + SSE_DONE})
+                else:
+                    await send_error(send, "timed_out", message, error_headers(rid, "timed_out"))
         finally:
             watcher.cancel()
             if not finished and not handle.done:
@@ -527,7 +569,8 @@ class CompletionsFront:
             return
         if not stopped:
             if item.outcome != "finished":
-                await send_error(send, item.code or "worker_failed", item.message, _id_header(handle.request_id))
+                code = item.code or "worker_failed"
+                await send_error(send, code, item.message, error_headers(handle.request_id, code))
                 return
             reason = item.finish_reason
         body = shape.body("".join(parts), reason, cursor.usage(len(handle.prompt_token_ids)))

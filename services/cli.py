@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -274,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--profile", help="engine timing profile JSON (default: the sim workers' default)")
     wi.add_argument("--json", action="store_true", help="print {recorded, rerun} as JSON")
     wi.add_argument("--plot", help="draw both TTFT CDFs to this PNG (needs matplotlib: pip install 'flexlb[plot]')")
+    wi.add_argument("--refusal", choices=["as-recorded", "off"], default="as-recorded",
+                    help="off: re-run with every SLO refusal off (admitted best effort, the TPOT hold gives way) and "
+                         "say how many of the recorded run's slo_unattainable refusals would have met their SLO")
+    wi.add_argument("--engine-scheduler", choices=["vllm", "sglang"], default="vllm",
+                    help="the re-run engines' step scheduler (a recording does not carry it; default vllm)")
 
     schema = sub.add_parser("schema", help="print the JSON Schema of every bus message")
     schema.add_argument("--out", help="write to this file instead of stdout")
@@ -666,7 +672,12 @@ def run_whatif(args: argparse.Namespace) -> int:
 
     try:
         rec = whatif.load_recording(args.file, progress=sys.stderr.isatty())
+        rec.workers = [dataclasses.replace(w, scheduler=args.engine_scheduler) for w in rec.workers]
         config = whatif.with_overrides(rec.config, args.prefill_policy, args.decode_policy, args.batcher)
+        over = None
+        if args.refusal == "off":
+            over = whatif.over_refusal(dataclasses.replace(rec, config=config), args.workers, args.profile)
+            config = whatif.refusal_off(config)
         recorded = whatif.recorded_metrics(rec)
         rerun, cdf = whatif.simulate(rec, config, args.workers, profile_path=args.profile, with_ttfts=True,
                                      progress=sys.stderr.isatty())
@@ -674,11 +685,15 @@ def run_whatif(args: argparse.Namespace) -> int:
         print(f"flexlb whatif: {exc}", file=sys.stderr)
         return 2
     label = "re-run: " + "/".join([config.prefill_policy, config.decode_policy, config.batcher]) + (
-        f" x{args.workers}" if args.workers else "")
+        f" x{args.workers}" if args.workers else "") + (" refusal off" if over is not None else "")
     if args.json:
-        print(json.dumps({"recorded": recorded, "rerun": rerun, "config": label}, indent=2))
+        print(json.dumps({"recorded": recorded, "rerun": rerun, "config": label}
+                         | ({"over_refusal": over} if over is not None else {}), indent=2))
     else:
         whatif.print_side_by_side(recorded, rerun, label)
+        if over is not None:
+            print(f"over-refusal: {over['would_meet']} of the {over['refused']} requests refused slo_unattainable would "
+                  f"have met their SLO with refusal off ({over['over_refusal_rate']:.2%} of {over['requests']} requests)")
     if args.plot:
         try:
             whatif.plot_cdfs(whatif.recorded_ttfts(rec), cdf, label, args.plot)

@@ -79,6 +79,27 @@ class StreamExport:
     note: str = ""
 
 
+# JetStream answers "service unavailable" while a clustered stream elects a leader (a node
+# restarted: seconds); an export then asks again for up to this long, saying so, before failing.
+ELECTION_WAIT_S = 15.0
+
+
+async def _while_electing(call, what: str):
+    """`await call()`, asked again while JetStream is unavailable, for up to ELECTION_WAIT_S."""
+    from nats.js.errors import ServiceUnavailableError
+
+    deadline = time.monotonic() + ELECTION_WAIT_S
+    while True:
+        try:
+            return await call()
+        except ServiceUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            print(f"flexlb events export: JetStream unavailable for {what} (a stream electing its leader?); "
+                  "asking again", file=sys.stderr)
+            await asyncio.sleep(0.5)
+
+
 async def export(nats_url: str, out_path: str, streams: list[str], since: str | None = None, until: str | None = None,
                  progress: bool = True) -> dict[str, Any]:
     import nats
@@ -95,7 +116,7 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
     lines: list[bytes] = []
     try:
         for stream in streams:
-            info = await js.stream_info(stream)
+            info = await _while_electing(lambda: js.stream_info(stream), f"{stream}'s info")
             st = StreamExport(first_seq=info.state.first_seq, last_seq=info.state.last_seq)
             header["streams"][stream] = st
             if info.state.messages == 0:
@@ -117,7 +138,8 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
             if since_p and since_p[0] == "time":
                 cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
                                      opt_start_time=datetime.fromtimestamp(since_p[1] / 1e9).astimezone().isoformat())
-            sub = await js.pull_subscribe(">", durable=None, stream=stream, config=cfg)
+            sub = await _while_electing(lambda: js.pull_subscribe(">", durable=None, stream=stream, config=cfg),
+                                        f"a consumer on {stream}")
             total = st.last_seq - start_seq + 1
             with Progress(disable=not progress or total < 10_000, transient=True) as bar:
                 task = bar.add_task(f"export {stream}", total=total)

@@ -43,6 +43,13 @@ SHIPPED_FIXED_WINDOW_WAIT_MS = 10.0
 # at the router instead of slowing every running decode. Measured in virtual time against
 # the peers' routing rules (bench/tune.py) and side by side with the peers (bench/PEERS.md);
 # the README's defaults section has the numbers.
+# The prefill policy's parameters we ship over cost-based's own (FlexLB's): a worker without the
+# prompt's cached prefix pays its extra prefill 3 times over (the engine time it takes from
+# every request there, not only this one's TTFT), and no imbalance filter (it pushed a
+# conversation's next turn off the worker holding its history whenever that worker had a
+# batch queued: prefix hit 0.43 against the cache-aware peers' 0.48 on long-conv). The
+# README's defaults section has the numbers.
+SHIPPED_COST_BASED_PARAMS = {"prefill_weight": 3.0, "imbalance_factor": 0.0}
 SHIPPED_BATCHER = "slo-budget"
 SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9}
 
@@ -218,6 +225,11 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self
 
 
+    def prefill_policy_params_effective(self) -> dict[str, Any]:
+        """The prefill policy's parameters: the shipped ones (cost-based's), under `prefill_policy_params`."""
+        shipped = SHIPPED_COST_BASED_PARAMS if self.prefill_policy == "cost-based" else {}
+        return {**shipped, **self.prefill_policy_params}
+
     def batcher_params_effective(self) -> dict[str, Any]:
         """The batcher's parameters: the shipped ones, under `batcher_params`, under the shortcuts."""
         shipped = {"fixed-window": {"wait_ms": SHIPPED_FIXED_WINDOW_WAIT_MS},
@@ -243,7 +255,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             max_inflight_requests=self.max_inflight_requests,
             dead_after_missed_syncs=self.dead_after_missed_syncs, expire_after_ms=self.expire_after_ms,
             settle_after_missed_reports=self.settle_after_missed_reports,
-            prefill_policy=self.prefill_policy, prefill_policy_params=dict(self.prefill_policy_params),
+            prefill_policy=self.prefill_policy, prefill_policy_params=self.prefill_policy_params_effective(),
             decode_policy=self.decode_policy, decode_policy_params=dict(self.decode_policy_params),
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),
             predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),

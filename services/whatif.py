@@ -76,6 +76,12 @@ def load_recording(path: str, progress: bool = False) -> Recording:
     from services.eventlog import read_export
 
     _, envs, _ = read_export(path, progress=progress)
+    return recording_from_envs(envs, path)
+
+
+def recording_from_envs(envs: list[m.Envelope], source: str = "the event log") -> Recording:
+    """A recording from an event log's envelopes (an export's, or a live stream's)."""
+    path = source
     journals = split_journals(envs)
     if not journals:
         raise ValueError(f"{path}: no core journal (core.recorded events) to take arrivals from")
@@ -161,6 +167,21 @@ def recorded_metrics(rec: Recording) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ the simulation
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one request in a re-run (times in engine ms)."""
+
+    ttft_ms: float | None  # None: no first token
+    tpot_ms: float | None  # None: fewer than 2 tokens, or none
+    slo: tuple[float, float] | None  # (TTFT, TPOT) targets admission gave it; None: not admitted
+    code: str  # why it was refused or failed ("": it finished)
+
+    @property
+    def attained(self) -> bool:
+        return (self.slo is not None and self.ttft_ms is not None and self.ttft_ms <= self.slo[0]
+                and (self.tpot_ms or 0.0) <= self.slo[1])
+
+
 @dataclass(order=True)
 class _Ev:
     t_ns: int
@@ -182,13 +203,15 @@ def simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None = 
 
 
 def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, heartbeat_ms: float,
-              liveness_ms: float, profile_path: str | None, with_ttfts: bool, on_arrival, agent: str = "sim"):
+              liveness_ms: float, profile_path: str | None, with_ttfts: bool, on_arrival, agent: str = "sim",
+              outcomes: dict[str, "Outcome"] | None = None):
     """`agent`: what the router hears, as from "sim" workers (the engine's own steps: a batch
     starts when its first chunk runs, its prefill time is its share of the steps) or from
     "openai" agents in front of engine servers (workers/openai_agent.py: a batch starts when
     it is released, at once here; its prefill time is the longest first-token latency of its
     members from the release, the server's queueing included; running = everything
-    released, queued = the server's waiting requests)."""
+    released, queued = the server's waiting requests).
+    `outcomes`: filled with every request's Outcome (request id -> what happened to it)."""
     if agent not in ("sim", "openai"):
         raise ValueError(f"agent must be sim or openai, got {agent!r}")
     profile = load_profile(profile_path)
@@ -243,6 +266,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
     ttft: dict[str, float] = {}
     tpot: dict[str, float] = {}
     rejected: dict[str, int] = defaultdict(int)
+    failed_code: dict[str, str] = {}  # request id -> why it was refused or failed
     cached = prompt = 0
     last_finish = 0
     t0 = rec.arrivals[0].t_ns
@@ -282,6 +306,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 start_step(b.worker_id, t)
         for f in res.failures:
             rejected[f.code] += 1
+            failed_code[f.item.request_id] = f.code
         pending_work -= len(res.failures)
         due = s.next_due_ns(t)
         if due is not None:  # one pending tick at a time: an earlier one replaces a later one
@@ -306,6 +331,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 slos[req.request_id] = (res.slo_ttft_ms, res.slo_tpot_ms)
             else:
                 rejected[res.code] += 1
+                failed_code[req.request_id] = res.code
                 pending_work -= 1
             tick(t)
         elif ev.kind == "tick":
@@ -339,13 +365,16 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                     first_ns[tok.request_id] = t
                     ttft[tok.request_id] = (t - arrival_ns[tok.request_id]) / MS / scale
             for f in step.finished:
+                got = None
                 if f.num_output_tokens > 1 and f.request_id in first_ns:
                     tpot[f.request_id] = (t - first_ns[f.request_id]) / MS / scale / (f.num_output_tokens - 1)
-                s.on_terminal(f.request_id)
+                    got = tpot[f.request_id] * scale  # (wall ms, as the router measures it)
+                s.on_terminal(f.request_id, f.num_output_tokens, got)
                 last_finish = max(last_finish, t)
                 pending_work -= 1
             for f in step.failed:
                 rejected[f.code] += 1
+                failed_code[f.request_id] = f.code
                 s.on_terminal(f.request_id)
                 pending_work -= 1
             for h in step.handoffs:  # disaggregated: the decode worker the router chose takes it over
@@ -370,6 +399,11 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                 push(t + int(liveness_ms * MS), "sync")
     span_ms = (last_finish - t0) / MS / scale if last_finish else 0.0
     result = summarize(ttft, tpot, slos, cached, prompt, rejected, span_ms, len(rec.arrivals))
+    if outcomes is not None:
+        for a in rec.arrivals:
+            rid = a.request.request_id
+            slo = slos.get(rid)
+            outcomes[rid] = Outcome(ttft.get(rid), tpot.get(rid), slo, failed_code.get(rid, ""))
     return (result, sorted(ttft.values())) if with_ttfts else result
 
 
@@ -397,6 +431,50 @@ def plot_cdfs(recorded: list[float], rerun: list[float], label: str, path: str) 
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def refused_in(rec: Recording) -> list[str]:
+    """The requests the recorded run refused as slo_unattainable (at admission, or held by the
+    TPOT hold and refused before dispatch), from its journal, in order."""
+    out: list[str] = []
+    for e in rec.envs:
+        p = e.payload
+        if not isinstance(p, m.CoreRecorded):
+            continue
+        if p.op == "admit" and p.out.get("code") == "slo_unattainable":
+            out.append(p.args["request"]["request_id"])
+        elif p.op == "tick":
+            out += [f[0] for f in p.out.get("failures", ()) if f[1] == "slo_unattainable"]
+        elif p.op == "release":  # refused on release from the fair queue
+            out += [r[1] for r in p.out["released"] if len(r) == 6 and r[5].get("code") == "slo_unattainable"]
+    return list(dict.fromkeys(out))
+
+
+def refusal_off(config: SchedulerConfig) -> SchedulerConfig:
+    """The configuration with every SLO refusal off: admission admits best effort, and a
+    request the TPOT hold keeps to its emergency point is served there (slo.py best-effort)."""
+    import dataclasses
+
+    import msgspec
+
+    return dataclasses.replace(config, slo=msgspec.structs.replace(config.slo, mode="best-effort")).validate()
+
+
+def over_refusal(rec: Recording, num_workers: int | None = None, profile_path: str | None = None,
+                 agent: str = "sim") -> dict[str, Any]:
+    """How many of the recorded run's slo_unattainable refusals would in fact have met their
+    SLO: the run's arrivals re-run in virtual time with refusal off (`refusal_off`), each
+    refused request's TTFT and TPOT there against the targets admission gives it. The rate is
+    per request of the run (the bench's over-refusal figure)."""
+    refused = refused_in(rec)
+    outcomes: dict[str, Outcome] = {}
+    rerun = _simulate(rec, refusal_off(rec.config), num_workers, 200.0, 500.0, profile_path, False, lambda: None,
+                      agent, outcomes)
+    met = [r for r in refused if r in outcomes and outcomes[r].attained]
+    n = len(rec.arrivals)
+    return {"requests": n, "refused": len(refused), "would_meet": len(met),
+            "over_refusal_rate": round(len(met) / n, 4) if n else 0.0,
+            "rerun_attainment": rerun["slo_attainment"], "would_meet_ids": met[:50]}
 
 
 def with_overrides(config: SchedulerConfig, prefill_policy: str | None, decode_policy: str | None,

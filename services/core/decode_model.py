@@ -25,11 +25,25 @@ or GPU) is followed, and the prefill load mixed into the decodes raises it as mu
 raises every request's TPOT.
 Deterministic: the same reports, the same model (the journal replays them).
 
+TPOT calibration (the hold's headroom, learned). The step time now is not the TPOT a request
+placed now gets: its TPOT is the mean of every step of its life (tens of seconds), while the
+step time now swings with the prompts mixed into the last few steps, and regresses to the
+worker's mean over that life (measured: requests dispatched at a predicted step 10-20 % above
+the worker's mean got 0.6-0.85 of it). So each worker also learns, from its finished
+requests, the TPOT they actually got (y) against the step time predicted for them when their
+batch was dispatched (x): a least-squares line y = intercept + slope·x over exponentially
+weighted finished requests (weight `tpot_calibration_alpha` for the newest), the slope kept in
+[0, `max_tpot_slope`]; through the origin (slope = mean y / mean x) while the predictions seen
+vary by less than 5 % (no line to fit), and the identity (the prediction as it is) until the
+first finished request. `predict_tpot_ms` is the step time through that line. A journal
+recorded before this learning (no measured TPOT on its terminal records) replays with the
+identity, as it ran.
+
 What the router does with it (services/core/scheduler.py): predicts the TPOT a worker gives
-now and with one more request (`WorkerLoad.tpot_ms`, `tpot_ms_per_request`), which the
-slo-budget batcher's TPOT hold and cost-based's `tpot_filter` read; `/admin/workers` and
-`flexlb explain` show the coefficients, the metric `flexlb_decode_model_error_percent` its
-error.
+now and with one more request (`WorkerLoad.tpot_ms`, `tpot_ms_per_request`, calibrated by
+the calibration), which the slo-budget batcher's TPOT hold, the routing of held requests and
+cost-based's `tpot_filter` read; `/admin/workers` and `flexlb explain` show the coefficients
+and the calibration, the metric `flexlb_decode_model_error_percent` its error.
 """
 
 from __future__ import annotations
@@ -66,6 +80,8 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     outlier_sigmas: float = 3.0  # a report further than this many robust std devs from the model is clipped
     max_scale: float = 10.0  # the learned scale stays in [1 / this, this]
     error_ema_alpha: float = 0.05
+    tpot_calibration_alpha: float = 0.03  # weight of the newest finished request in the TPOT calibration (0: off)
+    max_tpot_slope: float = 1.5  # the calibration line's slope stays in [0, this]
 
     def validate(self) -> "DecodeModelParams":
         if not 0.9 < self.forgetting_factor <= 1.0:
@@ -76,13 +92,18 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError(f"decode model: max_scale must be finite and > 1, got {self.max_scale!r}")
         if not 0 < self.error_ema_alpha <= 1:
             raise ValueError(f"decode model: error_ema_alpha must be in (0, 1], got {self.error_ema_alpha!r}")
+        if not 0 <= self.tpot_calibration_alpha <= 1:
+            raise ValueError(f"decode model: tpot_calibration_alpha must be in [0, 1] (0: off), got {self.tpot_calibration_alpha!r}")
+        if not 0 < self.max_tpot_slope < math.inf:
+            raise ValueError(f"decode model: max_tpot_slope must be finite and > 0, got {self.max_tpot_slope!r}")
         return self
 
 
 class DecodeModel:
     """One worker's decode-step model (module docstring)."""
 
-    __slots__ = ("prior", "params", "_log_scale", "_sigma", "a", "b", "c", "num_observations", "mean_abs_pct_error")
+    __slots__ = ("prior", "params", "_log_scale", "_sigma", "a", "b", "c", "num_observations", "mean_abs_pct_error",
+                 "_tpot_sums", "tpot_intercept_ms", "tpot_slope", "num_tpot_observations")
 
     def __init__(self, prior: DecodeCoefficients = DecodeCoefficients(),
                  params: DecodeModelParams = DecodeModelParams()) -> None:
@@ -93,6 +114,11 @@ class DecodeModel:
         self.a, self.b, self.c = prior.base_ms, prior.per_request_ms, prior.per_kilotoken_ms
         self.num_observations = 0
         self.mean_abs_pct_error = 0.0
+        # TPOT calibration (module docstring): weighted means of x, y, x², xy; the line
+        self._tpot_sums = (0.0, 0.0, 0.0, 0.0)
+        self.tpot_intercept_ms = 0.0
+        self.tpot_slope = 1.0
+        self.num_tpot_observations = 0
 
     @property
     def scale(self) -> float:
@@ -102,6 +128,38 @@ class DecodeModel:
     def predict_ms(self, num_running: float, kv_tokens: float) -> float:
         """The step time at this load (>= the base cost)."""
         return self.a + self.b * num_running + self.c * kv_tokens / _K_SCALE
+
+    def predict_tpot_ms(self, num_running: float, kv_tokens: float) -> float:
+        """The TPOT a request placed at this load gets: the step time through the calibration."""
+        return self.calibrated_ms(self.a + self.b * num_running + self.c * kv_tokens / _K_SCALE)
+
+    def calibrated_ms(self, step_ms: float) -> float:
+        """A predicted step time as the TPOT the worker's requests get at it (>= 1 ms)."""
+        out = self.tpot_intercept_ms + self.tpot_slope * step_ms
+        return out if out > 1.0 else 1.0
+
+    def observe_tpot(self, predicted_step_ms: float, measured_tpot_ms: float) -> bool:
+        """Learn from one finished request: the step time predicted when it was dispatched
+        (uncalibrated) and the TPOT it got. False (nothing learned) for an unusable sample."""
+        alpha = self.params.tpot_calibration_alpha
+        x, y = predicted_step_ms, measured_tpot_ms
+        if not (alpha > 0 and math.isfinite(x) and x > 0 and math.isfinite(y) and y > 0):
+            return False
+        if self.num_tpot_observations == 0:
+            sx, sy, sxx, sxy = x, y, x * x, x * y
+        else:
+            sx, sy, sxx, sxy = self._tpot_sums
+            keep = 1.0 - alpha
+            sx, sy, sxx, sxy = keep * sx + alpha * x, keep * sy + alpha * y, keep * sxx + alpha * x * x, keep * sxy + alpha * x * y
+        self._tpot_sums = (sx, sy, sxx, sxy)
+        self.num_tpot_observations += 1
+        var = sxx - sx * sx
+        if var > (0.05 * sx) ** 2:  # the predictions vary: fit the line
+            slope = max(0.0, min(self.params.max_tpot_slope, (sxy - sx * sy) / var))
+            self.tpot_slope, self.tpot_intercept_ms = slope, sy - slope * sx
+        else:  # no spread to fit a line on: through the origin
+            self.tpot_slope, self.tpot_intercept_ms = min(self.params.max_tpot_slope, sy / sx), 0.0
+        return True
 
     def observe(self, num_running: int, kv_tokens: int, step_ms: float) -> bool:
         """Learn from one report; False (nothing learned) for a sample without load or time."""

@@ -45,8 +45,13 @@ def summarize_admit(res: Admitted | Rejected) -> dict[str, Any]:
                 "cached": res.request.num_cached_tokens, "predicted_ttft_ms": res.predicted_ttft_ms,
                 "slo_ttft_ms": res.slo_ttft_ms, "slo_tpot_ms": res.slo_tpot_ms, "best_effort": res.best_effort,
                 "decisions": _decisions(res.decisions)}
-    return {"ok": False, "code": res.code, "predicted_ttft_ms": res.predicted_ttft_ms,
-            "decisions": _decisions(res.decisions)}
+    out = {"ok": False, "code": res.code, "predicted_ttft_ms": res.predicted_ttft_ms,
+           "decisions": _decisions(res.decisions)}
+    if res.code == "slo_unattainable":  # why: the best worker's predictions against the targets
+        out["refusal"] = {"worker": res.best_worker_id, "predicted_ttft_ms": res.predicted_ttft_ms,
+                          "slo_ttft_ms": res.slo_ttft_ms, "predicted_tpot_ms": res.predicted_tpot_ms,
+                          "slo_tpot_ms": res.slo_tpot_ms}
+    return out
 
 
 def summarize_offer(res) -> dict[str, Any]:
@@ -70,12 +75,24 @@ def summarize_release(res: list[Released]) -> dict[str, Any]:
     return {"released": out}
 
 
+def _failure(f) -> list[Any]:
+    if f.code != "slo_unattainable":
+        return [f.item.request_id, f.code]
+    return [f.item.request_id, f.code, {"worker": f.best_worker_id, "predicted_ttft_ms": f.predicted_ttft_ms,
+                                        "slo_ttft_ms": f.slo_ttft_ms, "predicted_tpot_ms": f.predicted_tpot_ms,
+                                        "slo_tpot_ms": f.slo_tpot_ms}]
+
+
 def summarize_tick(res: TickResult) -> dict[str, Any]:
-    if not res.batches and not res.failures:  # (most ticks)
+    if not res.batches and not res.failures and not res.moves:  # (most ticks)
         return {"batches": [], "failures": []}
-    return {"batches": [[b.batch_id, b.worker_id, [i.request_id for i in b.items], b.reason, b.predicted_ms]
-                        for b in res.batches],
-            "failures": [[f.item.request_id, f.code] for f in res.failures]}
+    out = {"batches": [[b.batch_id, b.worker_id, [i.request_id for i in b.items], b.reason, b.predicted_ms]
+                       for b in res.batches],
+           "failures": [_failure(f) for f in res.failures]}
+    if res.moves:  # (absent before moves existed: old journals' ticks summarize as they did)
+        out["moves"] = [[mv.item.request_id, mv.from_worker_id, mv.item.prefill_worker_id, mv.decision.decision_seq]
+                        for mv in res.moves]
+    return out
 
 
 def summarize_sync(res: SyncResult) -> dict[str, Any]:
@@ -129,14 +146,15 @@ OPS: dict[str, Op] = {
     "admit": Op(lambda s, now, a: (r := s.admit(request_from_builtins(a["request"]), now), summarize_admit(r)),
                 lambda out: True),
     "tick": Op(lambda s, now, a: (r := s.tick(now), summarize_tick(r)),
-               lambda out: bool(out["batches"] or out["failures"])),
+               lambda out: bool(out["batches"] or out["failures"] or out.get("moves"))),
     "sync": Op(lambda s, now, a: (r := s.sync(now), summarize_sync(r)),
                lambda out: bool(out["dead"] or out["expired"] or out["orphans"])),
     "on_batch_started": Op(lambda s, now, a: (r := s.on_batch_started(a["worker_id"], a["batch_id"], now), {"ok": r})),
     "on_prefill_completed": Op(lambda s, now, a: (
         r := s.on_prefill_completed(a["worker_id"], a["batch_id"], a["measured_ms"], a["num_cached_tokens"]),
         {"ok": r is not None})),
-    "on_terminal": Op(lambda s, now, a: (r := s.on_terminal(a["request_id"], a.get("num_output_tokens")), {"ok": r})),
+    "on_terminal": Op(lambda s, now, a: (r := s.on_terminal(a["request_id"], a.get("num_output_tokens"), a.get("tpot_ms")),
+                                         {"ok": r})),
     "offer": Op(lambda s, now, a: (r := s.offer(request_from_builtins(a["request"]), now), summarize_offer(r)),
                 lambda out: True),
     "release": Op(lambda s, now, a: (r := s.release(now), summarize_release(r)), lambda out: bool(out["released"])),
@@ -210,10 +228,12 @@ class Recorder:
         return self._call("on_prefill_completed", 0, {"worker_id": worker_id, "batch_id": batch_id,
                                                       "measured_ms": measured_ms, "num_cached_tokens": num_cached_tokens})
 
-    def on_terminal(self, request_id: str, num_output_tokens: int | None = None) -> bool:
+    def on_terminal(self, request_id: str, num_output_tokens: int | None = None, tpot_ms: float | None = None) -> bool:
         args: dict[str, Any] = {"request_id": request_id}
         if num_output_tokens is not None:  # (journals before the fair queue have none)
             args["num_output_tokens"] = num_output_tokens
+        if tpot_ms is not None:  # (nor before the TPOT calibration)
+            args["tpot_ms"] = tpot_ms
         return self._call("on_terminal", 0, args)
 
     def offer(self, req: AdmitRequest, now_ns: int):

@@ -31,6 +31,8 @@ class QueuedRequest:
     decode_worker_id: str
     payload: object = None  # the shell's request handle; the core never looks inside
     lora_adapter: str = ""  # the LoRA adapter it runs with ("": the base model; BatchRequest.lora_adapter)
+    block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (a move scores other workers' hits)
+    model: str = ""  # the pool it was routed in (the resolved model name)
 
 
 @dataclass(slots=True)
@@ -108,6 +110,10 @@ class Rejected:
     predicted_ttft_ms: float = 0.0
     slo_ttft_ms: float = 0.0
     retry_after_ms: int = 0  # the fair queue's hint for a refusal it made (0: none; the API's default)
+    # slo_unattainable: the best worker for it and the TPOT it predicted there, against the target
+    best_worker_id: str = ""
+    predicted_tpot_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,15 @@ class FormedBatch:
 @dataclass(frozen=True)
 class QueueFailure:
     item: QueuedRequest
-    code: str  # queue_timeout | too_large | no_worker
+    code: str  # queue_timeout | too_large | no_worker | slo_unattainable
     message: str
+    # slo_unattainable: why, as the router saw it (the journal keeps it): the best worker for it
+    # at that moment and its predicted TTFT (from arrival) and TPOT there, against the targets
+    best_worker_id: str = ""
+    predicted_ttft_ms: float = 0.0
+    predicted_tpot_ms: float = 0.0
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,17 @@ class SyncResult:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """A request the TPOT hold kept on one worker up to its emergency point, moved to another
+    worker that can still meet both its targets (Scheduler.tick)."""
+
+    item: QueuedRequest  # as it is queued now (its new worker)
+    from_worker_id: str
+    decision: "RouteDecision"  # stage "move": the candidates and the pick
+
+
+@dataclass(frozen=True)
 class TickResult:
     batches: list[FormedBatch]
     failures: list[QueueFailure]
+    moves: list[Moved] = field(default_factory=list)

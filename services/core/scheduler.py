@@ -30,7 +30,15 @@ the same inputs re-draws the same numbers; the seed is recorded in the decision.
 `tick(now_ns)` polls the batchers; closed batches enter the inflight mirror and are returned
 with ids `<id_prefix>-<n>` (the caller passes a prefix unique per router process: batch ids
 are JetStream dedupe ids); expired and too-large queue items are returned as failures and
-forgotten. `next_due_ns(now_ns)` says when to tick next (None: on the next event).
+forgotten. A request the slo-budget batcher's TPOT hold kept on its worker up to its
+emergency point is refused only when no worker could serve it (`_resolve_held`): moved to a
+worker that can start it in time without holding it (`TickResult.moves`, a "move" decision),
+else served on its worker if its calibrated TPOT there is within `tpot_refuse_ratio` x its
+target (0, the default: never), else refused
+slo_unattainable with the best worker's predicted TTFT and TPOT (the journal keeps them).
+The TPOT the hold and that test read is each worker's decode step calibrated by what its
+finished requests actually got (`on_terminal(..., tpot_ms)`; decode_model.py).
+`next_due_ns(now_ns)` says when to tick next (None: on the next event).
 Block size: the router hashes prompts with one block size, that of the fleet (workers must
 agree; the first worker's is used).
 
@@ -59,6 +67,7 @@ from schemas.messages import (
 )
 from services.core.admission import FairAdmission, FairAdmissionConfig, Released
 from services.core.batchers import DEFAULT_BATCHER, Batcher, Closed, WorkerLoad, build_batcher, parse_params
+from services.core.batchers.base import tpot_added_ms
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.fairness import Cancelled, Queued, Refused
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
@@ -73,6 +82,7 @@ from services.core.records import (  # (re-exported: the shell, the journal and 
     AdmitRequest,
     Admitted,
     FormedBatch,
+    Moved,
     QueuedRequest,
     QueueFailure,
     Rejected,
@@ -160,7 +170,10 @@ class Scheduler:
         self.expected_output_cap_tokens: int = getattr(dp, "expected_output_cap", DEFAULT_EXPECTED_OUTPUT_CAP)
         # The batcher's TPOT hold (slo-budget's tpot_headroom; 0: none): the policy may leave
         # out workers that would only hold a request for it.
-        self.tpot_headroom: float = getattr(parse_params(config.batcher, config.batcher_params), "tpot_headroom", 0.0)
+        batcher_params = parse_params(config.batcher, config.batcher_params)
+        self.tpot_headroom: float = getattr(batcher_params, "tpot_headroom", 0.0)
+        self.hold_guard_ms: float = getattr(batcher_params, "guard_ms", 0.0)  # a moved request's TTFT margin
+        self.tpot_refuse_ratio: float = getattr(batcher_params, "tpot_refuse_ratio", 0.0)  # (_resolve_held)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -168,6 +181,8 @@ class Scheduler:
         self.ledger = InflightLedger()
         self.predictors: dict[str, PrefillPredictor] = {}  # prefill worker id -> its predictor
         self.decode_models: dict[str, DecodeModel] = {}  # worker id -> its decode-step model (decode_model.py)
+        # request id -> (its decode worker, the step ms predicted there when its batch formed), until it ends
+        self.tpot_predicted: dict[str, tuple[str, float]] = {}
         self.batchers: dict[str, Batcher] = {}  # prefill worker id -> its batcher
         self.prefill_gated: set[str] = set()  # workers whose pending count closed the gate
         self.decode_gated: set[str] = set()  # workers whose KV usage closed the gate
@@ -282,9 +297,18 @@ class Scheduler:
                 batcher.invalidate()  # its cached queue-wait predictions are stale now
         return batch
 
-    def on_terminal(self, request_id: str, num_output_tokens: int | None = None) -> bool:
+    def on_terminal(self, request_id: str, num_output_tokens: int | None = None, tpot_ms: float | None = None) -> bool:
         """Forget a request that reached its terminal outcome; False if it was not inflight.
-        `num_output_tokens`: what it produced, if known: settles its tenant's fair-queue charge."""
+        `num_output_tokens`: what it produced, if known: settles its tenant's fair-queue charge.
+        `tpot_ms`: the TPOT it got (wall ms between its first and last token over its tokens
+        after the first; a finished request of 2 tokens or more): its decode worker's TPOT
+        calibration learns from it (decode_model.py)."""
+        predicted = self.tpot_predicted.pop(request_id, None)
+        if predicted is not None and tpot_ms is not None:
+            model = self.decode_models.get(predicted[0])
+            info = self.view.workers.get(predicted[0])
+            if model is not None:
+                model.observe_tpot(predicted[1], tpot_ms / (info.time_scale if info is not None else 1.0))
         if self.fair.dispatched:
             self.fair.settle(request_id, num_output_tokens)
         self.ledger.release(request_id)
@@ -356,7 +380,8 @@ class Scheduler:
             running, kv = self.engine_load(worker_id)
             if running > 0:  # an idle worker always takes work
                 model = self.decode_model(worker_id)
-                tpot, per_request, per_kilotoken = model.predict_ms(running, kv), model.b, model.c
+                slope = model.tpot_slope  # (calibrated: the TPOT its requests got against the prediction)
+                tpot, per_request, per_kilotoken = model.predict_tpot_ms(running, kv), model.b * slope, model.c * slope
         return WorkerLoad(
             max_batch_tokens=info.max_batch_tokens if info else 0,
             free_kv_tokens=max(0, free_kv),
@@ -394,7 +419,9 @@ class Scheduler:
     def _prefill_candidates(self, workers: list[WorkerInfo], req: AdmitRequest, now_ns: int,
                             with_tpot: bool = False) -> list[Candidate]:
         """Score every worker whose queue has room (the hot path: one pass, O(1) per worker —
-        the ledger keeps its wait aggregates, the batcher its queue shape)."""
+        the ledger keeps its wait aggregates, the batcher its queue shape). `with_tpot`
+        (colocated workers): each candidate carries the calibrated TPOT the request would
+        decode at there (decode_model.py)."""
         matches = self._matches(req.block_hashes, now_ns)
         cfg = self.config
         max_queue = cfg.max_queue_per_worker
@@ -466,7 +493,7 @@ class Scheduler:
             if with_tpot:  # colocated: the TPOT this worker would decode the request at (idle: 0, it always takes it)
                 running, kv = self.engine_load(wid)
                 if running:
-                    tpot = self.decode_model(wid).predict_ms(running + 1, kv + n)
+                    tpot = self.decode_model(wid).predict_tpot_ms(running + 1, kv + n)
             out.append(new_candidate(Candidate, (
                 w, wid, cached, prefill, wait, queue, pending, block_counts.get(wid, 0), total,
                 total - free + inf.hidden_expected_kv_tokens, free - hard, gated, prefill + wait + queue, tpot,
@@ -660,6 +687,7 @@ class Scheduler:
             strict_deadline=mode == "reject" or (mode != "best-effort" and req.slo_ttft_ms is not None),
             prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload, lora_adapter=adapter,
+            block_hashes=req.block_hashes, model=model,
         )
         if adapter:  # the worker loads it (or uses it): the router's guess until its next report
             w = self.view.workers[p.pick.worker_id]
@@ -742,6 +770,7 @@ class Scheduler:
             self.approx_index.expire(now_ns)
         batches: list[FormedBatch] = []
         failures: list[QueueFailure] = []
+        held: list[QueuedRequest] = []  # strict heads the TPOT hold kept to their emergency point
         workers = self.view.workers
         for worker_id, batcher in self.batchers.items():
             if not len(batcher):
@@ -760,13 +789,86 @@ class Scheduler:
                 failures.append(QueueFailure(it, "queue_timeout", f"queued on {worker_id} past its deadline"))
             for it in res.too_large:
                 failures.append(QueueFailure(it, "too_large", f"prompt of {it.num_prompt_tokens} tokens cannot fit {worker_id}"))
-            for it in res.unattainable:
-                failures.append(QueueFailure(it, "slo_unattainable", (
-                    f"held for {worker_id}'s TPOT (its decodes would exceed the {it.tpot_target_ms:.0f} ms target) "
-                    f"until its TTFT target could no longer be met")))
+            held.extend(res.unattainable)
+        moves: list[Moved] = []
+        for it in held:  # (after the loop: a move may add a batcher)
+            moved = self._resolve_held(it, now_ns)
+            if isinstance(moved, Moved):
+                moves.append(moved)
+            elif moved is not None:
+                failures.append(moved)
         for f in failures:
             self.on_terminal(f.item.request_id)
-        return TickResult(batches, failures)
+        return TickResult(batches, failures, moves)
+
+    def _resolve_held(self, item: QueuedRequest, now_ns: int) -> Moved | QueueFailure | None:
+        """A strict request the TPOT hold kept on its worker up to its emergency point (the
+        batcher's `unattainable`). Refuse only what no worker could serve:
+        1. a colocated worker of its pool that would not hold it (its calibrated TPOT there
+           with it within the hold's limit) and can still start it in time (its TTFT from now
+           within what the deadline leaves less the batcher's guard) takes it: moved, the
+           prefill policy picking among those (a "move" decision);
+        2. else, if its calibrated TPOT on its own worker (its prefix cache) is within
+           `tpot_refuse_ratio` x its target, the hold gives way: served there now, as a
+           request whose SLO mode admits best effort would be (None: back in that queue);
+        3. else it is refused slo_unattainable, naming the best worker's predictions (the
+           lowest TPOT among those that can still start it in time, its own included).
+        `tpot_refuse_ratio` 0 (the default): no giving way."""
+        src = item.prefill_worker_id
+        target = item.tpot_target_ms
+        limit = self.tpot_headroom * target
+        left_ms = (item.deadline_ns - now_ns) / 1e6
+        here = self.load(src, now_ns)
+        here_tpot = here.tpot_ms + tpot_added_ms(here, item)
+        if self.tpot_refuse_ratio > 0 and here_tpot <= self.tpot_refuse_ratio * target:  # the hold gives way
+            item.strict_deadline = False
+            self.queued[item.request_id] = (src, self.batcher(src).add(item))
+            return None
+        options: list[tuple[float, float, str]] = [(here_tpot, here.wait_ms + self.predictor(src).predict_items_ms([item]), src)]
+        if item.decode_worker_id == src and not item.lora_adapter:  # (disaggregated or an adapter: it stays)
+            total = item.num_prompt_tokens + item.max_tokens
+            others = [w for w in self.view.routable(item.model).colocated
+                      if w.worker_id != src and not 0 < w.max_seq_len_tokens < total
+                      and not 0 < w.max_batch_tokens < item.num_prompt_tokens]
+            req = AdmitRequest(request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
+                               max_tokens=item.max_tokens, block_hashes=item.block_hashes)
+            budget = left_ms - self.hold_guard_ms
+            in_time = [c for c in self._prefill_candidates(others, req, now_ns, True) if c.ttft_ms <= budget]
+            fit = [c for c in in_time if c.tpot_ms <= limit]
+            if fit:
+                d = self._decide("move", self.prefill_policy, req, fit, now_ns, left_ms, limit)
+                if d.pick.worker_id is not None:
+                    return self._move(item, next(c for c in fit if c.worker_id == d.pick.worker_id), now_ns, src, d)
+            options += [(c.tpot_ms, c.ttft_ms, c.worker_id) for c in in_time]
+        best_tpot, best_ttft, best_id = min(options)
+        waited_ms = (now_ns - item.enqueued_ns) / 1e6
+        slo_ttft = waited_ms + left_ms
+        return QueueFailure(item, "slo_unattainable", (
+            f"held for {src}'s TPOT (its decodes would exceed the {target:.0f} ms target) until its TTFT target could "
+            f"no longer be met, and no worker could serve it: best {best_id}, predicted TTFT {waited_ms + best_ttft:.0f} "
+            f"ms of {slo_ttft:.0f}, TPOT {best_tpot:.0f} ms of {target:.0f}"),
+            best_worker_id=best_id, predicted_ttft_ms=round(waited_ms + best_ttft, 3), predicted_tpot_ms=round(best_tpot, 3),
+            slo_ttft_ms=round(slo_ttft, 3), slo_tpot_ms=target)
+
+    def _move(self, item: QueuedRequest, to: Candidate, now_ns: int, src: str, decision: RouteDecision) -> Moved:
+        """Re-queue a held request on another colocated worker: its decode reservation and
+        pending prefix go with it."""
+        wid = to.worker_id
+        self.prefill_policy.record(decision.pick)
+        self.ledger.release(item.request_id)
+        self.ledger.reserve(DecodeReservation(
+            request_id=item.request_id, worker_id=wid, hard_kv_tokens=item.num_prompt_tokens,
+            expected_kv_tokens=item.num_prompt_tokens + min(item.max_tokens, self.expected_output_cap_tokens),
+            created_ns=now_ns))
+        if item.block_hashes:
+            if self.config.prefix_index == "approximate":
+                self.approx_index.record(wid, item.block_hashes, now_ns)
+            elif self.config.pending_prefix_ttl_ms > 0:
+                self.pending_index.record(wid, item.block_hashes, now_ns)
+        item.prefill_worker_id = item.decode_worker_id = wid
+        item.num_cached_tokens = to.num_cached_tokens
+        self.queued[item.request_id] = (wid, self.batcher(wid).add(item))
+        return Moved(item, src, decision)
 
     def _form(self, worker_id: str, closed: Closed, now_ns: int) -> FormedBatch:
         self.num_batches += 1
@@ -779,6 +881,15 @@ class Scheduler:
             request_ids=[i.request_id for i in batch.items],
             members=[(i.num_prompt_tokens, i.num_cached_tokens) for i in batch.items], dispatched_ns=now_ns,
         ))
+        # The step time each member's decode worker is predicted to run at with the batch on
+        # it (uncalibrated): what its TPOT, once it finishes, is compared with (on_terminal).
+        steps: dict[str, float] = {}
+        for i in batch.items:
+            step = steps.get(i.decode_worker_id)
+            if step is None:
+                running, kv = self.engine_load(i.decode_worker_id)
+                step = steps[i.decode_worker_id] = self.decode_model(i.decode_worker_id).predict_ms(max(running, 1), kv)
+            self.tpot_predicted[i.request_id] = (i.decode_worker_id, step)
         return batch
 
     def rollback(self, batch: FormedBatch) -> None:

@@ -79,6 +79,7 @@ class WorkerInfo:
     num_running_requests: int = 0
     num_queued_batches: int = 0
     recent_step_ms: float = 0.0  # its reported mean step time over the last second (the TPOT it gives now)
+    time_scale: float = 1.0  # simulated engines: wall time = engine time x this (1.0 for real engines)
     first_seen_ns: int = 0
     last_heartbeat_ns: int = 0  # router's receive time of the last report
     num_restarts: int = 0
@@ -172,6 +173,7 @@ class WorkerView:
             info.num_running_requests = event.num_running_requests
             info.num_queued_batches = event.num_queued_batches
             info.recent_step_ms = event.recent_step_ms
+            info.time_scale = event.time_scale if event.time_scale > 0 else 1.0
             info.loaded_lora_adapters = event.loaded_lora_adapters
             info.last_heartbeat_ns = max(info.last_heartbeat_ns, now_ns)
             if stale:

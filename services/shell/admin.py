@@ -144,6 +144,11 @@ class Admin:
         running, kv = sch.engine_load(worker_id)
         return {"decode_model": {"base_ms": round(model.a, 3), "per_request_ms": round(model.b, 4),
                                  "per_kilotoken_ms": round(model.c, 4), "num_observations": model.num_observations,
-                                 "mean_abs_pct_error": round(model.mean_abs_pct_error, 2)},
-                "predicted_tpot_ms": round(model.predict_ms(running, kv), 2) if running else None}
+                                 "mean_abs_pct_error": round(model.mean_abs_pct_error, 2),
+                                 # the TPOT its finished requests got against the step predicted at dispatch
+                                 "tpot_calibration": {"intercept_ms": round(model.tpot_intercept_ms, 3),
+                                                      "slope": round(model.tpot_slope, 4),
+                                                      "num_requests": model.num_tpot_observations}},
+                "predicted_step_ms": round(model.predict_ms(running, kv), 2) if running else None,
+                "predicted_tpot_ms": round(model.predict_tpot_ms(running, kv), 2) if running else None}
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from schemas import messages as m
 from schemas.acked import publish_until_acked
 from schemas.subjects import dispatch_subject, token_batch_subject, token_subject
-from services.core.scheduler import FormedBatch, QueueFailure
+from services.core.scheduler import FormedBatch, Moved, QueueFailure
 from services.shell.ledger import LedgerEntry, kv_field, prefill_field
-from services.shell.state import RequestHandle, RouterState
+from services.shell.state import RequestHandle, RouterState, decision_event
 
 if TYPE_CHECKING:
     from services.shell.recovery import Recovery
@@ -72,6 +72,8 @@ class Dispatcher:
             while self.s.scheduler.poll_errors:
                 self.s.metrics.consumer_errors.labels("batcher").inc()
                 log.error("batcher poll failed (queue kept, retried next tick): %s", self.s.scheduler.poll_errors.pop())
+            for moved in result.moves:
+                await self.moved(moved)
             for failure in result.failures:
                 await self.fail_queued(failure)
             for batch in result.batches:
@@ -79,6 +81,18 @@ class Dispatcher:
                     await self.dispatch(batch)
                 except Exception:  # one failed dispatch must not stop the others
                     log.exception("dispatch of %s failed", batch.batch_id)
+
+    async def moved(self, mv: Moved) -> None:
+        """A request the TPOT hold kept on one worker went to another (core: Scheduler._resolve_held):
+        its handle follows (the relay takes its tokens from its decode worker only), and the
+        decision is an event and a line of its record, as an admission's are."""
+        item = mv.item
+        handle: RequestHandle = item.payload
+        handle.prefill_worker_id, handle.decode_worker_id = item.prefill_worker_id, item.decode_worker_id
+        self.s.metrics.hold_moves.inc()
+        self.s.records.note(item.request_id, time.time_ns(), "moved", from_worker_id=mv.from_worker_id,
+                            worker_id=item.prefill_worker_id, reason=mv.decision.pick.reason)
+        await self.s.emit(decision_event(item.request_id, self.s.router_id, mv.decision))
 
     async def fail_queued(self, failure: QueueFailure) -> None:
         """A queued request the batcher gave up on: the router owns its terminal event."""
@@ -148,6 +162,8 @@ class Dispatcher:
             log.error("dispatch of batch %s to %s failed: %s", batch.batch_id, batch.worker_id, exc)
             await self.fail_batch(batch, entries, "dispatch_failed", f"dispatch to {batch.worker_id} failed: {exc}", sent=True)
             return
+        for item in batch.items:  # the stream holds it: its client's response may start now (services/api.py)
+            item.payload.mark_dispatched()
         dispatch_ms = round((time.time_ns() - now) / 1e6, 3)  # ledger reservation + the publish's ack
         self.s.metrics.batches.labels(batch.reason).inc()
         self.s.metrics.batch_size.observe(len(batch.items))

@@ -92,7 +92,9 @@ class Fold:
                     self.s.fenced.set()
         for worker_id, rid in self.s.scheduler.take_settled():
             await self.settle(worker_id, rid)
-        if self.s.scheduler.fair.waiting:  # the engines' room may have changed
+        batcher = self.s.scheduler.batchers.get(info.worker_id)
+        if self.s.scheduler.fair.waiting or (batcher is not None and len(batcher)):
+            # the engines' room may have changed; so may the load a held queue waits on (its TPOT hold)
             self.s.wakeup.set()
         if self.s.settings.prefix_index == "exact" and info.worker_id not in self.s.scheduler.index.workers():
             await self.request_snapshot(info.worker_id, "no KV state for this worker yet", now)
@@ -226,9 +228,11 @@ class Fold:
             self.s.release_buffer.append(prefill_field(ev.batch_id))
             self.s.wakeup.set()  # a backpressured batcher may dispatch now
         elif isinstance(ev, (m.RequestFinished, m.RequestFailed, m.RequestCancelled, m.RequestTimedOut)):
-            await self.on_worker_terminal(ev)
+            await self.on_worker_terminal(ev, env.time_ns)
 
-    async def on_worker_terminal(self, ev) -> None:
+    async def on_worker_terminal(self, ev, time_ns: int = 0) -> None:
+        """A worker's terminal event; `time_ns`: when the worker published it (its envelope):
+        with a finished request's first_token_ns, the TPOT it got (the core's calibration)."""
         request_id = ev.request_id
         live_handle = self.s.handles.get(request_id)
         if (live_handle is not None and live_handle.decode_worker_id
@@ -253,13 +257,16 @@ class Fold:
                           **({"code": ev.code} if isinstance(ev, m.RequestFailed) else {}))
         # What it produced settles its tenant's fair-queue charge (a remote request's tokens
         # went to its standby: unknown unless it finished).
+        tpot_ms = None
         if isinstance(ev, m.RequestFinished):
             produced = ev.num_output_tokens
+            if produced > 1 and ev.first_token_ns and time_ns > ev.first_token_ns:  # (both the worker's clock)
+                tpot_ms = round((time_ns - ev.first_token_ns) / 1e6 / (produced - 1), 3)
         else:
             produced = live_handle.next_index if live_handle is not None and not live_handle.remote else None
-        ours = self.s.scheduler.on_terminal(request_id, produced)
-        if self.s.scheduler.fair.waiting:
-            self.s.wakeup.set()  # room freed: the batch loop releases from the fair queue
+        ours = self.s.scheduler.on_terminal(request_id, produced, tpot_ms)
+        if self.s.scheduler.fair.waiting or self.s.scheduler.queued:
+            self.s.wakeup.set()  # room freed: the batch loop releases from the fair queue, or a held queue may go
         if not ours and request_id not in self.s.handles:
             return  # another router's request, or one we forgot across a restart
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))

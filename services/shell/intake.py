@@ -331,7 +331,7 @@ class Intake:
             for rid in ev.request_ids:
                 handle = self.s.handles.get(rid)
                 if handle is not None and handle.is_forward:
-                    handle.dispatched = True
+                    handle.mark_dispatched()  # (its client's response may start: services/api.py)
             return
         handle = self.s.handles.get(getattr(ev, "request_id", ""))
         if handle is None or handle.done or not handle.is_forward:

@@ -375,6 +375,9 @@ class Leadership:
             await self.s.emit(reply)
         else:  # our client's: its tokens come to us, its stream goes on
             handle.leader_pool = self.s.pool
+            # Not dispatched by that leader yet (one we dispatched and then re-routed was by us):
+            # until its batch.dispatched, it waits at a leader (waits_at_a_leader).
+            handle.dispatched = False
             self.intake.took(handle, reply)
         return None
 

@@ -25,6 +25,9 @@ class RouterMetrics:
         )
         self.best_effort = Counter("flexlb_best_effort_admissions_total",
                                    "Requests admitted although their predicted TTFT exceeded the SLO", registry=r)
+        self.hold_moves = Counter("flexlb_hold_moves_total",
+                                  "Requests the TPOT hold kept to their emergency point, then moved to another worker "
+                                  "that could serve them", registry=r)
         self.predictor_error_pct = Histogram(
             "flexlb_prefill_prediction_error_percent", "Absolute error of predicted vs measured batch prefill time, percent",
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500), registry=r,

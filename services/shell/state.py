@@ -108,13 +108,16 @@ class Inbox:
     asyncio.Queue's shape (put_nowait, get, get_nowait, empty, qsize) for exactly one reader,
     which is all a handle has; an asyncio.Queue per request was ~2 % of the router's CPU at
     3,000 requests/s (bench/README.md, "hotpath.py"). Unbounded: the relay bounds it
-    (token_buffer_max)."""
+    (token_buffer_max). Beyond a queue's: `peek`, and `wait` / `wake`, so that a stream
+    waits for its first item or its dispatch on the one future its reader already has
+    (RequestHandle.mark_dispatched), with no task or event of its own."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "_wakeable")
 
     def __init__(self) -> None:
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
+        self._wakeable = False  # the waiter is wait()'s: wake() resolves it (get()'s waits for an item)
 
     def put_nowait(self, item: Any) -> None:
         self._items.append(item)
@@ -133,8 +136,12 @@ class Inbox:
             raise asyncio.QueueEmpty
         return self._items.popleft()
 
+    def peek(self) -> Any:
+        """The next item, left in place (None when there is none)."""
+        return self._items[0] if self._items else None
+
     async def get(self) -> Any:
-        while not self._items:
+        while not self._items:  # (wait() inlined: this is every token chunk's path)
             if self._waiter is not None:
                 raise RuntimeError("an Inbox has one reader")
             self._waiter = asyncio.get_running_loop().create_future()
@@ -143,6 +150,26 @@ class Inbox:
             finally:
                 self._waiter = None
         return self._items.popleft()
+
+    async def wait(self) -> None:
+        """Until an item is put, or wake() is called (returns at once if one is queued)."""
+        if self._items:
+            return
+        if self._waiter is not None:
+            raise RuntimeError("an Inbox has one reader")
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._wakeable = True
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            self._wakeable = False
+
+    def wake(self) -> None:
+        """Wake the reader waiting in wait() without an item: something else it waits on
+        changed (RequestHandle.mark_dispatched). A reader in get(), or none, is left alone."""
+        if self._wakeable and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 @dataclass
@@ -168,7 +195,9 @@ class RequestHandle:
     forwarded_by: str = ""  # remote: the router that forwarded it (its client's), SubmitRequest.router_id
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
     leader_pool: str = ""  # the pool whose leader that is ("": the cluster's one leader)
-    dispatched: bool = False  # standby: the leader's batch.dispatched listed it
+    # A batch holding it was dispatched (the acked publish: Dispatcher.dispatch), here or, forwarded,
+    # by its leader (its batch.dispatched event): its client's stream may start (mark_dispatched).
+    dispatched: bool = False
     sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
     stop: list[str] = field(default_factory=list)  # OpenAI stop strings (the API cuts the text at the first)
     chat: m.ChatForward | None = None  # a chat completion as the client sent it (BatchRequest.chat)
@@ -181,6 +210,12 @@ class RequestHandle:
     # Set while it waits in the fair queue (the leader's, or the leader's a standby forwarded it
     # to): resolved None when admitted, or with the Rejected that refused it.
     admission: asyncio.Future | None = None
+
+    def mark_dispatched(self) -> None:
+        """Its batch went (module docstring of services/api.py: a stream's response starts at
+        its dispatch or its first item, whichever comes first): wake its client's reader."""
+        self.dispatched = True
+        self.queue.wake()
 
     @property
     def is_forward(self) -> bool:

@@ -260,24 +260,40 @@ async def test_a_leader_cut_off_from_redis_past_its_lease_stops_dispatching_and_
 
         later = [{**b, "max_tokens": 20} for b in make_bodies(60, seed=18, max_prompt_chars=300)]
 
+        async def num_dispatched() -> float:
+            """Requests the leader has dispatched (both routers' clients': it schedules them all)."""
+            async with httpx.AsyncClient(timeout=30) as c:
+                text = (await c.get(urls["leader"] + "/metrics")).text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("flexlb_batch_size_requests_sum"))
+
+        num_before = await num_dispatched()
+
         async def cut():
-            """Cut the leader off, and keep clients coming to both routers for 6 s after."""
+            """Once the whole first wave is dispatched, cut the leader off, and keep clients
+            coming to both routers for 6 s after. (The wave must be in flight, not queued, at
+            the cut: one still queued at the cut-off leader fails not_ready by design, as the
+            later ones show. After a fixed second it was not always: the Redis relay runs in
+            this event loop beside the 340 clients, so the leader's ledger reservations wait
+            on the clients' work.)"""
+            await wait_async(lambda: _at_least(num_dispatched, num_before + len(bodies)), 60,
+                             "the first wave dispatched", interval_s=0.02)
             relay.cut()
-            cut_ns = time.time_ns()
+            cut_ns, cut_at = time.time_ns(), time.monotonic()
             async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
                 tasks = []
                 for i, body in enumerate(later):
                     tasks.append(asyncio.create_task(stream_completion(client, urls[("leader", "standby")[i % 2]], body)))
                     await asyncio.sleep(0.1)
                 done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            return cut_ns, done
+            return cut_ns, cut_at, done
 
         # Half the first wave on each router; the leader is cut off from Redis with all in flight.
         load_a = asyncio.create_task(_load_through(urls["leader"], bodies[:half], cut))
         results_b = await _load_through(urls["standby"], bodies[half:], lambda: asyncio.sleep(0))
-        results_a, fault_at, (cut_ns, results_later) = await load_a
+        results_a, _, (cut_ns, cut_at, results_later) = await load_a
         results = results_a + results_b[0]
-        summary = fault_outcome(bodies, results, fault_at)
+        summary = fault_outcome(bodies, results, cut_at)
         after = fault_outcome(later, results_later, 0.0)
         print(f"leader cut off from redis: in flight {summary}; arriving after the cut {after}")
         print(sorted({e["message"][:120] for r in results_later for e in r["errors"] if isinstance(e, dict)}))
@@ -319,6 +335,10 @@ async def test_a_leader_cut_off_from_redis_past_its_lease_stops_dispatching_and_
         await relay.close()
         nats_srv.stop()
         redis_srv.stop()
+
+
+async def _at_least(count, n: float) -> bool:
+    return await count() >= n
 
 
 async def _get(url: str) -> dict:

@@ -196,6 +196,26 @@ def tpot_hold_routing(param: dict) -> str:
     return s.admit(AdmitRequest("x", 3200, 10, hashes, slo_tpot_ms=50.0), 0).request.prefill_worker_id
 
 
+def tpot_refuse_ratio(param: dict) -> str:
+    """Held on w0 (its prefix cached there) whose TPOT with it is ~97 ms against a 100 ms
+    target and a 0.9 hold; w1 slower. At its emergency point nobody can take it without
+    holding it: refused with the ratio at 0, served on w0 at 1.1."""
+    s = scheduler(batcher="slo-budget", batcher_params={"window_ms": 0, "tpot_headroom": 0.9, **param})
+    for t in range(400):
+        for w in ("w0", "w1"):
+            s.on_worker_event(status(w, num_running_requests=60, num_free_kv_blocks=9_000,
+                                     recent_step_ms=97.0 if w == "w0" else 160.0, max_seq_len_tokens=40960), t * 1_000_000)
+    hashes = cached_prompt(s, "w0", 1, 624)
+    s.admit(AdmitRequest("x", 3300, 200, hashes, slo_ttft_ms=2000.0, slo_tpot_ms=100.0), 500_000_000)
+    for k in range(200):
+        res = s.tick(500_000_000 + k * 10_000_000)
+        if res.failures:
+            return res.failures[0].code
+        if res.batches:
+            return res.batches[0].worker_id
+    return "held"
+
+
 def tpot_filter(param: dict) -> str:
     """As tpot_hold_routing with the hold at 0.5: off (the default), w0's prefix wins; on, the filter leaves w0 out."""
     s = scheduler(prefill_policy="cost-based", prefill_policy_params=param, batcher="slo-budget",
@@ -209,6 +229,17 @@ def tpot_filter(param: dict) -> str:
 # ------------------------------------------------------------------ cost-based, select
 # a: cheap prefill behind a 400 ms wait (TTFT 450); b: no wait, 500 ms prefill (TTFT 500).
 SLO_PAIR = [cand("a", prefill_ms=50, wait_ms=400), cand("b", prefill_ms=500)]
+
+
+# a: 800 of the prompt's 1,000 tokens cached, 100 ms prefill behind a 600 ms wait (TTFT 700);
+# b: no cache, 500 ms prefill (400 of it for the 800 tokens a has cached), no wait (TTFT 500)
+CACHE_PAIR = [cand("a", prefill_ms=100, wait_ms=600, num_cached_tokens=800), cand("b", prefill_ms=500)]
+
+
+def prefill_weight(param: dict) -> str | None:
+    """0 (cost-based's own): the sooner first token, b. 1: b's 400 ms of extra prefill count
+    again (900 against 700), a."""
+    return pick("prefill", "cost-based", param, CACHE_PAIR, slo_ttft_ms=2000.0)
 
 
 def slo_filter(param: dict) -> str | None:
@@ -438,6 +469,7 @@ ROWS = [
     Row(CostBasedParams, "pending_gate_hysteresis", 0.5, gate_hysteresis, (("w1", "w0"), ("w1", "w1"))),
     Row(CostBasedParams, "tpot_filter", True, tpot_filter, ("w0", "w1")),
     Row(CostBasedParams, "slo_filter", True, slo_filter, ("a", "b")),
+    Row(CostBasedParams, "prefill_weight", 1.0, prefill_weight, ("b", "a")),
     Row(CostBasedParams, "slo_margin_ms", 0.0, slo_margin, ("b", "a")),
     Row(CostBasedParams, "hotspot_factor", 4.5, hotspot(pending_a=10), ("b", "a")),
     Row(CostBasedParams, "hotspot_min_excess", 2, hotspot(pending_a=4), ("a", "b")),
@@ -476,6 +508,7 @@ ROWS = [
     Row(SloBudgetParams, "enqueue_deadline_ms", 500.0, sb_enqueue_deadline, (NOTHING, ((), ("a",), ()))),
     Row(SloBudgetParams, "tpot_headroom", 0.8, sb_tpot_hold, (batch("target", "a"), NOTHING), where="hold"),
     Row(SloBudgetParams, "tpot_headroom", 0.5, tpot_hold_routing, ("w0", "w1"), where="routing"),
+    Row(SloBudgetParams, "tpot_refuse_ratio", 1.1, tpot_refuse_ratio, ("slo_unattainable", "w0")),
 ]
 
 

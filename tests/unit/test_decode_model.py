@@ -137,3 +137,77 @@ def test_an_idle_worker_or_a_prefill_worker_reports_no_tpot_to_hold_for():
     s.on_worker_event(status("p0", 5, 500, 40.0, role="prefill"), 0)
     assert s.load("idle", 0).tpot_ms == 0.0 and s.load("p0", 0).tpot_ms == 0.0
     assert "p0" not in s.decode_models
+
+
+# ------------------------------------------------------------------ the TPOT calibration
+def test_the_calibration_is_the_identity_until_a_request_finishes():
+    model = DecodeModel()
+    assert model.tpot_slope == 1.0 and model.tpot_intercept_ms == 0.0 and model.num_tpot_observations == 0
+    assert model.predict_tpot_ms(10, 20_000) == pytest.approx(model.predict_ms(10, 20_000))
+
+
+def test_it_learns_the_line_from_predicted_steps_to_the_tpot_requests_got():
+    """Requests dispatched at a high predicted step regress to the worker's mean over their
+    life: TPOT = 40 + 0.5 x predicted (noise 3 %). The line is learned, and a prediction well
+    above the mean becomes the TPOT such a request really gets."""
+    rng = random.Random(7)
+    model = DecodeModel()
+    for _ in range(400):
+        x = rng.uniform(50, 120)
+        model.observe_tpot(x, (40 + 0.5 * x) * (1 + rng.gauss(0, 0.03)))
+    assert model.tpot_slope == pytest.approx(0.5, abs=0.08)
+    assert model.tpot_intercept_ms == pytest.approx(40, abs=7)
+    assert model.calibrated_ms(110) == pytest.approx(95, abs=3)  # not 110: the hold would have held it
+
+
+def test_without_spread_in_the_predictions_it_scales_through_the_origin():
+    model = DecodeModel()
+    for _ in range(50):
+        model.observe_tpot(80.0, 60.0)
+    assert model.tpot_intercept_ms == 0.0 and model.tpot_slope == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("predicted, measured", [(0.0, 50.0), (50.0, 0.0), (float("nan"), 50.0), (50.0, float("inf"))])
+def test_an_unusable_sample_teaches_nothing(predicted, measured):
+    model = DecodeModel()
+    assert not model.observe_tpot(predicted, measured)
+    assert model.num_tpot_observations == 0 and model.tpot_slope == 1.0
+
+
+def test_calibration_off_keeps_the_identity():
+    model = DecodeModel(params=DecodeModelParams(tpot_calibration_alpha=0.0))
+    assert not model.observe_tpot(80.0, 40.0)
+    assert model.tpot_slope == 1.0
+
+
+def test_the_slope_stays_within_its_bound():
+    model = DecodeModel(params=DecodeModelParams(max_tpot_slope=1.2))
+    for x in (50, 60, 70, 80, 90, 100) * 10:
+        model.observe_tpot(float(x), 3.0 * x)
+    assert model.tpot_slope == 1.2
+
+
+def test_the_scheduler_calibrates_a_worker_from_the_tpot_its_finished_requests_got():
+    """The step predicted when a batch formed, then the TPOT each member got (on_terminal):
+    the worker's calibration moves; a request without a measured TPOT teaches nothing."""
+    s = Scheduler(SchedulerConfig(), id_prefix="t")
+    report = WorkerStatusReported(worker_id="w0", role="pd_fusion", boot_id="b", block_size_tokens=16,
+                                  num_kv_blocks=10_000, num_free_kv_blocks=9_000, max_batch_tokens=65536,
+                                  max_seq_len_tokens=40960, num_running_requests=8, recent_step_ms=40.0, time_scale=2.0)
+    s.on_worker_event(report, 0)
+    for i in range(6):
+        s.admit(AdmitRequest(request_id=f"r{i}", num_prompt_tokens=100, max_tokens=50), 1_000 * i)
+    t = 0
+    while s.queued:
+        t += 100_000_000
+        s.tick(t)
+    predicted = {rid: step for rid, (_, step) in s.tpot_predicted.items()}
+    assert len(predicted) == 6 and all(step > 0 for step in predicted.values())
+    model = s.decode_model("w0")
+    s.on_terminal("r0", 50)  # no TPOT measured: nothing learned, and it is forgotten
+    assert model.num_tpot_observations == 0 and "r0" not in s.tpot_predicted
+    for rid in ("r1", "r2", "r3", "r4", "r5"):
+        s.on_terminal(rid, 50, tpot_ms=predicted[rid])  # wall ms at time scale 2: half the engine's step
+    assert model.num_tpot_observations == 5
+    assert model.calibrated_ms(predicted["r1"]) == pytest.approx(predicted["r1"] / 2, rel=0.01)
+    assert not s.tpot_predicted

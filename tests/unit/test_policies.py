@@ -231,3 +231,39 @@ def test_small_absolute_differences_are_not_hotspots():
     assert pick.worker_id == "warm" and all(s.filtered_by is None for s in pick.scores)
     strict = build_policy("prefill", "cost-based", {"hotspot_min_excess": 0})
     assert strict.select(ctx(cs)).worker_id != "warm"
+
+
+# ------------------------------------------------------------------ cost-based: prefill weight, imbalance off
+def test_a_weighted_prefill_never_picks_a_worker_that_would_miss_the_ttft_target_over_one_that_meets_it():
+    """The cached worker saves 400 ms of prefill (800 of 1,000 tokens; x3: 1,200 ms in the score) but its wait makes
+    its TTFT 2,100 ms against a 2,000 ms target: the uncached worker, which meets it, wins."""
+    from services.core.policies import build_policy
+    from services.core.policies.protocol import Candidate, RouteContext
+    from services.core.view import WorkerInfo
+
+    def c(wid, **kw):
+        return Candidate(worker=WorkerInfo(worker_id=wid, role="pd_fusion", boot_id="b"), **kw)
+
+    policy = build_policy("prefill", "cost-based", {"prefill_weight": 3.0})
+    cands = [c("cached", prefill_ms=100, wait_ms=2000, num_cached_tokens=800), c("cold", prefill_ms=500)]
+    assert policy.select(RouteContext("r", 1000, 10, cands, 0, 0, 60, 2000.0)).worker_id == "cold"
+    cands = [c("cached", prefill_ms=100, wait_ms=1300, num_cached_tokens=800), c("cold", prefill_ms=500)]  # 1,400 vs 1,700
+    assert policy.select(RouteContext("r", 1000, 10, cands, 0, 0, 60, 2000.0)).worker_id == "cached"
+
+
+def test_imbalance_factor_zero_turns_the_imbalance_filter_off():
+    from services.core.policies import build_policy
+    from services.core.policies.protocol import Candidate, RouteContext
+    from services.core.view import WorkerInfo
+
+    def c(wid, **kw):
+        return Candidate(worker=WorkerInfo(worker_id=wid, role="pd_fusion", boot_id="b"), **kw)
+
+    # w0: 100 ms prefill (cached) behind 400 ms of queue (> 3 x the average 100); w1-w3 idle, 1,000 ms prefill
+    cands = [c("w0", prefill_ms=100, queue_ms=400), c("w1", prefill_ms=1000), c("w2", prefill_ms=1000),
+             c("w3", prefill_ms=1000)]
+    on = build_policy("prefill", "cost-based", {}).select(RouteContext("r", 1000, 10, cands, 0, 0, 60, 0.0))
+    off = build_policy("prefill", "cost-based", {"imbalance_factor": 0}).select(RouteContext("r", 1000, 10, cands, 0, 0, 60, 0.0))
+    assert on.worker_id != "w0" and off.worker_id == "w0"
+    with pytest.raises(ValueError, match="imbalance_factor"):
+        build_policy("prefill", "cost-based", {"imbalance_factor": 0.5})

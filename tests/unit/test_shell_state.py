@@ -47,6 +47,31 @@ def test_an_inbox_has_one_reader_and_a_cancelled_reader_leaves_it_usable():
     asyncio.run(run())
 
 
+def test_an_inbox_reader_waits_for_an_item_or_a_wake_up_and_get_ignores_wake_ups():
+    async def run():
+        box = Inbox()
+        waiter = asyncio.get_running_loop().create_task(box.wait())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        box.wake()  # (RequestHandle.mark_dispatched: no item, the reader looks again)
+        await asyncio.wait_for(waiter, 5)
+        assert box.empty() and box.peek() is None
+        reader = asyncio.get_running_loop().create_task(box.get())
+        await asyncio.sleep(0)
+        box.wake()
+        await asyncio.sleep(0)
+        assert not reader.done()  # woken without an item: it waits again
+        box.put_nowait("t")
+        assert box.peek() == "t"  # (left in place)
+        assert await asyncio.wait_for(reader, 5) == "t"
+        box.put_nowait("u")
+        await asyncio.wait_for(box.wait(), 5)  # an item queued: at once
+        box.wake()  # nobody waiting: nothing happens
+        assert box.get_nowait() == "u"
+
+    asyncio.run(run())
+
+
 def test_request_ids_are_unique_and_shaped_like_before():
     a, b = Intake(state=None), Intake(state=None)
     ids = [a.new_request_id() for _ in range(1000)] + [b.new_request_id() for _ in range(1000)]

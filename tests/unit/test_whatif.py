@@ -61,3 +61,54 @@ def test_more_workers_keep_every_recorded_pool():
         arrival.request.model = "a" if i % 2 == 0 else "b"
     out = simulate(rec, rec.config, num_workers=6)
     assert out["ttft_ms"]["n"] == len(rec.arrivals) and out["rejected"] == {}
+
+
+# ------------------------------------------------------------------ over-refusal (issue 34, 3)
+def _journal(records: list[tuple[str, dict, dict]]) -> list:
+    from schemas import messages as m
+
+    return [m.Envelope(event_id=f"r:b:{i}", producer="r", seq=i + 1, time_ns=0,
+                       payload=m.CoreRecorded(router_id="r", op=op, now_ns=0, args=args, out=out))
+            for i, (op, args, out) in enumerate(records)]
+
+
+def refused_recording(slo_ttft_ms: float | None) -> Recording:
+    """A light load (every request fits on its own) whose journal says two requests were
+    refused slo_unattainable: one at admission, one held by the TPOT hold (a tick's failure);
+    a third failed otherwise (queue_timeout), which is no SLO refusal."""
+    rec = recording(n=60)
+    rec.arrivals = [dataclasses.replace(a, request=dataclasses.replace(a.request, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=100.0))
+                    for a in rec.arrivals]
+    rec.envs = _journal([
+        ("admit", {"request": {"request_id": "r3"}}, {"ok": False, "code": "slo_unattainable"}),
+        ("tick", {}, {"batches": [], "failures": [["r5", "slo_unattainable", {"worker": "w0"}], ["r7", "queue_timeout"]]}),
+    ])
+    return rec
+
+
+def test_over_refusal_counts_the_refused_requests_that_meet_their_slo_with_refusal_off():
+    from services.whatif import over_refusal, refused_in
+
+    rec = refused_recording(slo_ttft_ms=2000.0)
+    assert refused_in(rec) == ["r3", "r5"]
+    out = over_refusal(rec)
+    # served with refusal off, r5 meets both targets; r3 decodes at ~190 ms a token (its worker
+    # busy with a burst): it would have missed its TPOT target, so refusing it lost nothing
+    assert out["refused"] == 2 and out["would_meet"] == 1 and out["would_meet_ids"] == ["r5"]
+    assert out["over_refusal_rate"] == round(1 / 60, 4)
+
+
+def test_a_refusal_that_would_have_missed_anyway_is_not_counted():
+    from services.whatif import over_refusal
+
+    out = over_refusal(refused_recording(slo_ttft_ms=0.001))  # no prefill meets a microsecond TTFT target
+    assert out["refused"] == 2 and out["would_meet"] == 0 and out["over_refusal_rate"] == 0.0
+
+
+def test_refusal_off_admits_best_effort_and_keeps_everything_else():
+    from services.whatif import refusal_off
+
+    cfg = SchedulerConfig(batcher="slo-budget", batcher_params={"tpot_headroom": 0.9}).validate()
+    off = refusal_off(cfg)
+    assert off.slo.mode == "best-effort" and cfg.slo.mode == "reject-explicit"
+    assert dataclasses.replace(off, slo=cfg.slo) == cfg

@@ -46,9 +46,14 @@ TPOT hold (`tpot_headroom` > 0): the load carries the worker's predicted decode 
 head's addition exceeds tpot_headroom × the head's `tpot_target_ms`, the worker is held as
 under backpressure: nothing leaves until the load drops or the head's emergency point, where
 a head with `strict_deadline` (its SLO mode refuses rather than serves late) is returned in
-`unattainable` (the caller refuses it, slo_unattainable) and any other head leaves as
-"emergency". tpot_ms 0 (an idle or prefill-only worker) or a head without a TPOT target never
-holds.
+`unattainable` and any other head leaves as "emergency". The caller decides what becomes of an
+unattainable head (the scheduler: moved to a worker that can serve it, given way to, or refused
+slo_unattainable only when no worker could serve it within `tpot_refuse_ratio` x its TPOT
+target; services/core/scheduler.py `_resolve_held`): one it gives back non-strict leaves here
+as "emergency" at the next poll. The load's TPOT figures are calibrated by what the worker's
+requests actually got (services/core/decode_model.py), so the headroom is a fraction of the
+TPOT they will see, not of a step time. tpot_ms 0 (an idle or prefill-only worker) or a head
+without a TPOT target never holds.
 
 `queue_wait_ms`: the predicted ms of the batches the queue forms now (a newcomer's slack
 decides its place, so all of them, conservatively; its own waiting comes out of its slack
@@ -63,6 +68,9 @@ Parameters (`SloBudgetParams`, defaults):
   max_inflight_batches    2      backpressure (0 = off)
   enqueue_deadline_ms     5000.0 as fixed-window's; also the deadline of requests without one
   tpot_headroom           0.0    the TPOT hold, in [0, 1] (0 = off)
+  tpot_refuse_ratio       0.0    a strict head held to its emergency point that no worker can take
+                                 without holding it is served where its TPOT is within this x its
+                                 target, refused only beyond (0: refused)
 The router ships window_ms 1000 and tpot_headroom 0.9 (services/settings.py; README,
 "Defaults, and the numbers that chose them").
 """
@@ -100,11 +108,16 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_inflight_batches: int = 2  # 0 = off
     enqueue_deadline_ms: float = 5000.0
     tpot_headroom: float = 0.0  # TPOT hold: 0 = off (module docstring)
+    # A strict head held to its emergency point and not moved (Scheduler._resolve_held) is served
+    # where its TPOT is within this x its target, refused only beyond. 0: refused.
+    tpot_refuse_ratio: float = 0.0
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
         require(math.isfinite(self.tpot_headroom) and 0.0 <= self.tpot_headroom <= 1.0, "slo-budget",
                  "tpot_headroom", self.tpot_headroom, "in [0, 1] (0 = off)")
+        require(math.isfinite(self.tpot_refuse_ratio) and self.tpot_refuse_ratio >= 0.0, "slo-budget",
+                "tpot_refuse_ratio", self.tpot_refuse_ratio, "a finite number >= 0 (0 = refuse)")
         require_ms(self.window_ms, "slo-budget", "window_ms", allow_zero=True)
         require_ms(self.guard_ms, "slo-budget", "guard_ms", allow_zero=True)
         require_ms(self.emergency_guard_ms, "slo-budget", "emergency_guard_ms", allow_zero=True)

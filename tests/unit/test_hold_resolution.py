@@ -1,0 +1,149 @@
+"""What becomes of a request the TPOT hold keeps on its worker until its TTFT slack is spent
+(services/core/scheduler.py `_resolve_held`): moved to a worker that can serve it, served where
+it is when the TPOT it would get there is within `tpot_refuse_ratio` x its target, refused
+(slo_unattainable, with the best worker's predictions) only when no worker could serve it.
+The pure core with a fake clock: status reports make a worker slow, KV events put the prompt's
+prefix in its cache (so the policy picks it), ticks walk time to the emergency point."""
+
+from __future__ import annotations
+
+from schemas.messages import KvBlocksStored, WorkerStatusReported
+from services.core.scheduler import AdmitRequest, Admitted, Scheduler, SchedulerConfig
+from services.core.slo import SloParams
+
+MS = 1_000_000
+HASHES = tuple(range(1, 40))  # a 624-token prefix (16-token blocks) of its 3,300-token prompt
+
+
+def status(worker_id: str, running: int, step_ms: float) -> WorkerStatusReported:
+    return WorkerStatusReported(worker_id=worker_id, role="pd_fusion", boot_id="b0", block_size_tokens=16,
+                                num_kv_blocks=100_000, num_free_kv_blocks=90_000, max_batch_tokens=65536,
+                                max_seq_len_tokens=40960, num_running_requests=running, recent_step_ms=step_ms)
+
+
+def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1) -> Scheduler:
+    """Workers reporting (running, step ms) long enough for their decode models to learn it."""
+    s = Scheduler(SchedulerConfig(batcher="slo-budget", batcher_params={
+        "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": refuse_ratio, "max_inflight_batches": 0},
+        slo=SloParams(mode="reject-explicit")), id_prefix="t")
+    for t in range(400):
+        for w, (running, step) in steps.items():
+            s.on_worker_event(status(w, running, step), t * MS)
+    s.on_kv_event(KvBlocksStored(worker_id="w0", boot_id="b0", kv_seq=1, block_hashes=list(HASHES)))
+    return s
+
+
+def admit(s: Scheduler, now_ns: int) -> Admitted:
+    res = s.admit(AdmitRequest(request_id="r", num_prompt_tokens=3300, max_tokens=200, block_hashes=HASHES,
+                               slo_ttft_ms=2000.0, slo_tpot_ms=100.0), now_ns)
+    assert isinstance(res, Admitted), res
+    return res
+
+
+def run_ticks(s: Scheduler, start_ns: int, until_ns: int):
+    """Tick every 10 ms; (batches, failures, moves) seen."""
+    batches, failures, moves = [], [], []
+    t = start_ns
+    while t <= until_ns:
+        res = s.tick(t)
+        batches += [(t, b) for b in res.batches]
+        failures += res.failures
+        moves += res.moves
+        t += 10 * MS
+    return batches, failures, moves
+
+
+def test_a_request_the_pressured_worker_would_hold_past_its_ttft_target_goes_to_the_other_one():
+    """Both workers too slow for it at arrival (it goes where its prefix is cached, w0, and is
+    held there); then w1's decodes finish. At w0's emergency point, w1 can still start it in
+    time at a TPOT within the hold's limit: it moves there, instead of being refused (before)
+    or served at w0's pace."""
+    s = make({"w0": (60, 160.0), "w1": (60, 160.0)})
+    t0 = 500 * MS
+    a = admit(s, t0)
+    assert a.request.prefill_worker_id == "w0"  # its prefix is cached there: the policy picks w0
+    assert s.load("w0", t0).tpot_ms > 90  # ... where the hold keeps it
+    for k in range(5):  # w1's decodes end: it reports nothing running
+        s.on_worker_event(status("w1", 0, 0.0), t0 + k * 100 * MS)
+    batches, failures, moves = run_ticks(s, t0, t0 + 2000 * MS)
+    assert not failures
+    assert [(m.item.request_id, m.from_worker_id, m.item.prefill_worker_id) for m in moves] == [("r", "w0", "w1")]
+    assert moves[0].decision.stage == "move" and moves[0].decision.pick.worker_id == "w1"
+    [(t_sent, batch)] = batches
+    assert batch.worker_id == "w1" and [i.request_id for i in batch.items] == ["r"]
+    # sent in time for its TTFT: its prefill on w1 (no cache there) fits what its deadline left
+    left_ms = (a.request.deadline_ns - t_sent) / MS
+    assert left_ms > s.predictor("w1").predict_items_ms([batch.items[0]])
+    assert s.ledger.request_to_worker["r"] == "w1"  # its reservation moved with it
+
+
+def test_when_no_worker_can_serve_it_it_is_refused_with_the_best_workers_predictions():
+    s = make({"w0": (60, 160.0), "w1": (60, 170.0)})
+    t0 = 500 * MS
+    admit(s, t0)
+    batches, failures, moves = run_ticks(s, t0, t0 + 2000 * MS)
+    assert not batches and not moves
+    [f] = failures
+    assert f.code == "slo_unattainable" and f.item.request_id == "r"
+    assert f.best_worker_id in ("w0", "w1") and f.predicted_tpot_ms > 1.1 * 100
+    assert f.slo_tpot_ms == 100.0 and f.slo_ttft_ms == 2000.0 and 0 < f.predicted_ttft_ms < 2000.0
+    assert "no worker could serve it" in f.message and "r" not in s.inflight
+
+
+def test_when_its_worker_is_only_a_little_over_the_limit_the_hold_gives_way_there():
+    """TPOT with it on w0 between the hold's limit (0.9 x 100) and the refuse ratio (1.1 x 100),
+    w1 as slow: no move; it is served on w0 (its cache) at its emergency point, not refused."""
+    s = make({"w0": (60, 97.0), "w1": (60, 160.0)})
+    t0 = 500 * MS
+    admit(s, t0)
+    assert 90 < s.load("w0", t0).tpot_ms < 110
+    batches, failures, moves = run_ticks(s, t0, t0 + 2000 * MS)
+    assert not failures and not moves
+    [(t_sent, batch)] = batches
+    assert batch.worker_id == "w0" and batch.reason == "emergency"
+
+
+def test_refuse_ratio_zero_never_gives_way_but_still_moves():
+    s = make({"w0": (60, 97.0), "w1": (60, 160.0)}, refuse_ratio=0.0)  # (gave way above, at 1.1)
+    t0 = 500 * MS
+    admit(s, t0)
+    batches, failures, moves = run_ticks(s, t0, t0 + 2000 * MS)
+    assert not batches and not moves and [f.code for f in failures] == ["slo_unattainable"]
+    s = make({"w0": (60, 160.0), "w1": (60, 160.0)}, refuse_ratio=0.0)
+    admit(s, t0)
+    for k in range(5):
+        s.on_worker_event(status("w1", 0, 0.0), t0 + k * 100 * MS)
+    batches, failures, moves = run_ticks(s, t0, t0 + 2000 * MS)
+    assert not failures and [m.item.prefill_worker_id for m in moves] == ["w1"]
+
+
+def test_the_journal_replays_a_move_and_a_refusal_identically():
+    from schemas import messages as m
+    from services.core.journal import Recorder, replay
+
+    records = []
+
+    def sink(op, now_ns, args, out):
+        records.append(m.Envelope(event_id=f"x:b:{len(records)}", producer="x", seq=len(records) + 1, time_ns=now_ns,
+                                  payload=m.CoreRecorded(router_id="x", op=op, now_ns=now_ns, args=args, out=out)))
+
+    for steps in ({"w0": (60, 160.0), "w1": (60, 160.0)}, {"w0": (60, 160.0), "w1": (60, 170.0)}):
+        records.clear()
+        inner = Scheduler(SchedulerConfig(batcher="slo-budget", batcher_params={
+            "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.1, "max_inflight_batches": 0}), id_prefix="t")
+        s = Recorder(inner, sink)
+        for t in range(400):
+            for w, (running, step) in steps.items():
+                s.on_worker_event(status(w, running, step), t * MS)
+        s.on_kv_event(KvBlocksStored(worker_id="w0", boot_id="b0", kv_seq=1, block_hashes=list(HASHES)))
+        s.admit(AdmitRequest(request_id="r", num_prompt_tokens=3300, max_tokens=200, block_hashes=HASHES,
+                             slo_ttft_ms=2000.0, slo_tpot_ms=100.0), 500 * MS)
+        if steps["w1"][1] == 160.0:  # (the move: w1 frees up)
+            for k in range(5):
+                s.on_worker_event(status("w1", 0, 0.0), 500 * MS + k * 100 * MS)
+        for k in range(200):
+            s.tick(500 * MS + k * 10 * MS)
+        decided = [r.payload.out for r in records if r.payload.op == "tick" and (r.payload.out["failures"] or r.payload.out.get("moves"))]
+        assert decided, "the hold resolved nothing"
+        report = replay(records)
+        assert report.first_divergence is None and report.matched == report.decisions > 0
