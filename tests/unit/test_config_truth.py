@@ -216,6 +216,12 @@ def tpot_refuse_ratio(param: dict) -> str:
     return "held"
 
 
+def give_way_step_ratio(param: dict) -> str:
+    """As `tpot_refuse_ratio` at 1.1 (served on w0), whose decodes measure 97 ms: a step ratio
+    of 0.9 (measured over 90 ms: saturated) keeps the hold from giving way, refused."""
+    return tpot_refuse_ratio({"tpot_refuse_ratio": 1.1, **param})
+
+
 def tpot_filter(param: dict) -> str:
     """As tpot_hold_routing with the hold at 0.5: off (the default), w0's prefix wins; on, the filter leaves w0 out."""
     s = scheduler(prefill_policy="cost-based", prefill_policy_params=param, batcher="slo-budget",
@@ -509,6 +515,7 @@ ROWS = [
     Row(SloBudgetParams, "tpot_headroom", 0.8, sb_tpot_hold, (batch("target", "a"), NOTHING), where="hold"),
     Row(SloBudgetParams, "tpot_headroom", 0.5, tpot_hold_routing, ("w0", "w1"), where="routing"),
     Row(SloBudgetParams, "tpot_refuse_ratio", 1.1, tpot_refuse_ratio, ("slo_unattainable", "w0")),
+    Row(SloBudgetParams, "give_way_step_ratio", 0.9, give_way_step_ratio, ("w0", "slo_unattainable")),
 ]
 
 

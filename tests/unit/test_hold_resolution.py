@@ -1,6 +1,7 @@
 """What becomes of a request the TPOT hold keeps on its worker until its TTFT slack is spent
 (services/core/scheduler.py `_resolve_held`): moved to a worker that can serve it, served where
-it is when the TPOT it would get there is within `tpot_refuse_ratio` x its target, refused
+it is when the TPOT it would get there is within `tpot_refuse_ratio` x its target (and only
+while its measured TPOT is within `give_way_step_ratio` x the target), refused
 (slo_unattainable, with the best worker's predictions) only when no worker could serve it.
 The pure core with a fake clock: status reports make a worker slow, KV events put the prompt's
 prefix in its cache (so the policy picks it), ticks walk time to the emergency point."""
@@ -21,11 +22,11 @@ def status(worker_id: str, running: int, step_ms: float) -> WorkerStatusReported
                                 max_seq_len_tokens=40960, num_running_requests=running, recent_step_ms=step_ms)
 
 
-def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1) -> Scheduler:
+def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1, give_way_step_ratio: float = 0.0) -> Scheduler:
     """Workers reporting (running, step ms) long enough for their decode models to learn it."""
     s = Scheduler(SchedulerConfig(batcher="slo-budget", batcher_params={
-        "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": refuse_ratio, "max_inflight_batches": 0},
-        slo=SloParams(mode="reject-explicit")), id_prefix="t")
+        "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": refuse_ratio, "max_inflight_batches": 0,
+        "give_way_step_ratio": give_way_step_ratio}, slo=SloParams(mode="reject-explicit")), id_prefix="t")
     for t in range(400):
         for w, (running, step) in steps.items():
             s.on_worker_event(status(w, running, step), t * MS)
@@ -33,8 +34,8 @@ def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1) -> Sche
     return s
 
 
-def admit(s: Scheduler, now_ns: int) -> Admitted:
-    res = s.admit(AdmitRequest(request_id="r", num_prompt_tokens=3300, max_tokens=200, block_hashes=HASHES,
+def admit(s: Scheduler, now_ns: int, request_id: str = "r") -> Admitted:
+    res = s.admit(AdmitRequest(request_id=request_id, num_prompt_tokens=3300, max_tokens=200, block_hashes=HASHES,
                                slo_ttft_ms=2000.0, slo_tpot_ms=100.0), now_ns)
     assert isinstance(res, Admitted), res
     return res
@@ -101,6 +102,24 @@ def test_when_its_worker_is_only_a_little_over_the_limit_the_hold_gives_way_ther
     assert not failures and not moves
     [(t_sent, batch)] = batches
     assert batch.worker_id == "w0" and batch.reason == "emergency"
+
+
+def test_the_hold_gives_way_only_while_the_workers_measured_tpot_is_within_the_step_ratio():
+    """give_way_step_ratio 0.9: w0's decode model predicts ~97 ms with the request (over the
+    hold's 90, within the refuse ratio's 110). If its last report measures its decodes at 70 ms
+    (the prediction is pessimistic), the hold gives way; measured at 97 ms (saturated), it
+    refuses; 0 (not checked), it gives way whatever the measure."""
+    for step_ratio, measured_ms, outcome in ((0.9, 70.0, "served"), (0.9, 97.0, "refused"), (0.0, 97.0, "served")):
+        s = make({"w0": (60, 97.0)}, give_way_step_ratio=step_ratio)
+        t0 = 500 * MS
+        s.on_worker_event(status("w0", 60, measured_ms), 450 * MS)
+        assert s.load("w0", t0).tpot_ms > 90
+        assert admit(s, t0).request.prefill_worker_id == "w0"
+        batches, failures, moves = run_ticks(s, t0, t0 + 2500 * MS)
+        assert not moves
+        got = ("refused" if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")] else
+               "served" if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")] else "?")
+        assert got == outcome, (step_ratio, measured_ms)
 
 
 def test_refuse_ratio_zero_never_gives_way_but_still_moves():
