@@ -53,16 +53,18 @@ SHIPPED_COST_BASED_PARAMS = {"prefill_weight": 3.0, "imbalance_factor": 0.0}
 SHIPPED_BATCHER = "slo-budget"
 # A strict request the TPOT hold kept to its emergency point, that no other worker can take in
 # time, is served on its worker when the TPOT predicted there with it is within 1.2 x its target
-# and the decodes running there measure within the target (their recent step), refused only
-# beyond: the prediction is for a moment, the target a mean over a request's life, and refusing
-# at the hold's limit lost one long-conversation request in six that would have met both
-# targets; the measured gate keeps the hold refusing on a saturated worker, where giving way
-# drags every running decode past its target together. One run each, vLLM-like engines, the
-# load where it matters (bench/PEERS.md "Long conversations"): long-conv rows 0-299 at 2.14
-# req/s, refusing 0.840 (43 refused) -> 0.873 (26); Azure conv rows 0-1514 at 14.5 req/s,
-# 0.884 (137 refused) -> 0.892 (125); giving way at 1.2 x without the gate: 0.897 and 0.606.
+# and the requests that finished there recently got TPOT within 0.9 x their target, refused
+# only beyond: the prediction is for a moment, the target a mean over a request's life, and
+# refusing at the hold's limit lost one long-conversation request in six that would have met
+# both targets; the gate keeps the hold refusing on a saturated worker, where giving way drags
+# every running decode past its target together. One run each, vLLM-like engines
+# (bench/PEERS.md, "Long conversations"): refusing, long-conv rows 0-299 at 1.78 / 2.14 req/s
+# 0.930 (19 refused) / 0.840 (43), Azure conv rows 0-1514 at 14.5 req/s 0.884 (137); shipped:
+# 0.977 (3) / 0.843 (35), 0.868 (133); giving way at 1.2 x without the gate: 0.993 / 0.897 but
+# Azure conv 0.606, at 1.1 x 0.857 (at 2.14) and 0.702; gated on the worker's step time now
+# (1.0 x): 0.947 / 0.873, 0.892 (a long prompt's chunks stretch the step time for seconds).
 SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.2,
-                             "give_way_step_ratio": 1.0}
+                             "give_way_tpot_ratio": 0.9}
 
 
 def sentinel_addresses(value: str) -> list[tuple[str, int]]:

@@ -35,7 +35,10 @@ batch was dispatched (x): a least-squares line y = intercept + slope·x over exp
 weighted finished requests (weight `tpot_calibration_alpha` for the newest), the slope kept in
 [0, `max_tpot_slope`]; through the origin (slope = mean y / mean x) while the predictions seen
 vary by less than 5 % (no line to fit), and the identity (the prediction as it is) until the
-first finished request. `predict_tpot_ms` is the step time through that line. A journal
+first finished request. `predict_tpot_ms` is the step time through that line. Beside it, the
+TPOT the worker's requests recently got (`recent_tpot_ms`: an EMA over finished requests with
+weight `recent_tpot_alpha` for the newest; 0 until the first), the hold's sign of a saturated
+worker (services/core/scheduler.py `_may_give_way`). A journal
 recorded before this learning (no measured TPOT on its terminal records) replays with the
 identity, as it ran.
 
@@ -82,6 +85,7 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     error_ema_alpha: float = 0.05
     tpot_calibration_alpha: float = 0.03  # weight of the newest finished request in the TPOT calibration (0: off)
     max_tpot_slope: float = 1.5  # the calibration line's slope stays in [0, this]
+    recent_tpot_alpha: float = 0.2  # weight of the newest finished request in recent_tpot_ms
 
     def validate(self) -> "DecodeModelParams":
         if not 0.9 < self.forgetting_factor <= 1.0:
@@ -96,6 +100,8 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError(f"decode model: tpot_calibration_alpha must be in [0, 1] (0: off), got {self.tpot_calibration_alpha!r}")
         if not 0 < self.max_tpot_slope < math.inf:
             raise ValueError(f"decode model: max_tpot_slope must be finite and > 0, got {self.max_tpot_slope!r}")
+        if not 0 < self.recent_tpot_alpha <= 1:
+            raise ValueError(f"decode model: recent_tpot_alpha must be in (0, 1], got {self.recent_tpot_alpha!r}")
         return self
 
 
@@ -103,7 +109,7 @@ class DecodeModel:
     """One worker's decode-step model (module docstring)."""
 
     __slots__ = ("prior", "params", "_log_scale", "_sigma", "a", "b", "c", "num_observations", "mean_abs_pct_error",
-                 "_tpot_sums", "tpot_intercept_ms", "tpot_slope", "num_tpot_observations")
+                 "_tpot_sums", "tpot_intercept_ms", "tpot_slope", "num_tpot_observations", "recent_tpot_ms")
 
     def __init__(self, prior: DecodeCoefficients = DecodeCoefficients(),
                  params: DecodeModelParams = DecodeModelParams()) -> None:
@@ -119,6 +125,7 @@ class DecodeModel:
         self.tpot_intercept_ms = 0.0
         self.tpot_slope = 1.0
         self.num_tpot_observations = 0
+        self.recent_tpot_ms = 0.0  # EMA of the TPOT its finished requests got (0: none yet)
 
     @property
     def scale(self) -> float:
@@ -143,7 +150,11 @@ class DecodeModel:
         (uncalibrated) and the TPOT it got. False (nothing learned) for an unusable sample."""
         alpha = self.params.tpot_calibration_alpha
         x, y = predicted_step_ms, measured_tpot_ms
-        if not (alpha > 0 and math.isfinite(x) and x > 0 and math.isfinite(y) and y > 0):
+        if not (math.isfinite(x) and x > 0 and math.isfinite(y) and y > 0):
+            return False
+        recent = self.params.recent_tpot_alpha
+        self.recent_tpot_ms = y if self.recent_tpot_ms == 0 else (1 - recent) * self.recent_tpot_ms + recent * y
+        if alpha <= 0:
             return False
         if self.num_tpot_observations == 0:
             sx, sy, sxx, sxy = x, y, x * x, x * y

@@ -34,8 +34,8 @@ forgotten. A request the slo-budget batcher's TPOT hold kept on its worker up to
 emergency point is refused only when no worker could serve it (`_resolve_held`): moved to a
 worker that can start it in time without holding it (`TickResult.moves`, a "move" decision),
 else served on its worker if its calibrated TPOT there is within `tpot_refuse_ratio` x its
-target and the decodes there measure within `give_way_step_ratio` x it (the batcher's own
-defaults 0: never, not checked; the router ships 1.2 and 1.0, services/settings.py), else refused
+target and its recently finished requests got TPOT within `give_way_tpot_ratio` x it (the batcher's own
+defaults 0: never, not checked; the router ships 1.2 and 0.9, services/settings.py), else refused
 slo_unattainable with the best worker's predicted TTFT and TPOT (the journal keeps them).
 The TPOT the hold and that test read is each worker's decode step calibrated by what its
 finished requests actually got (`on_terminal(..., tpot_ms)`; decode_model.py).
@@ -175,7 +175,7 @@ class Scheduler:
         self.tpot_headroom: float = getattr(batcher_params, "tpot_headroom", 0.0)
         self.hold_guard_ms: float = getattr(batcher_params, "guard_ms", 0.0)  # a moved request's TTFT margin
         self.tpot_refuse_ratio: float = getattr(batcher_params, "tpot_refuse_ratio", 0.0)  # (_resolve_held)
-        self.give_way_step_ratio: float = getattr(batcher_params, "give_way_step_ratio", 0.0)  # (_resolve_held)
+        self.give_way_tpot_ratio: float = getattr(batcher_params, "give_way_tpot_ratio", 0.0)  # (_resolve_held)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -816,8 +816,8 @@ class Scheduler:
         3. else it is refused slo_unattainable, naming the best worker's predictions (the
            lowest TPOT among those that can still start it in time, its own included).
         `tpot_refuse_ratio` 0 (the batcher's default): no giving way; the router ships 1.2. At
-        gives way only while the worker's measured TPOT is within `give_way_step_ratio` x the
-        target (`_may_give_way`; 0: not checked; the router ships 1.0)."""
+        gives way only while the TPOT the worker's finished requests recently got is within
+        `give_way_tpot_ratio` x the target (`_may_give_way`; 0: not checked; the router ships 0.9)."""
         src = item.prefill_worker_id
         target = item.tpot_target_ms
         limit = self.tpot_headroom * target
@@ -855,17 +855,18 @@ class Scheduler:
             slo_ttft_ms=round(slo_ttft, 3), slo_tpot_ms=target)
 
     def _may_give_way(self, worker_id: str, tpot_target_ms: float) -> bool:
-        """Whether the hold may give way on `worker_id`: the TPOT its running decodes get, as
-        measured (the worker's recent step: the mean gap between their tokens over the last
-        seconds), is within `give_way_step_ratio` x the target (0: not checked). A prediction
-        over the hold's limit while the decodes measure under it says the prediction is
-        pessimistic (a burst's few held requests); measured over it, the worker is saturated
-        and giving way would push every running decode past its target together (the hold
-        keeps refusing, which protects them)."""
-        if self.give_way_step_ratio <= 0:
+        """Whether the hold may give way on `worker_id`: the TPOT its recently finished requests
+        got (its decode model's `recent_tpot_ms`, none yet: yes) is within `give_way_tpot_ratio`
+        x the target (0: not checked). They got it inside the target: the prediction over the
+        hold's limit is a moment's (a burst's few held requests), served. They got more: the
+        worker is saturated, and giving way would drag every running decode past its target
+        together (the hold keeps refusing, which protects them). The worker's step time now is
+        no such sign: a long prompt's chunks stretch it for seconds on a worker whose requests
+        get their TPOT."""
+        if self.give_way_tpot_ratio <= 0:
             return True
-        info = self.view.workers.get(worker_id)
-        return info is None or info.recent_step_ms <= self.give_way_step_ratio * tpot_target_ms
+        got = self.decode_model(worker_id).recent_tpot_ms
+        return got <= 0 or got <= self.give_way_tpot_ratio * tpot_target_ms
 
     def _move(self, item: QueuedRequest, to: Candidate, now_ns: int, src: str, decision: RouteDecision) -> Moved:
         """Re-queue a held request on another colocated worker: its decode reservation and

@@ -148,7 +148,8 @@ class Admin:
                                  # the TPOT its finished requests got against the step predicted at dispatch
                                  "tpot_calibration": {"intercept_ms": round(model.tpot_intercept_ms, 3),
                                                       "slope": round(model.tpot_slope, 4),
-                                                      "num_requests": model.num_tpot_observations}},
+                                                      "num_requests": model.num_tpot_observations},
+                                 "recent_tpot_ms": round(model.recent_tpot_ms, 2)},
                 "predicted_step_ms": round(model.predict_ms(running, kv), 2) if running else None,
                 "predicted_tpot_ms": round(model.predict_tpot_ms(running, kv), 2) if running else None}
 

@@ -196,7 +196,7 @@ def tpot_hold_routing(param: dict) -> str:
     return s.admit(AdmitRequest("x", 3200, 10, hashes, slo_tpot_ms=50.0), 0).request.prefill_worker_id
 
 
-def tpot_refuse_ratio(param: dict) -> str:
+def tpot_refuse_ratio(param: dict, finished_tpot_ms: float | None = None) -> str:
     """Held on w0 (its prefix cached there) whose TPOT with it is ~97 ms against a 100 ms
     target and a 0.9 hold; w1 slower. At its emergency point nobody can take it without
     holding it: refused with the ratio at 0, served on w0 at 1.1."""
@@ -205,6 +205,8 @@ def tpot_refuse_ratio(param: dict) -> str:
         for w in ("w0", "w1"):
             s.on_worker_event(status(w, num_running_requests=60, num_free_kv_blocks=9_000,
                                      recent_step_ms=97.0 if w == "w0" else 160.0, max_seq_len_tokens=40960), t * 1_000_000)
+    if finished_tpot_ms is not None:  # a request finished on w0 with this TPOT
+        s.decode_model("w0").observe_tpot(97.0, finished_tpot_ms)
     hashes = cached_prompt(s, "w0", 1, 624)
     s.admit(AdmitRequest("x", 3300, 200, hashes, slo_ttft_ms=2000.0, slo_tpot_ms=100.0), 500_000_000)
     for k in range(200):
@@ -216,10 +218,10 @@ def tpot_refuse_ratio(param: dict) -> str:
     return "held"
 
 
-def give_way_step_ratio(param: dict) -> str:
-    """As `tpot_refuse_ratio` at 1.1 (served on w0), whose decodes measure 97 ms: a step ratio
-    of 0.9 (measured over 90 ms: saturated) keeps the hold from giving way, refused."""
-    return tpot_refuse_ratio({"tpot_refuse_ratio": 1.1, **param})
+def give_way_tpot_ratio(param: dict) -> str:
+    """As `tpot_refuse_ratio` at 1.1 (served on w0), where a request finished with a TPOT of
+    97 ms: a ratio of 0.9 (finished over 90 ms: saturated) keeps the hold from giving way."""
+    return tpot_refuse_ratio({"tpot_refuse_ratio": 1.1, **param}, finished_tpot_ms=97.0)
 
 
 def tpot_filter(param: dict) -> str:
@@ -515,7 +517,7 @@ ROWS = [
     Row(SloBudgetParams, "tpot_headroom", 0.8, sb_tpot_hold, (batch("target", "a"), NOTHING), where="hold"),
     Row(SloBudgetParams, "tpot_headroom", 0.5, tpot_hold_routing, ("w0", "w1"), where="routing"),
     Row(SloBudgetParams, "tpot_refuse_ratio", 1.1, tpot_refuse_ratio, ("slo_unattainable", "w0")),
-    Row(SloBudgetParams, "give_way_step_ratio", 0.9, give_way_step_ratio, ("w0", "slo_unattainable")),
+    Row(SloBudgetParams, "give_way_tpot_ratio", 0.9, give_way_tpot_ratio, ("w0", "slo_unattainable")),
 ]
 
 

@@ -1,7 +1,7 @@
 """What becomes of a request the TPOT hold keeps on its worker until its TTFT slack is spent
 (services/core/scheduler.py `_resolve_held`): moved to a worker that can serve it, served where
 it is when the TPOT it would get there is within `tpot_refuse_ratio` x its target (and only
-while its measured TPOT is within `give_way_step_ratio` x the target), refused
+while the TPOT its finished requests got is within `give_way_tpot_ratio` x the target), refused
 (slo_unattainable, with the best worker's predictions) only when no worker could serve it.
 The pure core with a fake clock: status reports make a worker slow, KV events put the prompt's
 prefix in its cache (so the policy picks it), ticks walk time to the emergency point."""
@@ -9,6 +9,7 @@ prefix in its cache (so the policy picks it), ticks walk time to the emergency p
 from __future__ import annotations
 
 from schemas.messages import KvBlocksStored, WorkerStatusReported
+from services.core.decode_model import DecodeModelParams
 from services.core.scheduler import AdmitRequest, Admitted, Scheduler, SchedulerConfig
 from services.core.slo import SloParams
 
@@ -22,11 +23,14 @@ def status(worker_id: str, running: int, step_ms: float) -> WorkerStatusReported
                                 max_seq_len_tokens=40960, num_running_requests=running, recent_step_ms=step_ms)
 
 
-def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1, give_way_step_ratio: float = 0.0) -> Scheduler:
-    """Workers reporting (running, step ms) long enough for their decode models to learn it."""
+def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1, give_way_tpot_ratio: float = 0.0,
+         calibration: bool = True) -> Scheduler:
+    """Workers reporting (running, step ms) long enough for their decode models to learn it
+    (`calibration` False: finished requests' TPOT does not move the predictions)."""
     s = Scheduler(SchedulerConfig(batcher="slo-budget", batcher_params={
         "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": refuse_ratio, "max_inflight_batches": 0,
-        "give_way_step_ratio": give_way_step_ratio}, slo=SloParams(mode="reject-explicit")), id_prefix="t")
+        "give_way_tpot_ratio": give_way_tpot_ratio}, slo=SloParams(mode="reject-explicit"),
+        decode_model_params=DecodeModelParams(tpot_calibration_alpha=0.03 if calibration else 0.0)), id_prefix="t")
     for t in range(400):
         for w, (running, step) in steps.items():
             s.on_worker_event(status(w, running, step), t * MS)
@@ -104,22 +108,26 @@ def test_when_its_worker_is_only_a_little_over_the_limit_the_hold_gives_way_ther
     assert batch.worker_id == "w0" and batch.reason == "emergency"
 
 
-def test_the_hold_gives_way_only_while_the_workers_measured_tpot_is_within_the_step_ratio():
-    """give_way_step_ratio 0.9: w0's decode model predicts ~97 ms with the request (over the
-    hold's 90, within the refuse ratio's 110). If its last report measures its decodes at 70 ms
-    (the prediction is pessimistic), the hold gives way; measured at 97 ms (saturated), it
-    refuses; 0 (not checked), it gives way whatever the measure."""
-    for step_ratio, measured_ms, outcome in ((0.9, 70.0, "served"), (0.9, 97.0, "refused"), (0.0, 97.0, "served")):
-        s = make({"w0": (60, 97.0)}, give_way_step_ratio=step_ratio)
+def test_the_hold_gives_way_only_while_the_workers_finished_requests_got_their_tpot():
+    """give_way_tpot_ratio 0.9: w0's decode model predicts ~97 ms with the request (over the
+    hold's 90, within the refuse ratio's 110; the calibration off, so that the finished
+    requests move only the gate). If the requests that finished there recently
+    got 70 ms (the prediction is a moment's), the hold gives way; if they got 97 ms (saturated),
+    it refuses; none finished yet, or the ratio 0 (not checked), it gives way."""
+    for tpot_ratio, got_ms, outcome in ((0.9, 70.0, "served"), (0.9, 97.0, "refused"), (0.9, None, "served"),
+                                        (0.0, 97.0, "served")):
+        s = make({"w0": (60, 97.0)}, give_way_tpot_ratio=tpot_ratio, calibration=False)
+        if got_ms is not None:  # a request that went before finished with that TPOT
+            s.decode_model("w0").observe_tpot(97.0, got_ms)
+            assert s.decode_model("w0").recent_tpot_ms == got_ms
         t0 = 500 * MS
-        s.on_worker_event(status("w0", 60, measured_ms), 450 * MS)
         assert s.load("w0", t0).tpot_ms > 90
         assert admit(s, t0).request.prefill_worker_id == "w0"
         batches, failures, moves = run_ticks(s, t0, t0 + 2500 * MS)
         assert not moves
         got = ("refused" if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")] else
                "served" if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")] else "?")
-        assert got == outcome, (step_ratio, measured_ms)
+        assert got == outcome, (tpot_ratio, got_ms)
 
 
 def test_refuse_ratio_zero_never_gives_way_but_still_moves():
@@ -136,7 +144,7 @@ def test_refuse_ratio_zero_never_gives_way_but_still_moves():
     assert not failures and [m.item.prefill_worker_id for m in moves] == ["w1"]
 
 
-def test_the_journal_replays_a_move_and_a_refusal_identically():
+def test_the_journal_replays_a_move_a_refusal_and_a_giving_way_identically():
     from schemas import messages as m
     from services.core.journal import Recorder, replay
 
@@ -146,10 +154,12 @@ def test_the_journal_replays_a_move_and_a_refusal_identically():
         records.append(m.Envelope(event_id=f"x:b:{len(records)}", producer="x", seq=len(records) + 1, time_ns=now_ns,
                                   payload=m.CoreRecorded(router_id="x", op=op, now_ns=now_ns, args=args, out=out)))
 
-    for steps in ({"w0": (60, 160.0), "w1": (60, 160.0)}, {"w0": (60, 160.0), "w1": (60, 170.0)}):
+    for steps in ({"w0": (60, 160.0), "w1": (60, 160.0)}, {"w0": (60, 160.0), "w1": (60, 170.0)},
+                  {"w0": (60, 97.0), "w1": (60, 170.0)}):  # moved, refused, given way (none finished yet)
         records.clear()
         inner = Scheduler(SchedulerConfig(batcher="slo-budget", batcher_params={
-            "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.1, "max_inflight_batches": 0}), id_prefix="t")
+            "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.1, "give_way_tpot_ratio": 1.0,
+            "max_inflight_batches": 0}), id_prefix="t")
         s = Recorder(inner, sink)
         for t in range(400):
             for w, (running, step) in steps.items():
@@ -162,7 +172,8 @@ def test_the_journal_replays_a_move_and_a_refusal_identically():
                 s.on_worker_event(status("w1", 0, 0.0), 500 * MS + k * 100 * MS)
         for k in range(200):
             s.tick(500 * MS + k * 10 * MS)
-        decided = [r.payload.out for r in records if r.payload.op == "tick" and (r.payload.out["failures"] or r.payload.out.get("moves"))]
+        decided = [r.payload.out for r in records if r.payload.op == "tick" and (
+            r.payload.out["failures"] or r.payload.out.get("moves") or r.payload.out.get("batches"))]
         assert decided, "the hold resolved nothing"
         report = replay(records)
         assert report.first_divergence is None and report.matched == report.decisions > 0

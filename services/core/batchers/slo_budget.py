@@ -71,10 +71,10 @@ Parameters (`SloBudgetParams`, defaults):
   tpot_refuse_ratio       0.0    a strict head held to its emergency point that no worker can take
                                  without holding it is served where its TPOT is within this x its
                                  target, refused only beyond (0: refused)
-  give_way_step_ratio     0.0    ... and only while the TPOT its running decodes get, as measured
-                                 (the worker's recent step), is within this x the target; beyond,
-                                 refused (0: not checked)
-The router ships window_ms 1000, tpot_headroom 0.9, tpot_refuse_ratio 1.2 and give_way_step_ratio 1.0
+  give_way_tpot_ratio     0.0    ... and only while the TPOT the worker's finished requests
+                                 recently got is within this x the target; beyond, refused (0: not
+                                 checked)
+The router ships window_ms 1000, tpot_headroom 0.9, tpot_refuse_ratio 1.2 and give_way_tpot_ratio 0.9
 (services/settings.py; README,
 "Defaults, and the numbers that chose them").
 """
@@ -115,9 +115,9 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # A strict head held to its emergency point and not moved (Scheduler._resolve_held) is served
     # where its TPOT is within this x its target, refused only beyond. 0: refused.
     tpot_refuse_ratio: float = 0.0
-    # ... and only while the worker's measured TPOT (its recent step) is within this x the
-    # target (0: not checked).
-    give_way_step_ratio: float = 0.0
+    # ... and only while the TPOT the worker's finished requests recently got is within this x
+    # the target (0: not checked).
+    give_way_tpot_ratio: float = 0.0
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
@@ -125,8 +125,8 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                  "tpot_headroom", self.tpot_headroom, "in [0, 1] (0 = off)")
         require(math.isfinite(self.tpot_refuse_ratio) and self.tpot_refuse_ratio >= 0.0, "slo-budget",
                 "tpot_refuse_ratio", self.tpot_refuse_ratio, "a finite number >= 0 (0 = refuse)")
-        require(math.isfinite(self.give_way_step_ratio) and self.give_way_step_ratio >= 0.0, "slo-budget",
-                "give_way_step_ratio", self.give_way_step_ratio, "a finite number >= 0 (0 = not checked)")
+        require(math.isfinite(self.give_way_tpot_ratio) and self.give_way_tpot_ratio >= 0.0, "slo-budget",
+                "give_way_tpot_ratio", self.give_way_tpot_ratio, "a finite number >= 0 (0 = not checked)")
         require_ms(self.window_ms, "slo-budget", "window_ms", allow_zero=True)
         require_ms(self.guard_ms, "slo-budget", "guard_ms", allow_zero=True)
         require_ms(self.emergency_guard_ms, "slo-budget", "emergency_guard_ms", allow_zero=True)
