@@ -147,7 +147,8 @@ class DecodeModel:
 
     def observe_tpot(self, predicted_step_ms: float, measured_tpot_ms: float) -> bool:
         """Learn from one finished request: the step time predicted when it was dispatched
-        (uncalibrated) and the TPOT it got. False (nothing learned) for an unusable sample."""
+        (uncalibrated) and the TPOT it got: `recent_tpot_ms` and the calibration. False: the
+        calibration learned nothing (an unusable sample, or `tpot_calibration_alpha` 0)."""
         alpha = self.params.tpot_calibration_alpha
         x, y = predicted_step_ms, measured_tpot_ms
         if not (math.isfinite(x) and x > 0 and math.isfinite(y) and y > 0):

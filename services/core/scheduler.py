@@ -815,7 +815,7 @@ class Scheduler:
            request whose SLO mode admits best effort would be (None: back in that queue);
         3. else it is refused slo_unattainable, naming the best worker's predictions (the
            lowest TPOT among those that can still start it in time, its own included).
-        `tpot_refuse_ratio` 0 (the batcher's default): no giving way; the router ships 1.2. At
+        `tpot_refuse_ratio` 0 (the batcher's default): no giving way; the router ships 1.2. It
         gives way only while the TPOT the worker's finished requests recently got is within
         `give_way_tpot_ratio` x the target (`_may_give_way`; 0: not checked; the router ships 0.9)."""
         src = item.prefill_worker_id
