@@ -598,7 +598,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cdf-rate", type=float, help="multiplier of the CDF plot (default: the highest one every "
                                                   "configuration ran; runs it when missing)")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
-    p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their folder is printed)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the processes' logs and each FlexLB run's journal (`flexlb whatif` reads it; the folder is printed)")
     p.add_argument("--out", help="JSON report (default bench/results/peers_<trace>.json)")
     args = p.parse_args(argv)
     if args.rows is None:

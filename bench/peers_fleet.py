@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gzip
 import json
 import shlex
 import subprocess
@@ -226,6 +227,9 @@ class FlexlbFleet(Fleet):
 
         journal = await asyncio.wait_for(read_event_log(self.state["nats_url"], JOURNAL_STREAM.name),
                                          self.args.startup_timeout_s * 4)
+        if self.args.keep_logs:  # the journal beside the logs: `flexlb whatif FILE` re-runs it offline
+            with gzip.open(self.workdir / f"{self.tag}-journal.jsonl.gz", "wb") as f:
+                f.writelines(m.encode(e).rstrip(b"\n") + b"\n" for e in journal)
         over = self.over_refusal(journal)
         status, text = http_get(self.state["router_url"] + "/admin/workers")
         # what the router learned of each worker (decode model, TPOT calibration), for the report

@@ -64,7 +64,8 @@ SHIPPED_BATCHER = "slo-budget"
 # Azure conv 0.606, at 1.1 x 0.857 (at 2.14) and 0.702; gated on the worker's step time now
 # (1.0 x): 0.947 / 0.873, 0.892 (a long prompt's chunks stretch the step time for seconds).
 SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.2,
-                             "give_way_tpot_ratio": 0.9}
+                             "give_way_tpot_ratio": 0.9, "give_way_prefill_ratio": 1.5,
+                             "give_way_cheap_tpot_ratio": 0.95}
 
 
 def sentinel_addresses(value: str) -> list[tuple[str, int]]:

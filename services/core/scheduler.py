@@ -35,8 +35,10 @@ emergency point is refused only when no worker could serve it (`_resolve_held`):
 worker that can start it in time without holding it (`TickResult.moves`, a "move" decision),
 else served on its worker if its calibrated TPOT there is within `tpot_refuse_ratio` x its
 target and its recently finished requests got TPOT within `give_way_tpot_ratio` x it (the batcher's own
-defaults 0: never, not checked; the router ships 1.2 and 0.9, services/settings.py), else refused
-slo_unattainable with the best worker's predicted TTFT and TPOT (the journal keeps them).
+defaults 0: never, not checked; the router ships 1.2 and 0.9, services/settings.py), or if it is
+cheap there (`give_way_prefill_ratio`, `give_way_cheap_tpot_ratio`: its prefill a short stall for
+the running decodes, its own TPOT within its target), else refused slo_unattainable with the
+best worker's predicted TTFT and TPOT (the journal keeps them).
 The TPOT the hold and that test read is each worker's decode step calibrated by what its
 finished requests actually got (`on_terminal(..., tpot_ms)`; decode_model.py).
 `next_due_ns(now_ns)` says when to tick next (None: on the next event).
@@ -176,6 +178,8 @@ class Scheduler:
         self.hold_guard_ms: float = getattr(batcher_params, "guard_ms", 0.0)  # a moved request's TTFT margin
         self.tpot_refuse_ratio: float = getattr(batcher_params, "tpot_refuse_ratio", 0.0)  # (_resolve_held)
         self.give_way_tpot_ratio: float = getattr(batcher_params, "give_way_tpot_ratio", 0.0)  # (_resolve_held)
+        self.give_way_prefill_ratio: float = getattr(batcher_params, "give_way_prefill_ratio", 0.0)  # (_resolve_held)
+        self.give_way_cheap_tpot_ratio: float = getattr(batcher_params, "give_way_cheap_tpot_ratio", 0.0)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -813,7 +817,13 @@ class Scheduler:
         2. else, if its calibrated TPOT on its own worker (its prefix cache) is within
            `tpot_refuse_ratio` x its target, the hold gives way: served there now, as a
            request whose SLO mode admits best effort would be (None: back in that queue);
-        3. else it is refused slo_unattainable, naming the best worker's predictions (the
+        3. else, if it is cheap on its own worker (its predicted prefill there within
+           `give_way_prefill_ratio` x its TPOT target: it stalls the running decodes there
+           for that many of their tokens at most) and its TPOT predicted there is within
+           `give_way_cheap_tpot_ratio` x its target, the hold gives way whatever the worker's
+           recent TPOT: it can meet its targets and takes little from the others (0: off;
+           the router ships 1.5 and 0.95);
+        4. else it is refused slo_unattainable, naming the best worker's predictions (the
            lowest TPOT among those that can still start it in time, its own included).
         `tpot_refuse_ratio` 0 (the batcher's default): no giving way; the router ships 1.2. It
         gives way only while the TPOT the worker's finished requests recently got is within
@@ -828,7 +838,8 @@ class Scheduler:
             item.strict_deadline = False  # the hold gives way
             self.queued[item.request_id] = (src, self.batcher(src).add(item))
             return None
-        options: list[tuple[float, float, str]] = [(here_tpot, here.wait_ms + self.predictor(src).predict_items_ms([item]), src)]
+        prefill_ms = self.predictor(src).predict_items_ms([item])
+        options: list[tuple[float, float, str]] = [(here_tpot, here.wait_ms + prefill_ms, src)]
         if item.decode_worker_id == src and not item.lora_adapter:  # (disaggregated or an adapter: it stays)
             total = item.num_prompt_tokens + item.max_tokens
             others = [w for w in self.view.routable(item.model).colocated
@@ -844,6 +855,11 @@ class Scheduler:
                 if d.pick.worker_id is not None:
                     return self._move(item, next(c for c in fit if c.worker_id == d.pick.worker_id), now_ns, src, d)
             options += [(c.tpot_ms, c.ttft_ms, c.worker_id) for c in in_time]
+        if (self.give_way_prefill_ratio > 0 and prefill_ms <= self.give_way_prefill_ratio * target
+                and here_tpot <= self.give_way_cheap_tpot_ratio * target):  # cheap: the hold gives way
+            item.strict_deadline = False
+            self.queued[item.request_id] = (src, self.batcher(src).add(item))
+            return None
         best_tpot, best_ttft, best_id = min(options)
         waited_ms = (now_ns - item.enqueued_ns) / 1e6
         slo_ttft = waited_ms + left_ms

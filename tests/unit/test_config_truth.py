@@ -224,6 +224,19 @@ def give_way_tpot_ratio(param: dict) -> str:
     return tpot_refuse_ratio({"tpot_refuse_ratio": 1.1, **param}, finished_tpot_ms=97.0)
 
 
+def give_way_prefill_ratio(param: dict) -> str:
+    """As `give_way_tpot_ratio` at 0.9 (the gate closed: refused), the request cheap on w0 by
+    any ratio above ~2.4 (its predicted prefill there ~236 ms against a 100 ms TPOT target) and
+    its TPOT there (~97 ms) within 1.1 x: served on w0 with the ratio at 10, refused at 0."""
+    return give_way_tpot_ratio({"give_way_tpot_ratio": 0.9, "give_way_cheap_tpot_ratio": 1.1, **param})
+
+
+def give_way_cheap_tpot_ratio(param: dict) -> str:
+    """As `give_way_prefill_ratio` at 10 (cheap): served on w0 only when its predicted TPOT
+    there (~97 ms) is within the ratio x 100 ms (1.1), refused at 0."""
+    return give_way_tpot_ratio({"give_way_tpot_ratio": 0.9, "give_way_prefill_ratio": 10.0, **param})
+
+
 def tpot_filter(param: dict) -> str:
     """As tpot_hold_routing with the hold at 0.5: off (the default), w0's prefix wins; on, the filter leaves w0 out."""
     s = scheduler(prefill_policy="cost-based", prefill_policy_params=param, batcher="slo-budget",
@@ -518,6 +531,8 @@ ROWS = [
     Row(SloBudgetParams, "tpot_headroom", 0.5, tpot_hold_routing, ("w0", "w1"), where="routing"),
     Row(SloBudgetParams, "tpot_refuse_ratio", 1.1, tpot_refuse_ratio, ("slo_unattainable", "w0")),
     Row(SloBudgetParams, "give_way_tpot_ratio", 0.9, give_way_tpot_ratio, ("w0", "slo_unattainable")),
+    Row(SloBudgetParams, "give_way_prefill_ratio", 10.0, give_way_prefill_ratio, ("slo_unattainable", "w0")),
+    Row(SloBudgetParams, "give_way_cheap_tpot_ratio", 1.1, give_way_cheap_tpot_ratio, ("slo_unattainable", "w0")),
 ]
 
 

@@ -1,7 +1,8 @@
 """What becomes of a request the TPOT hold keeps on its worker until its TTFT slack is spent
 (services/core/scheduler.py `_resolve_held`): moved to a worker that can serve it, served where
 it is when the TPOT it would get there is within `tpot_refuse_ratio` x its target (and only
-while the TPOT its finished requests got is within `give_way_tpot_ratio` x the target), refused
+while the TPOT its finished requests got is within `give_way_tpot_ratio` x the target) or when
+it is cheap there (`give_way_prefill_ratio`, `give_way_cheap_tpot_ratio`), refused
 (slo_unattainable, with the best worker's predictions) only when no worker could serve it.
 The pure core with a fake clock: status reports make a worker slow, KV events put the prompt's
 prefix in its cache (so the policy picks it), ticks walk time to the emergency point."""
@@ -24,12 +25,12 @@ def status(worker_id: str, running: int, step_ms: float) -> WorkerStatusReported
 
 
 def make(steps: dict[str, tuple[int, float]], refuse_ratio: float = 1.1, give_way_tpot_ratio: float = 0.0,
-         calibration: bool = True) -> Scheduler:
+         calibration: bool = True, **batcher_params: float) -> Scheduler:
     """Workers reporting (running, step ms) long enough for their decode models to learn it
     (`calibration` False: finished requests' TPOT does not move the predictions)."""
     s = Scheduler(SchedulerConfig(batcher="slo-budget", batcher_params={
         "window_ms": 0, "tpot_headroom": 0.9, "tpot_refuse_ratio": refuse_ratio, "max_inflight_batches": 0,
-        "give_way_tpot_ratio": give_way_tpot_ratio}, slo=SloParams(mode="reject-explicit"),
+        "give_way_tpot_ratio": give_way_tpot_ratio, **batcher_params}, slo=SloParams(mode="reject-explicit"),
         decode_model_params=DecodeModelParams(tpot_calibration_alpha=0.03 if calibration else 0.0)), id_prefix="t")
     for t in range(400):
         for w, (running, step) in steps.items():
@@ -128,6 +129,33 @@ def test_the_hold_gives_way_only_while_the_workers_finished_requests_got_their_t
         got = ("refused" if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")] else
                "served" if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")] else "?")
         assert got == outcome, (tpot_ratio, got_ms)
+
+
+def test_a_cheap_request_is_served_where_the_gate_would_refuse_it():
+    """The gate closed (the requests that finished on w0 got 97 ms: over 0.9 x 100), w0's
+    prediction with the request ~92-94 ms (over the hold's 90). Refused, unless it is cheap there:
+    its predicted prefill on w0 (its uncached part) within `give_way_prefill_ratio` x its TPOT
+    target AND its predicted TPOT within `give_way_cheap_tpot_ratio` x the target; either test
+    failing, refused. Thresholds are set around the predictions the core makes, so the test
+    reads the rule, not the predictor's numbers."""
+    probe = make({"w0": (60, 91.0)}, give_way_tpot_ratio=0.9, calibration=False)
+    t0 = 500 * MS
+    item = admit(probe, t0).request
+    prefill_ms = probe.predictor("w0").predict_items_ms([item])
+    tpot_ms = probe.load("w0", t0).tpot_ms
+    assert 0 < prefill_ms and 90 < tpot_ms < 93
+    cheap, dear = 1.1 * prefill_ms / 100, 0.9 * prefill_ms / 100  # x the 100 ms TPOT target
+    for prefill_ratio, tpot_ratio, outcome in ((0.0, 0.95, "refused"), (cheap, 0.95, "served"), (dear, 0.95, "refused"),
+                                               (cheap, 0.9 * tpot_ms / 100, "refused")):
+        s = make({"w0": (60, 91.0)}, give_way_tpot_ratio=0.9, calibration=False, give_way_prefill_ratio=prefill_ratio,
+                 give_way_cheap_tpot_ratio=tpot_ratio)
+        s.decode_model("w0").observe_tpot(91.0, 97.0)  # the gate: closed
+        assert admit(s, t0).request.prefill_worker_id == "w0"
+        batches, failures, moves = run_ticks(s, t0, t0 + 2500 * MS)
+        assert not moves
+        got = ("refused" if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")] else
+               "served" if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")] else "?")
+        assert got == outcome, (prefill_ratio, tpot_ratio)
 
 
 def test_refuse_ratio_zero_never_gives_way_but_still_moves():

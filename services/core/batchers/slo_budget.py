@@ -74,8 +74,13 @@ Parameters (`SloBudgetParams`, defaults):
   give_way_tpot_ratio     0.0    ... and only while the TPOT the worker's finished requests
                                  recently got is within this x the target; beyond, refused (0: not
                                  checked)
-The router ships window_ms 1000, tpot_headroom 0.9, tpot_refuse_ratio 1.2 and give_way_tpot_ratio 0.9
-(services/settings.py; README,
+  give_way_prefill_ratio  0.0    a held head that would be refused is served on its worker anyway
+                                 when it is cheap there: its predicted prefill (its uncached part)
+                                 within this x its TPOT target (the stall it puts on the worker's
+                                 running decodes, in their tokens) ... (0: off)
+  give_way_cheap_tpot_ratio 0.0  ... and its TPOT predicted there within this x its target (0: none is)
+The router ships window_ms 1000, tpot_headroom 0.9, tpot_refuse_ratio 1.2, give_way_tpot_ratio 0.9,
+give_way_prefill_ratio 1.5 and give_way_cheap_tpot_ratio 0.95 (services/settings.py; README,
 "Defaults, and the numbers that chose them").
 """
 
@@ -118,6 +123,11 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # ... and only while the TPOT the worker's finished requests recently got is within this x
     # the target (0: not checked).
     give_way_tpot_ratio: float = 0.0
+    # A head that would be refused is served on its worker when it is cheap there: its predicted
+    # prefill within `give_way_prefill_ratio` x its TPOT target (0: off) and its predicted TPOT
+    # within `give_way_cheap_tpot_ratio` x its target.
+    give_way_prefill_ratio: float = 0.0
+    give_way_cheap_tpot_ratio: float = 0.0
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
@@ -127,6 +137,10 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "tpot_refuse_ratio", self.tpot_refuse_ratio, "a finite number >= 0 (0 = refuse)")
         require(math.isfinite(self.give_way_tpot_ratio) and self.give_way_tpot_ratio >= 0.0, "slo-budget",
                 "give_way_tpot_ratio", self.give_way_tpot_ratio, "a finite number >= 0 (0 = not checked)")
+        require(math.isfinite(self.give_way_prefill_ratio) and self.give_way_prefill_ratio >= 0.0, "slo-budget",
+                "give_way_prefill_ratio", self.give_way_prefill_ratio, "a finite number >= 0 (0 = off)")
+        require(math.isfinite(self.give_way_cheap_tpot_ratio) and self.give_way_cheap_tpot_ratio >= 0.0, "slo-budget",
+                "give_way_cheap_tpot_ratio", self.give_way_cheap_tpot_ratio, "a finite number >= 0 (0: none is served)")
         require_ms(self.window_ms, "slo-budget", "window_ms", allow_zero=True)
         require_ms(self.guard_ms, "slo-budget", "guard_ms", allow_zero=True)
         require_ms(self.emergency_guard_ms, "slo-budget", "emergency_guard_ms", allow_zero=True)
