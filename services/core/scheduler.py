@@ -835,9 +835,7 @@ class Scheduler:
         here = self.load(src, now_ns)
         here_tpot = here.tpot_ms + tpot_added_ms(here, item)
         if self.tpot_refuse_ratio > 0 and here_tpot <= self.tpot_refuse_ratio * target and self._may_give_way(src, target):
-            item.strict_deadline = False  # the hold gives way
-            self.queued[item.request_id] = (src, self.batcher(src).add(item))
-            return None
+            return self._give_way(item)
         prefill_ms = self.predictor(src).predict_items_ms([item])
         options: list[tuple[float, float, str]] = [(here_tpot, here.wait_ms + prefill_ms, src)]
         if item.decode_worker_id == src and not item.lora_adapter:  # (disaggregated or an adapter: it stays)
@@ -856,10 +854,8 @@ class Scheduler:
                     return self._move(item, next(c for c in fit if c.worker_id == d.pick.worker_id), now_ns, src, d)
             options += [(c.tpot_ms, c.ttft_ms, c.worker_id) for c in in_time]
         if (self.give_way_prefill_ratio > 0 and prefill_ms <= self.give_way_prefill_ratio * target
-                and here_tpot <= self.give_way_cheap_tpot_ratio * target):  # cheap: the hold gives way
-            item.strict_deadline = False
-            self.queued[item.request_id] = (src, self.batcher(src).add(item))
-            return None
+                and here_tpot <= self.give_way_cheap_tpot_ratio * target):  # cheap
+            return self._give_way(item)
         best_tpot, best_ttft, best_id = min(options)
         waited_ms = (now_ns - item.enqueued_ns) / 1e6
         slo_ttft = waited_ms + left_ms
@@ -869,6 +865,13 @@ class Scheduler:
             f"ms of {slo_ttft:.0f}, TPOT {best_tpot:.0f} ms of {target:.0f}"),
             best_worker_id=best_id, predicted_ttft_ms=round(waited_ms + best_ttft, 3), predicted_tpot_ms=round(best_tpot, 3),
             slo_ttft_ms=round(slo_ttft, 3), slo_tpot_ms=target)
+
+    def _give_way(self, item: QueuedRequest) -> None:
+        """The hold gives way: the request goes back in its worker's queue as one whose SLO mode
+        admits best effort would be, and leaves at its emergency point (None: no failure)."""
+        item.strict_deadline = False
+        self.queued[item.request_id] = (item.prefill_worker_id, self.batcher(item.prefill_worker_id).add(item))
+        return None
 
     def _may_give_way(self, worker_id: str, tpot_target_ms: float) -> bool:
         """Whether the hold may give way on `worker_id`: the TPOT its recently finished requests
