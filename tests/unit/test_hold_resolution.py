@@ -59,6 +59,18 @@ def run_ticks(s: Scheduler, start_ns: int, until_ns: int):
     return batches, failures, moves
 
 
+def held_outcome(s: Scheduler, t0: int) -> str:
+    """What became of "r", held on w0 from t0, by its emergency point (no move expected):
+    "refused" (slo_unattainable), "served" (w0's emergency batch), else "?"."""
+    batches, failures, moves = run_ticks(s, t0, t0 + 2500 * MS)
+    assert not moves
+    if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")]:
+        return "refused"
+    if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")]:
+        return "served"
+    return "?"
+
+
 def test_a_request_the_pressured_worker_would_hold_past_its_ttft_target_goes_to_the_other_one():
     """Both workers too slow for it at arrival (it goes where its prefix is cached, w0, and is
     held there); then w1's decodes finish. At w0's emergency point, w1 can still start it in
@@ -124,10 +136,7 @@ def test_the_hold_gives_way_only_while_the_workers_finished_requests_got_their_t
         t0 = 500 * MS
         assert s.load("w0", t0).tpot_ms > 90
         assert admit(s, t0).request.prefill_worker_id == "w0"
-        batches, failures, moves = run_ticks(s, t0, t0 + 2500 * MS)
-        assert not moves
-        got = ("refused" if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")] else
-               "served" if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")] else "?")
+        got = held_outcome(s, t0)
         assert got == outcome, (tpot_ratio, got_ms)
 
 
@@ -151,10 +160,7 @@ def test_a_cheap_request_is_served_where_the_gate_would_refuse_it():
                  give_way_cheap_tpot_ratio=tpot_ratio)
         s.decode_model("w0").observe_tpot(91.0, 97.0)  # the gate: closed
         assert admit(s, t0).request.prefill_worker_id == "w0"
-        batches, failures, moves = run_ticks(s, t0, t0 + 2500 * MS)
-        assert not moves
-        got = ("refused" if [(f.item.request_id, f.code) for f in failures] == [("r", "slo_unattainable")] else
-               "served" if not failures and [(b.worker_id, b.reason) for _, b in batches] == [("w0", "emergency")] else "?")
+        got = held_outcome(s, t0)
         assert got == outcome, (prefill_ratio, tpot_ratio)
 
 
