@@ -67,9 +67,16 @@ SHIPPED_BATCHER = "slo-budget"
 # 0.95 x) is served there even where that gate would refuse it: Azure conv vLLM-like at 14.5
 # req/s 0.867 (138 refused) -> 0.890 (112), one run each; in virtual time 14.49 -> 15.04 req/s at
 # 90 %, the other cells unchanged (bench/PEERS.md, "The hold, searched offline").
+# The stall hold (1.0): a batch waits, within its TTFT guard, while its prefill would stall a
+# decoding request on its worker by more than that request can absorb within its TPOT target
+# ((target - predicted TPOT) x (its expected tokens - 1)), until that request is expected to
+# finish: a short answer (most of Azure code's) misses TPOT on one long prompt landing in its
+# few steps. In virtual time (bench/tune.py, `--agent openai`, highest load at 90 %): Azure code
+# 7.02 -> 7.89 req/s vLLM-like, 6.66 -> 7.32 prefill-first; Azure conv 15.04 -> 14.81 / 14.06 ->
+# 14.42; long-conv 2.04 -> 2.05 / 1.99 -> 2.03; chat 1.69 -> 1.68 / 1.66 -> 1.67; live: bench/PEERS.md.
 SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.2,
                              "give_way_tpot_ratio": 0.9, "give_way_prefill_ratio": 1.5,
-                             "give_way_cheap_tpot_ratio": 0.95}
+                             "give_way_cheap_tpot_ratio": 0.95, "stall_hold": 1.0}
 
 
 def sentinel_addresses(value: str) -> list[tuple[str, int]]:

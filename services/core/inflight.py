@@ -38,6 +38,9 @@ class DecodeReservation:
     hard_kv_tokens: int
     expected_kv_tokens: int
     created_ns: int
+    num_output_tokens: int = 0  # what it is expected to produce: min(max_tokens, the expected-output cap)
+    tpot_target_ms: float = 0.0  # its TPOT target (0: none)
+    first_token_ns: int | None = None  # when its prefill completed (its batch's start + measured ms), once known
     visible: bool = False  # the worker reports it running: its KV is in the reported numbers
     num_missed_reports: int = 0  # consecutive status reports of the worker without it, once visible
 
@@ -184,6 +187,10 @@ class InflightLedger:
     def wait_ms(self, worker_id: str, now_ns: int) -> float:
         w = self.workers.get(worker_id)
         return 0.0 if w is None else w.wait_ms(now_ns)
+
+    def reservation(self, request_id: str) -> DecodeReservation | None:
+        worker_id = self.request_to_worker.get(request_id)
+        return None if worker_id is None else self.workers[worker_id].reservations.get(request_id)
 
     def num_inflight_batches(self, worker_id: str) -> int:
         w = self.workers.get(worker_id)

@@ -180,6 +180,7 @@ class Scheduler:
         self.give_way_tpot_ratio: float = getattr(batcher_params, "give_way_tpot_ratio", 0.0)  # (_resolve_held)
         self.give_way_prefill_ratio: float = getattr(batcher_params, "give_way_prefill_ratio", 0.0)  # (_resolve_held)
         self.give_way_cheap_tpot_ratio: float = getattr(batcher_params, "give_way_cheap_tpot_ratio", 0.0)
+        self.stall_hold: float = getattr(batcher_params, "stall_hold", 0.0)  # (load: its stall limits)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -288,6 +289,11 @@ class Scheduler:
         batch = self.ledger.complete_batch(worker_id, batch_id)
         if batch is None:
             return None
+        first_token_ns = (batch.started_ns if batch.started_ns is not None else batch.dispatched_ns) + round(measured_ms * 1e6)
+        for rid in batch.request_ids:
+            r = self.ledger.reservation(rid)
+            if r is not None and r.first_token_ns is None:
+                r.first_token_ns = first_token_ns
         predictor = self.predictors.get(worker_id)
         if predictor is not None and batch.members:
             predicted = sum(c for _, c in batch.members)
@@ -382,19 +388,40 @@ class Scheduler:
         # (_prefill_candidates inlines the same rule).
         free_kv = (info.num_allocatable_kv_blocks * bs - hard) if info and info.num_kv_blocks else 1 << 40
         tpot = per_request = per_kilotoken = 0.0
+        stall_limits: tuple[tuple[float, float], ...] = ()
         if info is not None and info.role != "prefill":
             running, kv = self.engine_load(worker_id)
             if running > 0:  # an idle worker always takes work
                 model = self.decode_model(worker_id)
                 slope = model.tpot_slope  # (calibrated: the TPOT its requests got against the prediction)
                 tpot, per_request, per_kilotoken = model.predict_tpot_ms(running, kv), model.b * slope, model.c * slope
+                if self.stall_hold > 0:
+                    stall_limits = self._stall_limits(worker_id, tpot, now_ns)
         return WorkerLoad(
             max_batch_tokens=info.max_batch_tokens if info else 0,
             free_kv_tokens=max(0, free_kv),
             num_inflight_batches=self.ledger.num_inflight_batches(worker_id),
             wait_ms=self.ledger.wait_ms(worker_id, now_ns),
             tpot_ms=tpot, tpot_ms_per_request=per_request, tpot_ms_per_kilotoken=per_kilotoken,
+            stall_limits=stall_limits,
         )
+
+    def _stall_limits(self, worker_id: str, tpot_ms: float, now_ns: int) -> tuple[tuple[float, float], ...]:
+        """What a prefill stall on the worker now costs its decoding requests: for each one
+        that has its first token and a TPOT target, (the stall it can absorb, ms until it
+        finishes). A request expected to produce N tokens at the worker's predicted TPOT t
+        has (target - t) x (N - 1) ms of its TPOT budget to spare, whole until its last
+        token; it has produced about (now - first token) / t of them."""
+        out = []
+        for r in self.ledger.worker(worker_id).reservations.values():
+            first = r.first_token_ns
+            n = r.num_output_tokens
+            if first is None or n < 2 or r.tpot_target_ms <= 0:
+                continue
+            left_ms = (n - 1) * tpot_ms - (now_ns - first) / 1e6
+            if left_ms > 0:
+                out.append((max(0.0, (r.tpot_target_ms - tpot_ms) * (n - 1)), left_ms))
+        return tuple(out)
 
     def block_size_tokens(self) -> int:
         return next((w.block_size_tokens for w in self.view.workers.values()), 16)
@@ -680,6 +707,7 @@ class Scheduler:
         self.ledger.reserve(DecodeReservation(
             request_id=req.request_id, worker_id=decode_worker_id, hard_kv_tokens=n,
             expected_kv_tokens=n + min(req.max_tokens, self.expected_output_cap_tokens), created_ns=now_ns,
+            num_output_tokens=min(req.max_tokens, self.expected_output_cap_tokens), tpot_target_ms=slo_tpot,
         ))
         if req.block_hashes:
             if cfg.prefix_index == "approximate":
@@ -896,7 +924,8 @@ class Scheduler:
         self.ledger.reserve(DecodeReservation(
             request_id=item.request_id, worker_id=wid, hard_kv_tokens=item.num_prompt_tokens,
             expected_kv_tokens=item.num_prompt_tokens + min(item.max_tokens, self.expected_output_cap_tokens),
-            created_ns=now_ns))
+            created_ns=now_ns, num_output_tokens=min(item.max_tokens, self.expected_output_cap_tokens),
+            tpot_target_ms=item.tpot_target_ms))
         if item.block_hashes:
             if self.config.prefix_index == "approximate":
                 self.approx_index.record(wid, item.block_hashes, now_ns)

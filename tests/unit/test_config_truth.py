@@ -465,6 +465,13 @@ def sb_tpot_hold(param: dict) -> tuple:
                       load(tpot_ms=40.0, tpot_ms_per_request=2.0))
 
 
+def sb_stall_hold(param: dict) -> tuple:
+    """A 10-token prompt (1 ms of prefill) on a worker whose one decoding request can absorb
+    0.5 ms of stall and finishes in 200 ms: held until then at 1.0, sent at once when off."""
+    return poll_after("slo-budget", param, [item("a", deadline_ms=2000.0, tpot_target_ms=100.0)], 0,
+                      load(tpot_ms=40.0)._replace(stall_limits=((0.5, 200.0),)))
+
+
 # ================================================================== the table
 @dataclass(frozen=True)
 class Row:
@@ -533,6 +540,7 @@ ROWS = [
     Row(SloBudgetParams, "give_way_tpot_ratio", 0.9, give_way_tpot_ratio, ("w0", "slo_unattainable")),
     Row(SloBudgetParams, "give_way_prefill_ratio", 10.0, give_way_prefill_ratio, ("slo_unattainable", "w0")),
     Row(SloBudgetParams, "give_way_cheap_tpot_ratio", 1.1, give_way_cheap_tpot_ratio, ("slo_unattainable", "w0")),
+    Row(SloBudgetParams, "stall_hold", 1.0, sb_stall_hold, (batch("target", "a"), NOTHING)),
 ]
 
 

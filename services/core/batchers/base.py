@@ -63,6 +63,7 @@ class OwnDispatches:
             tpot_ms=load.tpot_ms + self.tpot_ms if load.tpot_ms else 0.0,
             tpot_ms_per_request=load.tpot_ms_per_request,
             tpot_ms_per_kilotoken=load.tpot_ms_per_kilotoken,
+            stall_limits=load.stall_limits,
         )
 
     def plus(self, items: Sequence[Batchable], predicted_ms: float, load: WorkerLoad) -> OwnDispatches:

@@ -106,6 +106,9 @@ class WorkerLoad(NamedTuple):
     tpot_ms: float = 0.0
     tpot_ms_per_request: float = 0.0
     tpot_ms_per_kilotoken: float = 0.0
+    # Its decoding requests' tolerance to a prefill stall now: (ms of stall one can absorb
+    # within its TPOT target, ms until it finishes), one pair per request (slo-budget's stall hold).
+    stall_limits: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

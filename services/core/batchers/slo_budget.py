@@ -55,6 +55,15 @@ requests actually got (services/core/decode_model.py), so the headroom is a frac
 TPOT they will see, not of a step time. tpot_ms 0 (an idle or prefill-only worker) or a head
 without a TPOT target never holds.
 
+Stall hold (`stall_hold` > 0): the load also carries, per request the worker is decoding, the
+stall it can absorb within its TPOT target and the ms until it is expected to finish
+(load.stall_limits: services/core/scheduler.py `_stall_limits`). Where the worker is not held,
+the candidate waits while `stall_hold` x (load.wait_ms + its predicted prefill), the stall it
+puts on those requests, exceeds what one of them can absorb, until the last such one is
+expected to finish, and never past its guard (the hold spends TTFT slack, never the TTFT
+target). A short answer has almost none to spare: one long prompt landing in its few steps
+makes it miss TPOT, and the prompt loses nothing by starting a few of its steps later.
+
 `queue_wait_ms`: the predicted ms of the batches the queue forms now (a newcomer's slack
 decides its place, so all of them, conservatively; its own waiting comes out of its slack
 and is not counted).
@@ -79,8 +88,10 @@ Parameters (`SloBudgetParams`, defaults):
                                  within this x its TPOT target (the stall it puts on the worker's
                                  running decodes, in their tokens) ... (0: off)
   give_way_cheap_tpot_ratio 0.0  ... and its TPOT predicted there within this x its target (0: none is)
+  stall_hold              0.0    the stall hold: the factor on the stall a batch puts on its worker's
+                                 decoding requests (0 = off)
 The router ships window_ms 1000, tpot_headroom 0.9, tpot_refuse_ratio 1.2, give_way_tpot_ratio 0.9,
-give_way_prefill_ratio 1.5 and give_way_cheap_tpot_ratio 0.95 (services/settings.py; README,
+give_way_prefill_ratio 1.5, give_way_cheap_tpot_ratio 0.95 and stall_hold 1.0 (services/settings.py; README,
 "Defaults, and the numbers that chose them").
 """
 
@@ -128,6 +139,9 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # within `give_way_cheap_tpot_ratio` x its target.
     give_way_prefill_ratio: float = 0.0
     give_way_cheap_tpot_ratio: float = 0.0
+    # Stall hold: a batch waits (within its guard) while the stall it would put on the worker's
+    # decoding requests exceeds this x what one of them can absorb, until those finish (0 = off).
+    stall_hold: float = 0.0
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
@@ -141,6 +155,8 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "give_way_prefill_ratio", self.give_way_prefill_ratio, "a finite number >= 0 (0 = off)")
         require(math.isfinite(self.give_way_cheap_tpot_ratio) and self.give_way_cheap_tpot_ratio >= 0.0, "slo-budget",
                 "give_way_cheap_tpot_ratio", self.give_way_cheap_tpot_ratio, "a finite number >= 0 (0: none is served)")
+        require(math.isfinite(self.stall_hold) and self.stall_hold >= 0.0, "slo-budget",
+                "stall_hold", self.stall_hold, "a finite number >= 0 (0 = off)")
         require_ms(self.window_ms, "slo-budget", "window_ms", allow_zero=True)
         require_ms(self.guard_ms, "slo-budget", "guard_ms", allow_zero=True)
         require_ms(self.emergency_guard_ms, "slo-budget", "emergency_guard_ms", allow_zero=True)
@@ -199,8 +215,8 @@ class SloBudgetBatcher(QueueBatcher[T]):
         p = self.params
         entries = self._ordered()
         candidate, stop = fill_batch(entries, load, p.batch_size_max)
-        latest_start_ns = (self._deadline_ns(entries[0][1]) - ms_to_ns(load.wait_ms)
-                           - ms_to_ns(self._predict([i for _, i in candidate])))
+        candidate_ms = self._predict([i for _, i in candidate])
+        latest_start_ns = self._deadline_ns(entries[0][1]) - ms_to_ns(load.wait_ms) - ms_to_ns(candidate_ms)
         head = entries[0][1]
         tpot_full = (p.tpot_headroom > 0 and load.tpot_ms > 0 and head.tpot_target_ms > 0
                      and load.tpot_ms + tpot_added_ms(load, head) > p.tpot_headroom * head.tpot_target_ms)
@@ -213,6 +229,11 @@ class SloBudgetBatcher(QueueBatcher[T]):
             reason = "emergency"
         else:
             guard_due_ns = latest_start_ns - self._guard_ns
+            if p.stall_hold > 0 and load.stall_limits and now_ns < guard_due_ns:  # the stall hold
+                stall_ms = p.stall_hold * (load.wait_ms + candidate_ms)
+                clear_ms = max((left for tolerance, left in load.stall_limits if tolerance < stall_ms), default=0.0)
+                if clear_ms > 0:
+                    return Plan(None, min(guard_due_ns, now_ns + ms_to_ns(clear_ms)), [])
             window_due_ns = min(item.enqueued_ns for item in self._items.values()) + self._window_ns
             target_due_ns = self._target_due_ns(min(guard_due_ns, window_due_ns), now_ns)
             if now_ns >= guard_due_ns:
