@@ -472,6 +472,13 @@ def sb_stall_hold(param: dict) -> tuple:
                       load(tpot_ms=40.0)._replace(stall_limits=((0.5, 200.0),)))
 
 
+def sb_stall_hold_headroom(param: dict) -> tuple:
+    """As `sb_stall_hold` at 1.0, the worker's TPOT with the request 40 ms of its 100 ms target:
+    held within a headroom of 1.0, sent at once within 0.3 (the stall hold stands aside)."""
+    return poll_after("slo-budget", {"stall_hold": 1.0, **param}, [item("a", deadline_ms=2000.0, tpot_target_ms=100.0)], 0,
+                      load(tpot_ms=40.0)._replace(stall_limits=((0.5, 200.0),)))
+
+
 # ================================================================== the table
 @dataclass(frozen=True)
 class Row:
@@ -541,6 +548,7 @@ ROWS = [
     Row(SloBudgetParams, "give_way_prefill_ratio", 10.0, give_way_prefill_ratio, ("slo_unattainable", "w0")),
     Row(SloBudgetParams, "give_way_cheap_tpot_ratio", 1.1, give_way_cheap_tpot_ratio, ("slo_unattainable", "w0")),
     Row(SloBudgetParams, "stall_hold", 1.0, sb_stall_hold, (batch("target", "a"), NOTHING)),
+    Row(SloBudgetParams, "stall_hold_headroom", 0.3, sb_stall_hold_headroom, (NOTHING, batch("target", "a"))),
 ]
 
 

@@ -65,10 +65,25 @@ def test_the_hold_never_costs_a_request_its_ttft_target():
     assert poll(1.0, ((30.0, 5_000.0),), now_ms=1860.0)[0] == ["guard"]
 
 
+def test_the_stall_hold_stands_aside_for_a_worker_near_its_tpot_target():
+    """The worker decodes at 40 ms (poll's load) against a 100 ms target: within a headroom
+    of 0.5 the stall hold holds, beyond it (0.35) the batch goes: a worker that close to its
+    TPOT target is the TPOT hold's, and its requests need their TTFT slack for it."""
+    def held(headroom: float) -> bool:
+        b = build_batcher("slo-budget", {"window_ms": 0.0, "stall_hold": 1.0, "stall_hold_headroom": headroom}, predict_ms)
+        b.add(Req("a", 1000, 0, 2000 * MS, kv_tokens=1000, tpot_target_ms=100.0))
+        return not b.poll(0, worker(((30.0, 250.0),))).batches
+    assert held(0.5)
+    assert not held(0.35)
+
+
 def test_stall_hold_is_validated():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="stall_hold"):
             build_batcher("slo-budget", {"stall_hold": bad}, predict_ms)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="stall_hold_headroom"):
+            build_batcher("slo-budget", {"stall_hold_headroom": bad}, predict_ms)
 
 
 # ------------------------------------------------------------------ through the scheduler

@@ -61,7 +61,8 @@ stall it can absorb within its TPOT target and the ms until it is expected to fi
 the candidate waits while `stall_hold` x (load.wait_ms + its predicted prefill), the stall it
 puts on those requests, exceeds what one of them can absorb, until the last such one is
 expected to finish, and never past its guard (the hold spends TTFT slack, never the TTFT
-target). A short answer has almost none to spare: one long prompt landing in its few steps
+target), and only while the worker's TPOT with the head is within `stall_hold_headroom` x the
+head's TPOT target (nearer it, the TPOT hold needs that slack). A short answer has almost none to spare: one long prompt landing in its few steps
 makes it miss TPOT, and the prompt loses nothing by starting a few of its steps later.
 
 `queue_wait_ms`: the predicted ms of the batches the queue forms now (a newcomer's slack
@@ -90,8 +91,10 @@ Parameters (`SloBudgetParams`, defaults):
   give_way_cheap_tpot_ratio 0.0  ... and its TPOT predicted there within this x its target (0: none is)
   stall_hold              0.0    the stall hold: the factor on the stall a batch puts on its worker's
                                  decoding requests (0 = off)
+  stall_hold_headroom     1.0    ... only while the worker's TPOT with the head is within this x its
+                                 target, in (0, 1]
 The router ships window_ms 1000, tpot_headroom 0.9, tpot_refuse_ratio 1.2, give_way_tpot_ratio 0.9,
-give_way_prefill_ratio 1.5, give_way_cheap_tpot_ratio 0.95 and stall_hold 1.0 (services/settings.py; README,
+give_way_prefill_ratio 1.5, give_way_cheap_tpot_ratio 0.95, stall_hold 1.0 and stall_hold_headroom 0.8 (services/settings.py; README,
 "Defaults, and the numbers that chose them").
 """
 
@@ -142,6 +145,8 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Stall hold: a batch waits (within its guard) while the stall it would put on the worker's
     # decoding requests exceeds this x what one of them can absorb, until those finish (0 = off).
     stall_hold: float = 0.0
+    # ... only while the worker's TPOT with the head is within this x the head's TPOT target.
+    stall_hold_headroom: float = 1.0
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
@@ -157,6 +162,8 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "give_way_cheap_tpot_ratio", self.give_way_cheap_tpot_ratio, "a finite number >= 0 (0: none is served)")
         require(math.isfinite(self.stall_hold) and self.stall_hold >= 0.0, "slo-budget",
                 "stall_hold", self.stall_hold, "a finite number >= 0 (0 = off)")
+        require(math.isfinite(self.stall_hold_headroom) and 0.0 < self.stall_hold_headroom <= 1.0, "slo-budget",
+                "stall_hold_headroom", self.stall_hold_headroom, "in (0, 1]")
         require_ms(self.window_ms, "slo-budget", "window_ms", allow_zero=True)
         require_ms(self.guard_ms, "slo-budget", "guard_ms", allow_zero=True)
         require_ms(self.emergency_guard_ms, "slo-budget", "emergency_guard_ms", allow_zero=True)
@@ -229,7 +236,8 @@ class SloBudgetBatcher(QueueBatcher[T]):
             reason = "emergency"
         else:
             guard_due_ns = latest_start_ns - self._guard_ns
-            if p.stall_hold > 0 and load.stall_limits and now_ns < guard_due_ns:  # the stall hold
+            if (p.stall_hold > 0 and load.stall_limits and now_ns < guard_due_ns
+                    and load.tpot_ms + tpot_added_ms(load, head) <= p.stall_hold_headroom * head.tpot_target_ms):  # the stall hold
                 stall_ms = p.stall_hold * (load.wait_ms + candidate_ms)
                 clear_ms = max((left for tolerance, left in load.stall_limits if tolerance < stall_ms), default=0.0)
                 if clear_ms > 0:
