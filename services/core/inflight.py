@@ -38,7 +38,6 @@ class DecodeReservation:
     hard_kv_tokens: int
     expected_kv_tokens: int
     created_ns: int
-    num_output_tokens: int = 0  # what it is expected to produce: min(max_tokens, the expected-output cap)
     tpot_target_ms: float = 0.0  # its TPOT target (0: none)
     first_token_ns: int | None = None  # when its prefill completed (its batch's start + measured ms), once known
     visible: bool = False  # the worker reports it running: its KV is in the reported numbers

@@ -415,7 +415,7 @@ class Scheduler:
         out = []
         for r in self.ledger.worker(worker_id).reservations.values():
             first = r.first_token_ns
-            n = r.num_output_tokens
+            n = r.expected_kv_tokens - r.hard_kv_tokens  # its expected output: min(max_tokens, the cap)
             if first is None or n < 2 or r.tpot_target_ms <= 0:
                 continue
             left_ms = (n - 1) * tpot_ms - (now_ns - first) / 1e6
@@ -707,7 +707,7 @@ class Scheduler:
         self.ledger.reserve(DecodeReservation(
             request_id=req.request_id, worker_id=decode_worker_id, hard_kv_tokens=n,
             expected_kv_tokens=n + min(req.max_tokens, self.expected_output_cap_tokens), created_ns=now_ns,
-            num_output_tokens=min(req.max_tokens, self.expected_output_cap_tokens), tpot_target_ms=slo_tpot,
+            tpot_target_ms=slo_tpot,
         ))
         if req.block_hashes:
             if cfg.prefix_index == "approximate":
@@ -924,8 +924,7 @@ class Scheduler:
         self.ledger.reserve(DecodeReservation(
             request_id=item.request_id, worker_id=wid, hard_kv_tokens=item.num_prompt_tokens,
             expected_kv_tokens=item.num_prompt_tokens + min(item.max_tokens, self.expected_output_cap_tokens),
-            created_ns=now_ns, num_output_tokens=min(item.max_tokens, self.expected_output_cap_tokens),
-            tpot_target_ms=item.tpot_target_ms))
+            created_ns=now_ns, tpot_target_ms=item.tpot_target_ms))
         if item.block_hashes:
             if self.config.prefix_index == "approximate":
                 self.approx_index.record(wid, item.block_hashes, now_ns)

@@ -62,8 +62,9 @@ the candidate waits while `stall_hold` x (load.wait_ms + its predicted prefill),
 puts on those requests, exceeds what one of them can absorb, until the last such one is
 expected to finish, and never past its guard (the hold spends TTFT slack, never the TTFT
 target), and only while the worker's TPOT with the head is within `stall_hold_headroom` x the
-head's TPOT target (nearer it, the TPOT hold needs that slack). A short answer has almost none to spare: one long prompt landing in its few steps
-makes it miss TPOT, and the prompt loses nothing by starting a few of its steps later.
+head's TPOT target (nearer it, the TPOT hold needs that slack). A short answer has almost
+none to spare: one long prompt landing in its few steps makes it miss TPOT, and the prompt
+loses nothing by starting a few of its steps later.
 
 `queue_wait_ms`: the predicted ms of the batches the queue forms now (a newcomer's slack
 decides its place, so all of them, conservatively; its own waiting comes out of its slack
