@@ -681,8 +681,10 @@ def over_refusal_note(engines: dict[str, Any]) -> str:
     over = engines.get("over_refusal") or engines.get("flexlb_over_refusal")
     if not over:
         return ""
+    net = (f"; with refusal off {over['others_lost']} that met would miss, net {over['net']:+d} met"
+           if "net" in over else "")
     return (f"; refused {over['refused']} slo_unattainable, {over['would_meet']} would have met their SLO "
-            f"(over-refusal {over['over_refusal_rate']:.2%} of requests)")
+            f"(over-refusal {over['over_refusal_rate']:.2%} of requests{net})")
 
 
 def chat_field(params: ChatParams | None, seed: int) -> dict[str, Any] | None:

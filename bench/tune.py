@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from bench.workloads import load_workload  # noqa: E402
 from services.core.scheduler import AdmitRequest  # noqa: E402
 from services.settings import RouterSettings  # noqa: E402
-from services.whatif import Arrival, Recording, WorkerSpec, _simulate  # noqa: E402
+from services.whatif import Arrival, Outcome, Recording, WorkerSpec, _simulate, refusal_off  # noqa: E402
 
 MS = 1_000_000
 
@@ -80,15 +80,31 @@ def build_settings(spec: str) -> RouterSettings:
     return RouterSettings(prefill_policy=policy, batcher=batcher, batcher_params=params, **extra)
 
 
+def net_of_refusal(rec: Recording, outcomes: dict[str, Outcome], agent: str) -> dict[str, int]:
+    """The run's slo_unattainable refusals against the same arrivals re-run with refusal off
+    (services/whatif.py `refusal_off`): how many of the refused would have met their SLO, how
+    many requests that met it would then miss it, and the net change in met requests."""
+    off: dict[str, Outcome] = {}
+    _simulate(rec, refusal_off(rec.config), None, 200.0, 500.0, None, False, lambda: None, agent, off)
+    refused = [r for r, o in outcomes.items() if o.code == "slo_unattainable"]
+    return {"refused": len(refused), "would_meet": sum(1 for r in refused if off[r].attained),
+            "others_lost": sum(1 for r, o in outcomes.items() if o.attained and not off[r].attained),
+            "net": sum(o.attained for o in off.values()) - sum(o.attained for o in outcomes.values())}
+
+
 def run(rows, rate: float, settings: RouterSettings, workers: int, slo_ttft: float, slo_tpot: float,
-        num_kv_blocks: int, roles: list[str] | None = None, scheduler: str = "vllm", agent: str = "openai") -> dict:
+        num_kv_blocks: int, roles: list[str] | None = None, scheduler: str = "vllm", agent: str = "openai",
+        refusal_net: bool = False) -> dict:
     arrivals = [Arrival(int(t / rate * MS), AdmitRequest(request_id=f"r{i}", num_prompt_tokens=n, max_tokens=o,
                                                          block_hashes=tuple(h), slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot))
                 for i, (t, n, o, h) in enumerate(rows)]
     roles = roles or ["pd_fusion"] * workers
     specs = [WorkerSpec(f"w{i}", role, num_kv_blocks, 16, 65536, 40960, 1.0, scheduler) for i, role in enumerate(roles)]
     rec = Recording(settings.scheduler_config(), arrivals, specs, [])
-    res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None, agent)
+    outcomes: dict[str, Outcome] = {}
+    res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None, agent, outcomes)
+    if refusal_net:
+        res["refusal_net"] = net_of_refusal(rec, outcomes, agent)
     span_s = (rows[-1][0] - rows[0][0]) / rate / 1000
     res["load_rps"] = round(len(rows) / span_s, 3) if span_s > 0 else float("nan")
     res["attainment"] = round(res["num_attained"] / len(rows), 4)
@@ -113,6 +129,9 @@ def main() -> int:
                     help="what FlexLB hears: openai agents in front of engine servers (default, as it is judged) or its own sim workers")
     ap.add_argument("--headline", action="store_true", help="highest load at >= --target per config, vs the best peer")
     ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--refusal-net", action="store_true",
+                    help="per point, also re-run with refusal off: how many refused would have met their SLO, how many "
+                         "that met would miss, the net change in met requests")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
     rows = load_rows(args.trace, args.start_row, args.rows, args.seed)
@@ -123,13 +142,14 @@ def main() -> int:
         for rate in [float(x) for x in args.rates.split(",")]:
             t0 = time.monotonic()
             r = run(rows, rate, settings, args.workers, args.slo_ttft_ms, args.slo_tpot_ms, args.num_kv_blocks,
-                    args.roles.split(",") if args.roles else None, mode, args.agent)
+                    args.roles.split(",") if args.roles else None, mode, args.agent, args.refusal_net)
             r.update(config=spec, mode=mode, rate=rate, wall_s=round(time.monotonic() - t0, 1))
             results.append(r)
             print(f"[{mode}] {spec[:60]:<60} x{rate:<5} {r['load_rps']:>7.2f} rps  att {r['attainment']:.3f}  "
                   f"ttft {r['ttft_ms']['mean']:>8.0f}/{r['ttft_ms']['p90']:>8.0f}  tpot {r['tpot_ms']['mean']:>6.1f}/"
-                  f"{r['tpot_ms']['p90']:>6.1f}  hit {r['prefix_hit_rate']:.3f}  rej {r['rejected']}  ({r['wall_s']}s)",
-                  flush=True)
+                  f"{r['tpot_ms']['p90']:>6.1f}  hit {r['prefix_hit_rate']:.3f}  rej {r['rejected']}  ({r['wall_s']}s)"
+                  + (" refusal off: {would_meet} of {refused} refused would meet, {others_lost} that met would miss, "
+                     "net {net:+d}".format(**r["refusal_net"]) if "refusal_net" in r else ""), flush=True)
     if args.headline:
         print_headlines(results, modes, args.target)
     if args.json:

@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--plot", help="draw both TTFT CDFs to this PNG (needs matplotlib: pip install 'flexlb[plot]')")
     wi.add_argument("--refusal", choices=["as-recorded", "off"], default="as-recorded",
                     help="off: re-run with every SLO refusal off (admitted best effort, the TPOT hold gives way) and "
-                         "say how many of the recorded run's slo_unattainable refusals would have met their SLO")
+                         "say how many of the recorded run's slo_unattainable refusals would have met their SLO, and how "
+                         "many requests that meet it with refusals on would then miss it (net change in met requests)")
     wi.add_argument("--engine-scheduler", choices=["vllm", "sglang"], default="vllm",
                     help="the re-run engines' step scheduler (a recording does not carry it; default vllm)")
 
@@ -693,7 +694,8 @@ def run_whatif(args: argparse.Namespace) -> int:
         whatif.print_side_by_side(recorded, rerun, label)
         if over is not None:
             print(f"over-refusal: {over['would_meet']} of the {over['refused']} requests refused slo_unattainable would "
-                  f"have met their SLO with refusal off ({over['over_refusal_rate']:.2%} of {over['requests']} requests)")
+                  f"have met their SLO with refusal off ({over['over_refusal_rate']:.2%} of {over['requests']} requests); "
+                  f"{over['others_lost']} requests that meet it with refusals on would miss it: net {over['net']:+d} met")
     if args.plot:
         try:
             whatif.plot_cdfs(whatif.recorded_ttfts(rec), cdf, label, args.plot)

@@ -465,16 +465,29 @@ def over_refusal(rec: Recording, num_workers: int | None = None, profile_path: s
     """How many of the recorded run's slo_unattainable refusals would in fact have met their
     SLO: the run's arrivals re-run in virtual time with refusal off (`refusal_off`), each
     refused request's TTFT and TPOT there against the targets admission gives it. The rate is
-    per request of the run (the bench's over-refusal figure)."""
+    per request of the run (the bench's over-refusal figure).
+
+    And what serving them would have cost: the same arrivals re-run, in the same virtual world,
+    with the recorded configuration (refusals on). `others_lost`: requests that met their SLO
+    there and miss it with refusal off (the refused requests' load, served, pushed them past a
+    target); `net`: requests meeting their SLO with refusal off minus with it on. A refusal
+    protects the running requests of its worker (the TPOT hold) as much as it judges the
+    refused one: a refused request that would have met, at the price of two others that then
+    miss, was a refusal worth making; `net` says which way the whole run went."""
     refused = refused_in(rec)
     outcomes: dict[str, Outcome] = {}
     rerun = _simulate(rec, refusal_off(rec.config), num_workers, 200.0, 500.0, profile_path, False, lambda: None,
                       agent, outcomes)
+    kept: dict[str, Outcome] = {}
+    on = _simulate(rec, rec.config, num_workers, 200.0, 500.0, profile_path, False, lambda: None, agent, kept)
     met = [r for r in refused if r in outcomes and outcomes[r].attained]
+    lost = [r for r, o in kept.items() if o.attained and not (r in outcomes and outcomes[r].attained)]
     n = len(rec.arrivals)
     return {"requests": n, "refused": len(refused), "would_meet": len(met),
             "over_refusal_rate": round(len(met) / n, 4) if n else 0.0,
-            "rerun_attainment": rerun["slo_attainment"], "would_meet_ids": met[:50]}
+            "rerun_attainment": rerun["slo_attainment"], "would_meet_ids": met[:50],
+            "refusal_on_attainment": on["slo_attainment"], "others_lost": len(lost),
+            "net": rerun["num_attained"] - on["num_attained"]}
 
 
 def with_overrides(config: SchedulerConfig, prefill_policy: str | None, decode_policy: str | None,

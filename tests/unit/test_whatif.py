@@ -112,3 +112,27 @@ def test_refusal_off_admits_best_effort_and_keeps_everything_else():
     off = refusal_off(cfg)
     assert off.slo.mode == "best-effort" and cfg.slo.mode == "reject-explicit"
     assert dataclasses.replace(off, slo=cfg.slo) == cfg
+
+
+def test_over_refusal_weighs_what_serving_the_refused_costs_the_others():
+    """Beside "would have met", the re-run with refusals on in the same virtual world: on a load
+    where refusing changes nothing the two agree (net 0); on an overload where the TPOT hold
+    refuses, `net` is the difference of met requests between the two re-runs, and
+    `others_lost` the requests that meet with refusals on and miss with them off."""
+    from services.whatif import over_refusal, refusal_off, simulate
+
+    light = over_refusal(refused_recording(slo_ttft_ms=2000.0))
+    assert light["net"] == 0 and light["others_lost"] == 0
+    assert light["refusal_on_attainment"] == light["rerun_attainment"]
+
+    rec = recording(n=300)
+    rec.arrivals = [Arrival(10**12 + (a.t_ns - 10**12) // 6, dataclasses.replace(
+        a.request, max_tokens=a.request.max_tokens * 8, slo_ttft_ms=800.0, slo_tpot_ms=40.0)) for a in rec.arrivals]
+    rec.config = SchedulerConfig(batcher="slo-budget", batcher_params={"tpot_headroom": 0.9}).validate()
+    on, off = simulate(rec, rec.config), simulate(rec, refusal_off(rec.config))
+    assert on["rejected"].get("slo_unattainable", 0) > 0 and off["rejected"] == {}
+    heavy = over_refusal(rec)
+    assert heavy["net"] == off["num_attained"] - on["num_attained"]
+    assert heavy["refusal_on_attainment"] == on["slo_attainment"] and heavy["rerun_attainment"] == off["slo_attainment"]
+    assert 0 <= heavy["others_lost"] <= on["num_attained"]
+    assert heavy["others_lost"] >= on["num_attained"] - off["num_attained"]  # at least the net loss, if any
