@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from bench.workloads import load_workload  # noqa: E402
 from services.core.scheduler import AdmitRequest  # noqa: E402
 from services.settings import RouterSettings  # noqa: E402
-from services.whatif import Arrival, Outcome, Recording, WorkerSpec, _simulate, refusal_off  # noqa: E402
+from services.whatif import Arrival, Outcome, Recording, WorkerSpec, _simulate, refusal_cost, refusal_off  # noqa: E402
 
 MS = 1_000_000
 
@@ -88,8 +88,7 @@ def net_of_refusal(rec: Recording, outcomes: dict[str, Outcome], agent: str) -> 
     _simulate(rec, refusal_off(rec.config), None, 200.0, 500.0, None, False, lambda: None, agent, off)
     refused = [r for r, o in outcomes.items() if o.code == "slo_unattainable"]
     return {"refused": len(refused), "would_meet": sum(1 for r in refused if off[r].attained),
-            "others_lost": sum(1 for r, o in outcomes.items() if o.attained and not off[r].attained),
-            "net": sum(o.attained for o in off.values()) - sum(o.attained for o in outcomes.values())}
+            **refusal_cost(outcomes, off)}
 
 
 def run(rows, rate: float, settings: RouterSettings, workers: int, slo_ttft: float, slo_tpot: float,

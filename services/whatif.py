@@ -481,13 +481,22 @@ def over_refusal(rec: Recording, num_workers: int | None = None, profile_path: s
     kept: dict[str, Outcome] = {}
     on = _simulate(rec, rec.config, num_workers, 200.0, 500.0, profile_path, False, lambda: None, agent, kept)
     met = [r for r in refused if r in outcomes and outcomes[r].attained]
-    lost = [r for r, o in kept.items() if o.attained and not (r in outcomes and outcomes[r].attained)]
     n = len(rec.arrivals)
     return {"requests": n, "refused": len(refused), "would_meet": len(met),
             "over_refusal_rate": round(len(met) / n, 4) if n else 0.0,
             "rerun_attainment": rerun["slo_attainment"], "would_meet_ids": met[:50],
-            "refusal_on_attainment": on["slo_attainment"], "others_lost": len(lost),
-            "net": rerun["num_attained"] - on["num_attained"]}
+            "refusal_on_attainment": on["slo_attainment"], **refusal_cost(kept, outcomes)}
+
+
+def refusal_cost(on: dict[str, Outcome], off: dict[str, Outcome]) -> dict[str, int]:
+    """Between two re-runs of the same arrivals, refusals on and off (request id -> Outcome):
+    `others_lost`, the requests that meet their SLO with refusals on and miss it with them off,
+    and `net`, the requests meeting it with them off minus with them on."""
+    def met(o: Outcome | None) -> bool:
+        return o is not None and o.attained
+
+    return {"others_lost": sum(1 for r, o in on.items() if o.attained and not met(off.get(r))),
+            "net": sum(map(met, off.values())) - sum(map(met, on.values()))}
 
 
 def with_overrides(config: SchedulerConfig, prefill_policy: str | None, decode_policy: str | None,
