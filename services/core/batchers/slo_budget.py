@@ -226,8 +226,9 @@ class SloBudgetBatcher(QueueBatcher[T]):
         candidate_ms = self._predict([i for _, i in candidate])
         latest_start_ns = self._deadline_ns(entries[0][1]) - ms_to_ns(load.wait_ms) - ms_to_ns(candidate_ms)
         head = entries[0][1]
+        head_tpot_ms = load.tpot_ms + tpot_added_ms(load, head)  # the worker's TPOT with the head
         tpot_full = (p.tpot_headroom > 0 and load.tpot_ms > 0 and head.tpot_target_ms > 0
-                     and load.tpot_ms + tpot_added_ms(load, head) > p.tpot_headroom * head.tpot_target_ms)
+                     and head_tpot_ms > p.tpot_headroom * head.tpot_target_ms)
         if tpot_full or self._is_held(load, p.max_inflight_batches):
             emergency_due_ns = latest_start_ns - self._emergency_guard_ns
             if now_ns < emergency_due_ns:
@@ -238,7 +239,7 @@ class SloBudgetBatcher(QueueBatcher[T]):
         else:
             guard_due_ns = latest_start_ns - self._guard_ns
             if (p.stall_hold > 0 and load.stall_limits and now_ns < guard_due_ns
-                    and load.tpot_ms + tpot_added_ms(load, head) <= p.stall_hold_headroom * head.tpot_target_ms):  # the stall hold
+                    and head_tpot_ms <= p.stall_hold_headroom * head.tpot_target_ms):  # the stall hold
                 stall_ms = p.stall_hold * (load.wait_ms + candidate_ms)
                 clear_ms = max((left for tolerance, left in load.stall_limits if tolerance < stall_ms), default=0.0)
                 if clear_ms > 0:
