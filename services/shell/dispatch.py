@@ -5,6 +5,16 @@ core), a queued request the batcher gave up on, and one batch's dispatch: Redis 
 reservation, then the acked JetStream publish with the batch id as Nats-Msg-Id; an
 uncertain publish rolls back and fails its requests retryable. Calls: the core, Redis,
 the bus, recovery (withdraw), upkeep (ledger failures). Called by: the service.
+
+Lanes. The batch loop never waits on a publish: each formed batch goes to its worker's lane,
+one task per worker that sends that worker's batches one at a time, in the order the core
+formed them. A publish can take seconds (a NATS cluster electing a stream's new leader after
+losing a node refuses every publish until then, and `publish_until_acked` retries for up to
+8 s); while one worker's lane waits, the core keeps ticking, so the queues' emergency points
+are honoured (a held request leaves as "emergency" and waits in the lane) instead of every
+queued request expiring `queue_timeout` at the first tick after the publish returned, and
+other workers' batches are not held up behind it. A router that stops fails what is still in
+its lanes `not_ready` (retryable), as it does what is still queued.
 """
 
 from __future__ import annotations
@@ -41,6 +51,36 @@ class Dispatcher:
         self.recovery = recovery
         self.upkeep = upkeep
         self.release = release  # intake's: admit what the fair queue lets go now
+        self.lanes: dict[str, asyncio.Queue[FormedBatch]] = {}  # worker id -> batches formed, not yet sent
+        self.lane_tasks: dict[str, asyncio.Task] = {}
+
+    def send(self, batch: FormedBatch) -> None:
+        """Hand a formed batch to its worker's lane (module docstring): sent after the batches
+        formed for that worker before it, without holding up the batch loop."""
+        lane = self.lanes.get(batch.worker_id)
+        if lane is None:
+            lane = self.lanes[batch.worker_id] = asyncio.Queue()
+            self.lane_tasks[batch.worker_id] = asyncio.create_task(self._lane(lane), name=f"dispatch-{batch.worker_id}")
+        lane.put_nowait(batch)
+
+    async def _lane(self, lane: "asyncio.Queue[FormedBatch]") -> None:
+        while True:
+            batch = await lane.get()
+            try:
+                await self.dispatch(batch)
+            except Exception:  # one failed dispatch must not stop the others
+                log.exception("dispatch of %s failed", batch.batch_id)
+
+    async def close_lanes(self) -> None:
+        """Stopping: cancel the lanes; what they had not begun to send fails not_ready (retryable)."""
+        for task in self.lane_tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.lane_tasks.values(), return_exceptions=True)
+        for lane in self.lanes.values():
+            while not lane.empty():
+                batch = lane.get_nowait()
+                for item in batch.items:
+                    self.s.finish_router(item.payload, "failed", "not_ready", "router shutting down before sending its batch; retry")
 
     async def batch_loop(self) -> None:
         while self.s.running:
@@ -77,10 +117,7 @@ class Dispatcher:
             for failure in result.failures:
                 await self.fail_queued(failure)
             for batch in result.batches:
-                try:
-                    await self.dispatch(batch)
-                except Exception:  # one failed dispatch must not stop the others
-                    log.exception("dispatch of %s failed", batch.batch_id)
+                self.send(batch)
 
     async def moved(self, mv: Moved) -> None:
         """A request the TPOT hold kept on one worker went to another (core: Scheduler._resolve_held):

@@ -275,6 +275,7 @@ class RouterService:
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.dispatcher.close_lanes()
         if s.nc is not None:
             await self.journal.flush()
             if unacked := await s.acked.drain(2.0):
