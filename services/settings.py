@@ -191,6 +191,12 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # streams already open for up to this long (a second signal ends the wait); 0: cut them.
     # flexlb up's routers: 1 s unless --drain-timeout-s is given.
     drain_timeout_s: float = 30.0
+    # An idle client connection stays open this long (uvicorn's own default is 5 s). Behind a
+    # load balancer or gateway it must outlast the proxy's idle timeout (AWS ALB 60 s, nginx's
+    # upstream keepalive 60 s): otherwise the router closes a connection just as the proxy
+    # sends the next request on it, and that request fails (502 at the proxy; a client of its
+    # own sees the connection reset).
+    http_keep_alive_s: float = 75.0
 
     def validate(self) -> "RouterSettings":
         try:
@@ -224,6 +230,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise SettingsError(f"setting {name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.own_port < 65536 or (self.own_port and (not self.reuse_port or self.own_port == self.port)):
             raise SettingsError(f"setting own_port goes with reuse_port and must be another port than port, got {self.own_port!r}")
+        if not self.http_keep_alive_s > 0:
+            raise SettingsError(f"setting http_keep_alive_s must be > 0, got {self.http_keep_alive_s!r}")
         if not self.drain_timeout_s >= 0:
             raise SettingsError(f"setting drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s!r}")
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:

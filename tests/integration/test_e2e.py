@@ -220,6 +220,39 @@ async def test_a_standby_relays_tokens_that_arrive_before_the_leaders_reply(flex
     assert proc.stop() == 0
 
 
+async def _get_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> bytes:
+    """One keep-alive GET /healthz on an open connection: the status line."""
+    writer.write(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+    await asyncio.wait_for(reader.readexactly(length), 10)
+    return head.split(b"\r\n")[0]
+
+
+@pytest.mark.parametrize("keep_alive_s,idle_s,kept", [(None, 6.0, True), ("1", 2.5, False)], ids=["default", "1s"])
+async def test_an_idle_client_connection_outlives_a_proxys_idle_timeout(flexlb_up, keep_alive_s, idle_s, kept):
+    """Behind a load balancer the router's keep-alive must outlast the proxy's idle timeout, or
+    a request the proxy sends on a connection the router is closing fails (uvicorn's own 5 s
+    did that; a client of our own saw httpx.ReadError). The default (75 s) keeps a connection
+    idle for 6 s; FLEXLB_HTTP_KEEP_ALIVE_S=1 closes it within 2.5 s (the setting is used)."""
+    env = {"FLEXLB_HTTP_KEEP_ALIVE_S": keep_alive_s} if keep_alive_s else None
+    proc, state = flexlb_up("--time-scale", "0", "--workers", "1", env=env)
+    host_port = state["router_url"].removeprefix("http://")
+    host, port = host_port.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        assert await _get_on(reader, writer, host_port) == b"HTTP/1.1 200 OK"
+        await asyncio.sleep(idle_s)
+        if kept:
+            assert await _get_on(reader, writer, host_port) == b"HTTP/1.1 200 OK"
+        else:
+            assert await asyncio.wait_for(reader.read(1), 10) == b""  # the router closed it
+    finally:
+        writer.close()
+    assert proc.stop() == 0
+
+
 async def test_a_request_finishing_in_a_long_step_is_not_settled_as_lost(flexlb_up):
     """A 16000-token prompt is prefilled in two chunks (budget 8192) of several hundred ms
     each at time scale 1. It finishes (max_tokens 1) in the second step: the engine lets go

@@ -27,6 +27,7 @@ def test_environment_then_flags_override_defaults():
         ({"FLEXLB_NATS_URL": "nats://a:4222,http://b:4222"}, "nats_url.*http://b:4222"),
         ({"FLEXLB_NATS_URL": "nats://a:4222,,nats://b:4222"}, "nats_url"),
         ({"FLEXLB_NATS_REPLICAS": "0"}, "nats_replicas"),
+        ({"FLEXLB_HTTP_KEEP_ALIVE_S": "0"}, "http_keep_alive_s"),
         ({"FLEXLB_NATS_REPLICAS": "6"}, "nats_replicas"),
         ({"FLEXLB_REDIS_SENTINELS": "127.0.0.1:26379,127.0.0.1"}, "redis_sentinels.*127.0.0.1'"),
         ({"FLEXLB_REDIS_SENTINELS": "h:99999"}, "redis_sentinels"),
