@@ -182,7 +182,22 @@ def config_from_builtins(d: dict[str, Any]) -> SchedulerConfig:
 
 # ------------------------------------------------------------------ recording
 class Recorder:
-    """A Scheduler whose state-changing calls are journaled. Reads pass through."""
+    """A Scheduler whose state-changing calls are journaled. It wraps the core's interface
+    explicitly: each state-changing method of Scheduler has its recording method below, and
+    what callers may read through it is named in READS; any other name raises AttributeError,
+    so a new core method cannot be called unjournaled (and replays diverge later) without
+    anyone noticing. tests/unit/test_journal.py fails while a public Scheduler method is
+    neither recorded here nor in READS."""
+
+    # Queries and views: none changes what the core decides. decode_model and predictor build
+    # a worker's default model on first use, as the core does itself, in dicts nothing iterates.
+    # Not here, on purpose: `batcher` and `load` (they create a worker's batcher, whose order in
+    # `batchers` is the order tick polls them) and `rollback_ids` (recorded as `rollback`).
+    READS = frozenset({
+        "block_size_tokens", "decode_model", "engine_load", "holds_work", "next_due_ns", "pool_room", "predictor",
+        "batchers", "config", "fair", "id_prefix", "index", "inflight", "ledger", "poll_errors", "queued", "settled",
+        "view",
+    })
 
     def __init__(self, scheduler: Scheduler, sink: Sink) -> None:
         self._s = scheduler
@@ -190,7 +205,10 @@ class Recorder:
         sink("config", 0, {"config": config_builtins(scheduler.config), "id_prefix": scheduler.id_prefix}, {})
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._s, name)
+        if name in Recorder.READS:
+            return getattr(self._s, name)
+        raise AttributeError(f"Scheduler.{name} is neither recorded by the journal's Recorder nor declared "
+                             "read-only in Recorder.READS (services/core/journal.py)")
 
     def _call(self, op: str, now_ns: int, args: dict[str, Any]) -> Any:
         """Apply `op` from builtin `args` (the same entry replay uses) and record it."""
