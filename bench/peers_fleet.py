@@ -198,9 +198,9 @@ class FlexlbFleet(Fleet):
     async def event_log_facts(self, before: dict[str, Any] | None) -> dict[str, Any]:
         """Prefix hits and per-worker requests from the event log (warm-ups left out)."""
         from schemas import messages as m
-        from tests.integration.stack import read_event_log
+        from services.eventlog import read_stream
 
-        envs = await asyncio.wait_for(read_event_log(self.state["nats_url"]), self.args.startup_timeout_s)
+        envs = await asyncio.wait_for(read_stream(self.state["nats_url"]), self.args.startup_timeout_s)
         per_worker: Counter = Counter()
         terminal: Counter = Counter()
         failures: Counter = Counter()  # "code: message" of request.failed events
@@ -225,7 +225,7 @@ class FlexlbFleet(Fleet):
                 terminal["cancelled"] += 1
         from schemas.subjects import JOURNAL_STREAM
 
-        journal = await asyncio.wait_for(read_event_log(self.state["nats_url"], JOURNAL_STREAM.name),
+        journal = await asyncio.wait_for(read_stream(self.state["nats_url"], JOURNAL_STREAM.name),
                                          self.args.startup_timeout_s * 4)
         if self.args.keep_logs:  # the journal beside the logs: `flexlb whatif FILE` re-runs it offline
             with gzip.open(self.workdir / f"{self.tag}-journal.jsonl.gz", "wb") as f:

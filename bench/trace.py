@@ -24,7 +24,7 @@ per request, no per-chunk framework overhead): TTFT = send → first SSE token c
 ENGINE time: wall seconds ÷ time_scale (the simulated engine sleeps profile_ms × time_scale).
 
 After the replay (or after the per-policy wall-clock cap, when what is left is cancelled and
-reported as not completed) it reads the event log (tests/integration/stack.py read_event_log) for: the
+reported as not completed) it reads the event log (services/eventlog.py read_stream) for: the
 prefix hit rate Σ num_cached_tokens / Σ num_prompt_tokens of prefill.completed, batch sizes,
 per-worker request counts (request.admitted), the routing decisions' filters (route.decided),
 the router's cache-hit prediction vs the engine's actual hit (request.admitted vs
@@ -316,10 +316,9 @@ async def report_progress(results: list[Result], loop, t0: float) -> None:
 
 # --------------------------------------------------------------------------- the event log
 async def read_events(nats_url: str) -> list[Any]:
-    sys.path.insert(0, str(REPO))
-    from tests.integration.stack import read_event_log
+    from services.eventlog import read_stream
 
-    return await read_event_log(nats_url)
+    return await read_stream(nats_url)
 
 
 def fetch_records(url: str, request_ids: list[str]) -> dict[str, dict[str, Any]]:

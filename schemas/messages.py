@@ -23,6 +23,10 @@ from typing import Annotated, Any, Callable, Literal, Union
 import msgspec
 
 SCHEMA_VERSION = 1
+# The window of WorkerStatusReported.recent_step_ms: a worker means its steps that ended in
+# the last this many seconds (3 s: a 1 s window sheds on single long steps); what-if re-runs
+# (services/whatif.py) compute the same field the same way.
+RECENT_STEPS_WINDOW_S = 3.0
 
 Role = Literal["pd_fusion", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("pd_fusion", "prefill", "decode")
@@ -101,8 +105,8 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
     num_stream_overflows: int = 0  # requests stopped: their tokens did not fit the outbound buffer
     time_scale: float = 1.0  # simulated engines: wall time = profile time × this (1.0 for real engines)
     last_step_ms: float = 0.0
-    # Mean duration (engine ms) of the steps that ended in the last 3 s: the time per output
-    # token its running requests see now; 0 when it ran no step in that window.
+    # Mean duration (engine ms) of the steps that ended in the last RECENT_STEPS_WINDOW_S: the
+    # time per output token its running requests see now; 0 when it ran no step in that window.
     recent_step_ms: float = 0.0
     heartbeat_interval_ms: int = 200
     # Why the worker is not ready, in one line (state "not_ready"): "engine server

@@ -100,6 +100,32 @@ async def _while_electing(call, what: str):
             await asyncio.sleep(0.5)
 
 
+async def read_stream(nats_url: str, stream: str = EVENTS_STREAM.name) -> list[m.Envelope]:
+    """Every message of a stream, decoded, in stream order (direct gets by sequence): what
+    the bench and the tests read a run's events from. Deleted messages (a work queue's acked
+    ones, a purge) are skipped, and so are ones that do not decode (poison messages put in a
+    shared log on purpose)."""
+    import nats
+
+    nc = await nats.connect(nats_servers(nats_url))
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                raw = await js.get_msg(stream, seq)
+            except nats.js.errors.NotFoundError:
+                continue
+            try:
+                out.append(m.decode(raw.data))
+            except m.DecodeError:
+                continue
+        return out
+    finally:
+        await nc.close()
+
+
 async def export(nats_url: str, out_path: str, streams: list[str], since: str | None = None, until: str | None = None,
                  progress: bool = True) -> dict[str, Any]:
     import nats

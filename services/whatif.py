@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from schemas import messages as m
-from services.core.journal import config_from_builtins, request_from_builtins, split_journals
+from services.core.journal import Recorder, Sink, config_from_builtins, request_from_builtins, split_journals
 from services.core.scheduler import AdmitRequest, Admitted, Scheduler, SchedulerConfig
-from workers.agent import RECENT_STEPS_WINDOW_S
 from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, load_profile
 
 MS = 1_000_000
@@ -204,14 +203,15 @@ def simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None = 
 
 def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, heartbeat_ms: float,
               liveness_ms: float, profile_path: str | None, with_ttfts: bool, on_arrival, agent: str = "sim",
-              outcomes: dict[str, "Outcome"] | None = None):
+              outcomes: dict[str, "Outcome"] | None = None, journal: Sink | None = None):
     """`agent`: what the router hears, as from "sim" workers (the engine's own steps: a batch
     starts when its first chunk runs, its prefill time is its share of the steps) or from
     "openai" agents in front of engine servers (workers/openai_agent.py: a batch starts when
     it is released, at once here; its prefill time is the longest first-token latency of its
     members from the release, the server's queueing included; running = everything
     released, queued = the server's waiting requests).
-    `outcomes`: filled with every request's Outcome (request id -> what happened to it)."""
+    `outcomes`: filled with every request's Outcome (request id -> what happened to it).
+    `journal`: the core's calls are recorded to it as a router's are (services/core/journal.py)."""
     if agent not in ("sim", "openai"):
         raise ValueError(f"agent must be sim or openai, got {agent!r}")
     profile = load_profile(profile_path)
@@ -222,6 +222,8 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
                  for i, base in ((i, specs[i % len(specs)]) for i in range(num_workers))]
     scale = specs[0].time_scale or 1.0
     s = Scheduler(config, id_prefix="whatif")
+    if journal is not None:
+        s = Recorder(s, journal)
     engines = {w.worker_id: SimEngine(profile, w.role, w.num_kv_blocks, w.block_size_tokens, w.max_seq_len_tokens,
                                       scheduler=w.scheduler) for w in specs}
     spec_of = {w.worker_id: w for w in specs}
@@ -241,7 +243,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
     def recent_step_ms(w: str, t: int) -> float:
         """The agent's WorkerStatusReported.recent_step_ms, in virtual time."""
         window = recent_steps[w]
-        while window and window[0][0] < t - int(RECENT_STEPS_WINDOW_S * 1000 * scale * MS):
+        while window and window[0][0] < t - int(m.RECENT_STEPS_WINDOW_S * 1000 * scale * MS):
             window.popleft()
         return round(sum(ms for _, ms in window) / len(window), 3) if window else 0.0
 

@@ -95,7 +95,6 @@ log = logging.getLogger("flexlb.worker")
 SEEN_BATCHES_MAX = 100_000  # batch ids remembered for dedupe
 SENT_TOKENS_MAX = 2048  # requests whose token chunks are kept for a resend (the most recent)
 WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
-RECENT_STEPS_WINDOW_S = 3.0  # the window of WorkerStatusReported.recent_step_ms (3 s: a 1 s window sheds on single long steps)
 SHUTDOWN_TIMEOUT_S = 3.0  # final reports at shutdown are given up after this (bus gone)
 DRAIN_POLL_S = 0.05  # draining: how often the worker looks whether it still holds anything
 WAIT_LOG_INTERVAL_S = 10.0  # while start-up waits for NATS, one "waiting for NATS" line this often
@@ -205,7 +204,7 @@ class WorkerAgent:
         # held until then, or a long step (a big prefill chunk) would make the router's
         # calibration settle them as lost while their terminal events are on their way.
         self.unpublished_request_ids: list[str] = []
-        self.recent_steps: deque[tuple[float, float]] = deque()  # (monotonic end s, engine ms) of the steps of the last RECENT_STEPS_WINDOW_S
+        self.recent_steps: deque[tuple[float, float]] = deque()  # (monotonic end s, engine ms) of the steps of the last m.RECENT_STEPS_WINDOW_S
         self.batch_members: dict[str, list[str]] = {}  # batch id -> request ids, until its prefill ends
         self.batch_prefill_ms: dict[str, float] = {}  # batch id -> measured prefill ms so far (its steps' shares)
         self.kv_seq = 0  # per-boot sequence of KV events, gap-free
@@ -376,8 +375,8 @@ class WorkerAgent:
         return kv_from_bytes(result.data)
 
     def recent_step_ms(self) -> float:
-        """Mean engine ms of the steps that ended in the last RECENT_STEPS_WINDOW_S (3 s; 0: none)."""
-        horizon = time.monotonic() - RECENT_STEPS_WINDOW_S
+        """Mean engine ms of the steps that ended in the last m.RECENT_STEPS_WINDOW_S (3 s; 0: none)."""
+        horizon = time.monotonic() - m.RECENT_STEPS_WINDOW_S
         while self.recent_steps and self.recent_steps[0][0] < horizon:
             self.recent_steps.popleft()
         if not self.recent_steps:

@@ -14,32 +14,10 @@ import httpx
 import nats
 
 from schemas import messages as m
-from schemas.subjects import EVENTS_STREAM
+from services.eventlog import read_stream as read_event_log  # noqa: F401 (the tests' name for it)
 from workers.engines.sim import sim_token_id
 
 REPO = Path(__file__).resolve().parent.parent.parent
-
-
-async def read_event_log(nats_url: str, stream: str = EVENTS_STREAM.name) -> list[m.Envelope]:
-    """Every message in a stream, decoded, in stream order (direct gets by sequence)."""
-    nc = await nats.connect(nats_url.split(","))
-    try:
-        js = nc.jetstream()
-        info = await js.stream_info(stream)
-        out = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                raw = await js.get_msg(stream, seq)
-            except nats.js.errors.NotFoundError:
-                continue  # deleted message (work-queue ack, or purge)
-            try:
-                out.append(m.decode(raw.data))
-            except m.DecodeError:
-                continue  # poison messages other tests put in the shared log on purpose
-
-        return out
-    finally:
-        await nc.close()
 
 
 def terminal_counts(envs: list[m.Envelope]) -> Counter:

@@ -5,7 +5,7 @@
 `TorchEngine` (workers/engines/torch_engine.py: a real model, measured time), both on the
 shared scheduler `ScheduledEngine` (workers/engines/scheduler.py). The HTTP-backed engine
 (workers/openai_agent.py) has no steps of its own: it is an agent backend
-(workers/backend.py), not an `Engine`.
+(`EngineBackend` in workers/agent.py), not an `Engine`.
 
 Calling contract (one caller, one thread: the event loop):
 - `submit_batch` (roles pd_fusion, prefill) / `submit_decode` (role decode) queue requests
