@@ -93,7 +93,7 @@ def net_of_refusal(rec: Recording, outcomes: dict[str, Outcome], agent: str) -> 
 
 def run(rows, rate: float, settings: RouterSettings, workers: int, slo_ttft: float, slo_tpot: float,
         num_kv_blocks: int, roles: list[str] | None = None, scheduler: str = "vllm", agent: str = "openai",
-        refusal_net: bool = False) -> dict:
+        refusal_net: bool = False, journal=None) -> dict:
     arrivals = [Arrival(int(t / rate * MS), AdmitRequest(request_id=f"r{i}", num_prompt_tokens=n, max_tokens=o,
                                                          block_hashes=tuple(h), slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot))
                 for i, (t, n, o, h) in enumerate(rows)]
@@ -101,7 +101,7 @@ def run(rows, rate: float, settings: RouterSettings, workers: int, slo_ttft: flo
     specs = [WorkerSpec(f"w{i}", role, num_kv_blocks, 16, 65536, 40960, 1.0, scheduler) for i, role in enumerate(roles)]
     rec = Recording(settings.scheduler_config(), arrivals, specs, [])
     outcomes: dict[str, Outcome] = {}
-    res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None, agent, outcomes)
+    res = _simulate(rec, rec.config, None, 200.0, 500.0, None, False, lambda: None, agent, outcomes, journal)
     if refusal_net:
         res["refusal_net"] = net_of_refusal(rec, outcomes, agent)
     span_s = (rows[-1][0] - rows[0][0]) / rate / 1000
