@@ -102,9 +102,6 @@ INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000
 # after it routed an adapter there: a few heartbeats (200 ms each by default) plus a batch
 # window, by when the report includes what was routed (_lora_decide).
 LORA_GUESS_NS = 2_000_000_000  # sweep expired approximate-index entries once a second
-# Expected decode KV of a request = prompt + min(max_tokens, this), under a decode policy that
-# has no `expected_output_cap` of its own (kv-aware has, with the same default).
-DEFAULT_EXPECTED_OUTPUT_CAP = 1000
 
 
 @dataclass(frozen=True)
@@ -166,21 +163,19 @@ class Scheduler:
         # are kv-aware's (max_kv_usage, kv_usage_hysteresis, expected_output_cap). A policy that
         # has no gate reads no `gated` flag, so none is computed for it (inf: never closes).
         pp, dp = self.prefill_policy.params, self.decode_policy.params
-        self.pending_gate_high: float = getattr(pp, "pending_gate_high", math.inf)
-        self.pending_gate_hysteresis: float = getattr(pp, "pending_gate_hysteresis", 0.0)
-        self.max_kv_usage: float = getattr(dp, "max_kv_usage", math.inf)
-        self.kv_usage_hysteresis: float = getattr(dp, "kv_usage_hysteresis", 0.0)
-        self.expected_output_cap_tokens: int = getattr(dp, "expected_output_cap", DEFAULT_EXPECTED_OUTPUT_CAP)
-        # The batcher's TPOT hold (slo-budget's tpot_headroom; 0: none): the policy may leave
-        # out workers that would only hold a request for it.
-        batcher_params = parse_params(config.batcher, config.batcher_params)
-        self.tpot_headroom: float = getattr(batcher_params, "tpot_headroom", 0.0)
-        self.hold_guard_ms: float = getattr(batcher_params, "guard_ms", 0.0)  # a moved request's TTFT margin
-        self.tpot_refuse_ratio: float = getattr(batcher_params, "tpot_refuse_ratio", 0.0)  # (_resolve_held)
-        self.give_way_tpot_ratio: float = getattr(batcher_params, "give_way_tpot_ratio", 0.0)  # (_resolve_held)
-        self.give_way_prefill_ratio: float = getattr(batcher_params, "give_way_prefill_ratio", 0.0)  # (_resolve_held)
-        self.give_way_cheap_tpot_ratio: float = getattr(batcher_params, "give_way_cheap_tpot_ratio", 0.0)
-        self.stall_hold: float = getattr(batcher_params, "stall_hold", 0.0)  # (load: its stall limits)
+        self.pending_gate_high, self.pending_gate_hysteresis = pp.pending_gate()
+        self.max_kv_usage, self.kv_usage_hysteresis = dp.kv_gate()
+        self.expected_output_cap_tokens: int = dp.expected_output_cap_tokens()
+        # The batcher's TPOT hold (slo-budget's; fixed-window has none): the policy may leave
+        # out workers that would only hold a request for it; _resolve_held and load read the rest.
+        hold = parse_params(config.batcher, config.batcher_params).hold()
+        self.tpot_headroom: float = hold.tpot_headroom
+        self.hold_guard_ms: float = hold.guard_ms  # a moved request's TTFT margin
+        self.tpot_refuse_ratio: float = hold.tpot_refuse_ratio  # (_resolve_held)
+        self.give_way_tpot_ratio: float = hold.give_way_tpot_ratio  # (_resolve_held)
+        self.give_way_prefill_ratio: float = hold.give_way_prefill_ratio  # (_resolve_held)
+        self.give_way_cheap_tpot_ratio: float = hold.give_way_cheap_tpot_ratio
+        self.stall_hold: float = hold.stall_hold  # (load: its stall limits)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)

@@ -183,11 +183,25 @@ def test_round_robin_only_advances_on_record():
         ("prefill", "cost-based", {"tie_break": "lowest"}, "tie_break"),
         ("prefill", "cost-based", {"no_such": 1}, "no_such"),
         ("decode", "kv-aware", {"max_kv_usage": 2}, "max_kv_usage"),
+        # strict types, as the batchers' parameters: no string for a number, no 64.0 for a count
+        ("prefill", "cost-based", {"pending_gate_high": "64"}, "pending_gate_high"),
+        ("prefill", "cost-based", {"pending_gate_high": 64.5}, "pending_gate_high"),
+        ("prefill", "cost-based", {"slo_filter": "yes"}, "slo_filter"),
     ],
 )
 def test_bad_policy_configuration_fails_loudly(stage, name, params, fragment):
     with pytest.raises(ValueError, match=fragment):
         build_policy(stage, name, params)
+
+
+def test_the_gates_are_read_through_the_policies_parameters():
+    """The scheduler's gates come from the policy that has them, typed; one without has none."""
+    cost = build_policy("prefill", "cost-based", {"pending_gate_high": 9, "pending_gate_hysteresis": 0.5})
+    kv = build_policy("decode", "kv-aware", {"max_kv_usage": 0.7, "kv_usage_hysteresis": 0.1, "expected_output_cap": 77})
+    rr = build_policy("decode", "round-robin")
+    assert cost.params.pending_gate() == (9, 0.5) and cost.params.kv_gate() == (math.inf, 0.0)
+    assert kv.params.kv_gate() == (0.7, 0.1) and kv.params.expected_output_cap_tokens() == 77
+    assert rr.params.pending_gate() == (math.inf, 0.0) and rr.params.expected_output_cap_tokens() == 1000
 
 
 # ------------------------------------------------------------------ properties

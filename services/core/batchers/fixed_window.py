@@ -49,7 +49,7 @@ from services.core.batchers.base import (
     require,
     require_ms,
 )
-from services.core.batchers.protocol import Batchable, PollResult, PredictFn, T, WorkerLoad
+from services.core.batchers.protocol import Batchable, HoldParams, PollResult, PredictFn, T, WorkerLoad
 
 
 class FixedWindowParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +61,9 @@ class FixedWindowParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     enqueue_deadline_ms: float = 5000.0
     max_inflight_batches: int = 0  # 0 = off
     dispatch_when_capped: bool = True
+
+    def hold(self) -> HoldParams:
+        return HoldParams()  # no TPOT hold
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "fixed-window", "batch_size_max", self.batch_size_max, ">= 1")

@@ -92,6 +92,21 @@ T = TypeVar("T", bound=Batchable)
 PredictFn = Callable[[Sequence[Batchable]], float]  # predicted prefill ms of a batch on this worker
 
 
+class HoldParams(NamedTuple):
+    """What the scheduler reads of a batcher's TPOT hold (slo-budget's; every field 0: none,
+    fixed-window's): the hold's headroom, a moved request's TTFT margin (the batcher's guard),
+    how a held head is resolved (services/core/scheduler.py `_resolve_held`), and whether the
+    load carries the stall limits."""
+
+    tpot_headroom: float = 0.0
+    guard_ms: float = 0.0
+    tpot_refuse_ratio: float = 0.0
+    give_way_tpot_ratio: float = 0.0
+    give_way_prefill_ratio: float = 0.0
+    give_way_cheap_tpot_ratio: float = 0.0
+    stall_hold: float = 0.0
+
+
 class WorkerLoad(NamedTuple):
     """What the batcher knows of its worker at poll time (a tuple: built once per candidate
     per routing decision, so it must be cheap)."""

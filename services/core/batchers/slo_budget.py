@@ -118,7 +118,7 @@ from services.core.batchers.base import (
     split_batches,
     tpot_added_ms,
 )
-from services.core.batchers.protocol import PredictFn, T, WorkerLoad
+from services.core.batchers.protocol import HoldParams, PredictFn, T, WorkerLoad
 
 
 class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -148,6 +148,10 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stall_hold: float = 0.0
     # ... only while the worker's TPOT with the head is within this x the head's TPOT target.
     stall_hold_headroom: float = 1.0
+
+    def hold(self) -> HoldParams:
+        return HoldParams(self.tpot_headroom, self.guard_ms, self.tpot_refuse_ratio, self.give_way_tpot_ratio,
+                          self.give_way_prefill_ratio, self.give_way_cheap_tpot_ratio, self.stall_hold)
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")

@@ -82,7 +82,7 @@ def build_policy(stage: str, name: str, params: dict[str, Any] | None = None) ->
     if spec is None:
         raise UnknownPolicyError(f"unknown {stage} policy {name!r}; known: {', '.join(sorted(table))}")
     try:
-        typed = msgspec.convert(params or {}, spec.params, strict=False).validate()
+        typed = msgspec.convert(params or {}, spec.params).validate()  # strict: types checked, as batchers'
     except msgspec.ValidationError as exc:
         raise ValueError(f"{stage} policy {name}: bad parameters: {exc}") from None
     return spec.factory(typed)

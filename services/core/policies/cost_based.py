@@ -70,6 +70,9 @@ class CostBasedParams(PolicyParams):
     # request there, not only this one's TTFT (0: the score is the request's TTFT alone)
     prefill_weight: float = 0.0
 
+    def pending_gate(self) -> tuple[float, float]:
+        return self.pending_gate_high, self.pending_gate_hysteresis
+
     def validate(self) -> "CostBasedParams":
         if self.tie_break not in ("fewest-pending", "random"):
             raise ValueError(f"cost-based: tie_break must be fewest-pending or random, got {self.tie_break!r}")

@@ -23,16 +23,22 @@ from __future__ import annotations
 import math
 
 from services.core.policies.base import StatelessPolicy, average, no_pick
-from services.core.policies.protocol import Pick, PolicyParams, RouteContext, Score
+from services.core.policies.protocol import DEFAULT_EXPECTED_OUTPUT_CAP, Pick, PolicyParams, RouteContext, Score
 
 
 class KvAwareParams(PolicyParams):
-    expected_output_cap: int = 1000  # expected KV = prompt + min(max_tokens, this)
+    expected_output_cap: int = DEFAULT_EXPECTED_OUTPUT_CAP  # expected KV = prompt + min(max_tokens, this)
     kv_weight_per_token: float = 0.001  # weight = exp(−this × (kv_used − min kv_used))
     max_kv_usage: float = 0.9  # a worker above this usage is gated (hysteresis below)
     kv_usage_hysteresis: float = 0.15
     load_factor: float = 3.0  # load > factor × average: filtered
     kv_used_factor: float = 3.0  # kv used > factor × average: filtered
+
+    def kv_gate(self) -> tuple[float, float]:
+        return self.max_kv_usage, self.kv_usage_hysteresis
+
+    def expected_output_cap_tokens(self) -> int:
+        return self.expected_output_cap
 
     def validate(self) -> "KvAwareParams":
         if self.expected_output_cap < 0 or self.kv_weight_per_token < 0:

@@ -19,6 +19,7 @@ answers (`RoutingPolicy`).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,11 +160,30 @@ class RoutingPolicy(Protocol):
         ...
 
 
+# The expected decode KV of a request (prompt + min(max_tokens, this)) where the decode policy
+# has no `expected_output_cap` of its own: FlexLB's.
+DEFAULT_EXPECTED_OUTPUT_CAP = 1000
+
+
 class PolicyParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A policy's typed parameters; `validate()` raises ValueError naming the policy and field."""
+    """A policy's typed parameters; `validate()` raises ValueError naming the policy and field.
+
+    The gates the scheduler keeps (services/core/scheduler.py) are parameters of the policy
+    that has them, read through these methods; a policy without one inherits "none"."""
 
     def validate(self) -> "PolicyParams":
         return self
+
+    def pending_gate(self) -> tuple[float, float]:
+        """(high, hysteresis) of the prefill gate on a worker's pending requests: inf, none."""
+        return math.inf, 0.0
+
+    def kv_gate(self) -> tuple[float, float]:
+        """(max usage, hysteresis) of the decode gate on a worker's KV usage: inf, none."""
+        return math.inf, 0.0
+
+    def expected_output_cap_tokens(self) -> int:
+        return DEFAULT_EXPECTED_OUTPUT_CAP
 
 
 class NoParams(PolicyParams):
