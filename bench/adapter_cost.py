@@ -6,7 +6,7 @@
 
 Every output token of a streamed completion crosses, through the adapter: the engine server
 (`flexlb sim-server`: the simulated engine behind its HTTP front, one SSE chunk per request
-per engine step), the worker agent (workers/openai_agent.py: parses that chunk, publishes
+per engine step), the worker agent (workers/openai/agent.py: parses that chunk, publishes
 the tokens on core NATS), nats-server, the router (services/shell/relay.py: decodes them,
 queues them for the client) and the router's HTTP stream to the client. On FlexLB's own
 workers the engine and the agent are one process and the SSE hop is not there. This bench

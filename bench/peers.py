@@ -63,7 +63,7 @@ The peer routers run with their defaults except: loopback only (`--host 127.0.0.
 `--prometheus-host 127.0.0.1`, free ports), `--log-level warn`, and
 `--worker-startup-check-interval 1` (default 30), which in sglang-router 0.3.2 and
 vllm-router 0.1.17 is also the period at which power_of_two polls the engines' `/get_load`
-(workers/http_front.py): with 30 s its loads would be stale for a whole run. No
+(workers/sim_server/http.py): with 30 s its loads would be stale for a whole run. No
 `--model-path` / `--tokenizer-path`: neither router needs a tokenizer to route HTTP text
 requests; the sim-server reports no model_path (a name there makes sglang-router try to
 download a tokenizer), and every child runs with HF_HUB_OFFLINE=1 and HF_ENDPOINT on a closed

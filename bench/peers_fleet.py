@@ -64,7 +64,7 @@ def with_pd(config: Config, suffix: str, workers: int) -> Config:
     a disaggregated fleet of P prefill and D decode engines, P + D = K. FlexLB: `flexlb up
     --prefill P --decode D`. sglang-router: `--pd-disaggregation`, each prefill engine given
     with its own HTTP port as the bootstrap port, `--policy` for both stages (SGLang's
-    bootstrap protocol, emulated by the sim-server: workers/http_front.py). vllm-router's PD
+    bootstrap protocol, emulated by the sim-server: workers/sim_server/http.py). vllm-router's PD
     protocol (kv_transfer_params) is not emulated, and no-router round-robin has no hand-off."""
     import re
 
@@ -329,7 +329,7 @@ class SimFleet(Fleet):
             return
         port, prom_port = free_port(), free_port()
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
-        if pd:  # each prefill engine's own HTTP port is its bootstrap port (workers/http_front.py)
+        if pd:  # each prefill engine's own HTTP port is its bootstrap port (workers/sim_server/http.py)
             fleet = ["--pd-disaggregation"]
             for url in self.engine_urls[:pd[0]]:
                 fleet += ["--prefill", url, url.rsplit(":", 1)[1]]

@@ -157,7 +157,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
 # --------------------------------------------------------------------------- vLLM's token ids
 # vLLM >= 0.10.2 with `return_token_ids: true`: each choice carries its token ids, and a chat
 # answer the prompt's (`prompt_token_ids`: in the first chunk of a stream, or in the body).
-# The sim-server (workers/sim_formats.py) answers so; the router's own answers do not.
+# The sim-server (workers/sim_server/formats.py) answers so; the router's own answers do not.
 class CompletionChoiceWithTokenIds(CompletionChoice, kw_only=True):
     token_ids: list[int]  # this chunk's (a stream) or the whole output's (a body)
 

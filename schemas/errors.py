@@ -35,7 +35,7 @@ _CODES = [
     ErrorCode("dispatch_failed", 502, True),
     ErrorCode("worker_failed", 502, True),
     ErrorCode("stream_overflow", 502, True),
-    # An OpenAI-compatible engine server (workers/openai_agent.py) refused the request (429,
+    # An OpenAI-compatible engine server (workers/openai/agent.py) refused the request (429,
     # 503: busy or not up) / failed it or broke its stream (a 5xx, a cut connection, a stall).
     ErrorCode("upstream_refused", 503, True),
     ErrorCode("upstream_error", 502, True),

@@ -1,6 +1,6 @@
 """The HTTP side of the contract: error bodies by code, and the raw-ASGI helpers both HTTP
 fronts use (the router's completions path, services/api.py; `flexlb sim-server`,
-workers/http_front.py). Both answer on the hot path without a framework, so they share one
+workers/sim_server/http.py). Both answer on the hot path without a framework, so they share one
 way to read a bounded body, send JSON, an error, or server-sent events.
 
 Errors: every refusal is `{"error": {"code", "message", "retryable"}}` (schemas/errors.py

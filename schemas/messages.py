@@ -127,7 +127,7 @@ class WorkerStatusReported(_Event, tag="worker.status_reported"):
 
 class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
     """Which signals a worker has from its engine. FlexLB's own engines (sim, torch) have every
-    one natively; the openai agent has what its server gives (workers/openai_agent.py)."""
+    one natively; the openai agent has what its server gives (workers/openai/agent.py)."""
 
     protocol: str = "native"  # native (sim, torch) | openai (/v1/completions, /v1/chat/completions) | sglang (/generate)
     # Load and KV usage: native | vllm | sglang (the server's Prometheus /metrics) | none (no

@@ -1,5 +1,5 @@
 """`flexlb` command line: `up` (the whole stack on one machine, services/up.py), `router`,
-`worker`, `sim-server` (one simulated engine over HTTP, workers/http_front.py), `workers`
+`worker`, `sim-server` (one simulated engine over HTTP, workers/sim_server/http.py), `workers`
 (list, drain, undrain, remove through the admin API), `events` (export or tail the event
 log), `replay`, `explain` and `whatif` (the flight recorder, services/eventlog.py and
 services/whatif.py), `schema` (the JSON Schema of every bus message).
@@ -213,14 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
     sim = sub.add_parser("sim-server", help="serve one simulated engine over HTTP (OpenAI, SGLang and vLLM worker "
-                                            "endpoints) for peer routers; see workers/http_front.py")
+                                            "endpoints) for peer routers; see workers/sim_server/http.py")
     sim.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
     sim.add_argument("--port", type=int, required=True, help="HTTP port")
     sim.add_argument("--worker-id", dest="worker_id", default="sim-0", help="id in logs and request ids (default sim-0)")
     sim.add_argument("--model-name", default="flexlb-sim", help="model name it reports (default flexlb-sim)")
     sim.add_argument("--role", default="pd_fusion", choices=["pd_fusion", "prefill", "decode"],
                      help="pd_fusion (default), or prefill / decode behind a PD router (SGLang's bootstrap "
-                          "protocol, workers/http_front.py)")
+                          "protocol, workers/sim_server/http.py)")
     sim.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (or its directory): text prompts, /tokenize and "
                                          "output text use it, as the router's --tokenizer (default: byte-level)")
     sim.add_argument("--bare-openai", action="store_true",
@@ -516,7 +516,7 @@ def run_worker(cfg) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the agent's own stop is bounded; this bounds the rest
             loop.add_signal_handler(sig, _stopper(stop, "worker", cfg.drain_timeout_s + WORKER_STOP_S, urgent))
         if cfg.engine == "openai":
-            from workers.openai_agent import OpenAIAgent
+            from workers.openai.agent import OpenAIAgent
 
             await OpenAIAgent(cfg).run(stop, urgent)
         else:
@@ -530,10 +530,10 @@ def run_worker(cfg) -> int:
 
 def run_sim_server(args: argparse.Namespace, cfg) -> int:
     """`flexlb sim-server`: the engine of `flexlb worker` (same config and role) behind
-    HTTP instead of NATS (workers/http_front.py documents the endpoints)."""
+    HTTP instead of NATS (workers/sim_server/http.py documents the endpoints)."""
     from schemas.chat_template import ChatTemplates, load_chat_templates
     from schemas.tokens import load_tokenizer
-    from workers.http_front import serve
+    from workers.sim_server.http import serve
 
     tokenizer = load_tokenizer(args.tokenizer)  # a bad file: ValueError, exit 2 (main)
     # Chat: --chat-template, else the template beside the tokenizer, else the built-in one for

@@ -7,7 +7,7 @@ workers (`--workers N` colocated, or `--prefill N --decode M` disaggregated) and
 router. `--pool NAME=N` (repeatable) starts N colocated workers serving model NAME (each
 with `--served-model-name NAME`): one pool per model, routed by the request's `model`; with
 pools, `--workers` (workers of the default model) is 0 unless given. `--engine openai --engine-url URL [--engine-url URL ...]` starts one worker agent
-per OpenAI-compatible server instead (workers/openai_agent.py; colocated; the i-th
+per OpenAI-compatible server instead (workers/openai/agent.py; colocated; the i-th
 `--kv-events-endpoint` / `--kv-events-replay-endpoint` goes to the i-th server; without
 any, the router's prefix index is `approximate` unless `--prefix-index` says otherwise).
 It waits until the router's `/readyz` says ready, prints the URLs, writes them and every

@@ -206,7 +206,7 @@ def _simulate(rec: Recording, config: SchedulerConfig, num_workers: int | None, 
               outcomes: dict[str, "Outcome"] | None = None, journal: Sink | None = None):
     """`agent`: what the router hears, as from "sim" workers (the engine's own steps: a batch
     starts when its first chunk runs, its prefill time is its share of the steps) or from
-    "openai" agents in front of engine servers (workers/openai_agent.py: a batch starts when
+    "openai" agents in front of engine servers (workers/openai/agent.py: a batch starts when
     it is released, at once here; its prefill time is the longest first-token latency of its
     members from the release, the server's queueing included; running = everything
     released, queued = the server's waiting requests).

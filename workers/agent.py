@@ -113,7 +113,7 @@ class EngineBackend(Protocol):
     """Where the agent's requests run: the methods the agent calls on itself for that, and
     the only ones an engine kind replaces. `WorkerAgent` implements them over a stepped
     `Engine` (workers/engines/base.py: sim, torch) and the shared step loop;
-    `OpenAIAgent` (workers/openai_agent.py) over an engine server's HTTP API. Everything
+    `OpenAIAgent` (workers/openai/agent.py) over an engine server's HTTP API. Everything
     else (the bus, dedupe, fencing, withdrawals, deadlines, drain, token relay) is the
     agent's and the same for every kind."""
 
@@ -190,7 +190,7 @@ class WorkerAgent:
         self.last_status: m.WorkerStatusReported | None = None  # what /metrics reads (workers/metrics.py)
         # request id -> (its token subject, its chunks so far): recent requests', for a resend
         self.sent_tokens: OrderedDict[str, tuple[str, list[m.TokensGenerated]]] = OrderedDict()
-        # The outbox of token chunks not yet published (_queue_tokens, _flush_tokens): router
+        # The outbox of token chunks not yet published (queue_tokens, _flush_tokens): router
         # subject -> chunks for one TokensBatch, and (subject, chunk) for routers that take one
         # TokensGenerated per chunk.
         self.token_batches: dict[str, list[m.TokensGenerated]] = {}
@@ -258,7 +258,7 @@ class WorkerAgent:
     def _env(self, payload) -> bytes:
         return m.encode(self.envelopes.wrap(payload, time.time_ns()))
 
-    def _queue_tokens(self, meta: ReqMeta, chunk: m.TokensGenerated) -> None:
+    def queue_tokens(self, meta: ReqMeta, chunk: m.TokensGenerated) -> None:
         """Keep a token chunk for a resend (a router that missed some, its NATS node lost with
         them in flight, asks for them again: ResendTokens) and put it in the outbox:
         coalesced with every other chunk for its router when the router takes them so
@@ -800,7 +800,7 @@ class WorkerAgent:
                 self.first_token_ns[request_id] = now_ns
             ids = [t.token_id for t in toks]
             fin = finished.get(request_id)
-            self._queue_tokens(meta, m.TokensGenerated(
+            self.queue_tokens(meta, m.TokensGenerated(
                 request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
                 text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
                 num_cached_tokens=fin.num_cached_tokens if fin else None,

@@ -10,7 +10,7 @@ Groups (each a frozen Struct with its own validation, built by the method of tha
   (workers/engines/sim.py);
 - `torch_settings()`: the model, device, seed, dtype and threads (workers/engines/torch_engine.py);
 - `openai_settings()`: the server, its protocol, the stream limits, vLLM's KV-event
-  endpoints, and the server's limits when given (workers/openai_agent.py).
+  endpoints, and the server's limits when given (workers/openai/agent.py).
 The rest is the agent's own: identity, role, NATS, heartbeat, metrics, outbound buffer.
 A setting of another engine than the worker's is accepted (compose files set them for
 every service) and unused; `validate` checks the common fields and the worker's engine's
@@ -19,7 +19,7 @@ group only.
 The limits every worker reports to the router (WorkerRegistered / WorkerStatusReported):
 - the most sequences running at once, `max_num_seqs`: sim and torch, the scheduler's
   `max_num_seqs` (256); openai, `engine_max_num_seqs`, the server's
-  --max-num-seqs, else (0) learned from its /metrics (workers/openai_status.py,
+  --max-num-seqs, else (0) learned from its /metrics (workers/openai/status.py,
   `learn_max_num_seqs`). A setting of its own, not `max_num_seqs`: that one has a default
   (256) the sim and torch engines run with, which the agent could not tell from an
   operator's 256, and a server's real limit is often another number (SGLang sizes it from
@@ -120,7 +120,7 @@ class TorchSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class OpenAISettings(msgspec.Struct, frozen=True, kw_only=True):
-    """The server behind the openai agent (workers/openai_agent.py)."""
+    """The server behind the openai agent (workers/openai/agent.py)."""
 
     engine_url: str  # its base URL
     engine_model: str  # the served model name; "": the first of its GET /v1/models

@@ -27,7 +27,7 @@ from tests.integration.stack import (
     wait_async,
     wait_for,
 )
-from workers.openai_agent import parse_prometheus
+from workers.openai.agent import parse_prometheus
 
 
 def sim_server(spawn, *extra: str, time_scale: str = "0.05") -> tuple[str, object]:

@@ -1,6 +1,6 @@
 """`--engine openai` in front of any OpenAI-compatible server, SGLang's native protocol, and
-chat forwarding (workers/openai_agent.py; the test peer is `flexlb sim-server`,
-workers/http_front.py).
+chat forwarding (workers/openai/agent.py; the test peer is `flexlb sim-server`,
+workers/sim_server/http.py).
 
 Story, first without a network: a stream's chunks become token chunks whether or not they
 carry token ids (counted, then corrected by the server's usage), chat chunks are read from
@@ -35,8 +35,8 @@ from tests.integration.stack import (
 )
 from workers.agent import ReqMeta
 from workers.config import WorkerConfig
-from workers.openai_agent import OpenAIAgent, OpenBatch, SGLangRelay, StreamRelay, parse_prometheus
-from workers.upstream_http import UpstreamFailure
+from workers.openai.agent import OpenAIAgent, OpenBatch, SGLangRelay, StreamRelay, parse_prometheus
+from workers.openai.upstream import UpstreamFailure
 
 
 # --------------------------------------------------------------------------- builders

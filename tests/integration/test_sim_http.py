@@ -1,4 +1,4 @@
-"""The HTTP front of the simulated engine (`flexlb sim-server`, workers/http_front.py), alone
+"""The HTTP front of the simulated engine (`flexlb sim-server`, workers/sim_server/http.py), alone
 and behind the peer routers (sglang-router, vllm-router) that benchmarks compare FlexLB with.
 
 Story: two `flexlb sim-server` processes at time scale 0 (instant) serve every dialect the
@@ -411,7 +411,7 @@ async def test_a_running_request_shows_in_the_load_refuses_its_duplicate_and_a_d
 async def test_an_engine_bug_mid_stream_ends_the_stream_with_an_error_chunk_not_a_hang():
     """In process (no socket): the ASGI app with an engine that raises after two steps."""
     from workers.config import WorkerConfig
-    from workers.http_front import SimFront, SimHttpApp
+    from workers.sim_server.http import SimFront, SimHttpApp
 
     front = SimFront(WorkerConfig(worker_id="inproc", time_scale=0).validate())
     app = SimHttpApp(front)

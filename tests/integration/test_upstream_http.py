@@ -1,4 +1,4 @@
-"""workers/upstream_http.py, the OpenAI agent's lean HTTP/1.1 client, against a real TCP server
+"""workers/openai/upstream.py, the OpenAI agent's lean HTTP/1.1 client, against a real TCP server
 scripted here: split and merged chunks, an error chunk, refusals, a cut stream, a stall,
 keep-alive reuse and a server that drops an idle connection."""
 
@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tests.integration.stack import wait_async
-from workers.upstream_http import UpstreamClient, UpstreamFailure
+from workers.openai.upstream import UpstreamClient, UpstreamFailure
 
 
 # --------------------------------------------------------------------------- the lean client

@@ -1,4 +1,4 @@
-"""vLLM's KV event sockets (workers/vllm_kv_zmq.py): our stand-in for vLLM's publisher and our
+"""vLLM's KV event sockets (workers/openai/kv_zmq.py): our stand-in for vLLM's publisher and our
 subscriber, over real ZMQ sockets on loopback ports chosen by the OS.
 
 Story: a model of a vLLM server's prefix cache (blocks keyed by their token prefix, vLLM
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from schemas.tokens import block_hashes
 from tests.integration.stack import asgi_call
-from workers.vllm_kv_events import (
+from workers.openai.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -35,7 +35,7 @@ from workers.vllm_kv_events import (
     VllmEventError,
     decode_frame,
 )
-from workers.vllm_kv_zmq import VllmKvPublisher, VllmKvSubscriber, parse_kv_events_config
+from workers.openai.kv_zmq import VllmKvPublisher, VllmKvSubscriber, parse_kv_events_config
 
 BS = 4  # tokens per block
 LOOPBACK = "tcp://127.0.0.1:*"  # bound on a port the OS picks; .endpoint has it
@@ -451,8 +451,8 @@ async def test_the_sim_servers_kv_events_give_the_engines_cache_in_our_hashes(so
     import json
 
     from workers.config import WorkerConfig
-    from workers.http_front import SimFront, SimHttpApp
-    from workers.vllm_kv_zmq import vllm_block_hash
+    from workers.openai.kv_zmq import vllm_block_hash
+    from workers.sim_server.http import SimFront, SimHttpApp
 
     cfg = WorkerConfig(worker_id="kv", time_scale=0, block_size_tokens=BS, num_kv_blocks=48,
                        kv_events_endpoint=LOOPBACK, kv_events_replay_endpoint=LOOPBACK, kv_events_topic="kv").validate()

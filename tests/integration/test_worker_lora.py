@@ -1,6 +1,6 @@
 """A worker's limits and LoRA adapters, end to end: the sim worker (workers/agent.py, the sim
-engine's adapters), the sim-server's adapters over HTTP (workers/http_front.py), and the
-openai agent in front of it (workers/openai_agent.py). (Without processes:
+engine's adapters), the sim-server's adapters over HTTP (workers/sim_server/http.py), and the
+openai agent in front of it (workers/openai/agent.py). (Without processes:
 tests/unit/test_sim_lora.py and tests/unit/test_worker_limits.py.)
 
 Story:
@@ -30,8 +30,8 @@ from schemas.subjects import dispatch_subject, status_subject, token_subject, wo
 from services.infra import free_port
 from tests.integration.stack import asgi_call, expected_text, start_sim_server, wait_async
 from workers.config import WorkerConfig
-from workers.http_front import SimFront, SimHttpApp
-from workers.openai_status import parse_prometheus
+from workers.openai.status import parse_prometheus
+from workers.sim_server.http import SimFront, SimHttpApp
 
 
 # --------------------------------------------------------------------------- builders

@@ -43,6 +43,74 @@ def test_import_direction(package, allowed):
     assert not bad, sorted(bad)
 
 
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph(packages=("schemas", "services", "workers")) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (anywhere in it: a function-level import is a
+    dependency too); `from pkg import name` counts pkg.name where that is a module."""
+    files = {_module_of(p): p for pkg in packages for p in (REPO / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in files:
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in files}
+        graph[mod] = deps - {mod}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(mod: str) -> list[str] | None:
+        state[mod] = 1
+        path.append(mod)
+        for dep in sorted(graph.get(mod, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[mod] = 2
+        return None
+
+    for mod in sorted(graph):
+        if mod not in state and (found := visit(mod)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    """No module of ours imports one that imports it back, directly or through others (a
+    package's __init__ re-exporting its modules is the package, not a cycle)."""
+    graph = _import_graph()
+    for mod in graph:  # an __init__ importing its own submodules
+        graph[mod] = {d for d in graph[mod] if not d.startswith(mod + ".")}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_workers_show_their_two_packages():
+    """The openai adapter and the sim server are packages; no module of theirs is left flat."""
+    flat = {p.name for p in (REPO / "workers").glob("*.py")}
+    assert not {n for n in flat if n.startswith(("openai", "sim_", "vllm_", "upstream", "http_front"))}, flat
+    for pkg, modules in (("openai", {"agent", "relays", "status", "upstream", "kv_events", "kv_zmq"}),
+                         ("sim_server", {"http", "front", "formats", "requests", "pd"})):
+        assert modules <= {p.stem for p in (REPO / "workers" / pkg).glob("*.py")}, pkg
+
+
 def test_only_entry_points_import_the_shell():
     entry_points = {"services/api.py", "services/cli.py", "services/up.py"}
     bad = []

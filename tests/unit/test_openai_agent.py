@@ -1,4 +1,4 @@
-"""workers/openai_agent.py without a server: /metrics mapped to a status, refusals to codes,
+"""workers/openai/agent.py without a server: /metrics mapped to a status, refusals to codes,
 stream chunks to token chunks, bad chunks to upstream_error, and the agent replacing only
 the EngineBackend. (In front of real servers: tests/integration/test_openai_agent.py.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from schemas import messages as m
-from workers.openai_agent import STATUS_METRICS, parse_prometheus, refusal_of, server_status
+from workers.openai.agent import STATUS_METRICS, parse_prometheus, refusal_of, server_status
 
 
 def test_metrics_of_vllm_and_sglang_map_to_a_status():
@@ -47,7 +47,7 @@ def relay_of(rid: str = "r1"):
     """An agent (not started: no bus, no server) holding one released request, and its stream's relay."""
     from workers.agent import ReqMeta
     from workers.config import WorkerConfig
-    from workers.openai_agent import OpenAIAgent, OpenBatch, StreamRelay
+    from workers.openai.agent import OpenAIAgent, OpenBatch, StreamRelay
 
     agent = OpenAIAgent(WorkerConfig(worker_id="w9", engine="openai", engine_url="http://127.0.0.1:9").validate())
     r = m.BatchRequest(request_id=rid, prompt_token_ids=[1, 2], max_tokens=8, decode_worker_id="w9",
@@ -79,7 +79,7 @@ def test_stream_chunks_become_token_chunks_for_the_routers_batch_in_order():
     (b'{"choices": [{"text": "", "finish_reason": "content_filter"}]}', "ended the request: content_filter"),
 ], ids=["error-chunk", "abort", "cut-json", "wrong-shape", "unknown-finish"])
 def test_a_bad_stream_chunk_ends_the_request_with_upstream_error(payload, fragment):
-    from workers.upstream_http import UpstreamFailure
+    from workers.openai.upstream import UpstreamFailure
 
     agent, relay = relay_of()
     with pytest.raises(UpstreamFailure) as info:
@@ -89,7 +89,7 @@ def test_a_bad_stream_chunk_ends_the_request_with_upstream_error(payload, fragme
 
 
 def test_bytes_for_a_request_that_left_the_agent_close_its_stream():
-    from workers.upstream_http import UpstreamFailure
+    from workers.openai.upstream import UpstreamFailure
 
     agent, relay = relay_of()
     agent._forget("r1")  # cancelled meanwhile
@@ -102,7 +102,7 @@ def test_the_openai_agent_replaces_only_the_engine_backend_of_the_agent():
     """An engine kind replaces the EngineBackend methods and nothing else of the agent (the
     bus side stays one implementation); both kinds implement the whole Protocol."""
     from workers.agent import EngineBackend, WorkerAgent
-    from workers.openai_agent import OpenAIAgent
+    from workers.openai.agent import OpenAIAgent
 
     backend = {n for n in EngineBackend.__dict__ if not n.startswith("_")}
     replaced = {n for n, v in OpenAIAgent.__dict__.items() if callable(v) and n in WorkerAgent.__dict__} - {"__init__"}

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.tokens import block_hashes
-from workers.vllm_kv_events import (
+from workers.openai.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

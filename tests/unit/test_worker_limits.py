@@ -1,9 +1,9 @@
 """What a worker reports of its engine's limits and LoRA adapters, without a bus or a server:
 the sim agent's status from its engine (workers/agent.py), its /metrics counter of adapter
 loads (workers/metrics.py), the openai agent's from the server's /metrics
-(workers/openai_status.py: vLLM's `vllm:lora_requests_info`, max_num_seqs learned from
+(workers/openai/status.py: vLLM's `vllm:lora_requests_info`, max_num_seqs learned from
 overload) or from its settings, and the upstream bodies that select an adapter
-(workers/openai_agent.py). Against real processes: tests/integration/test_worker_lora.py."""
+(workers/openai/agent.py). Against real processes: tests/integration/test_worker_lora.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from workers.agent import WorkerAgent
 from workers.config import WorkerConfig
 from workers.engines.base import EngineBatch, EngineRequest
 from workers.metrics import StatusCollector
-from workers.openai_agent import OpenAIAgent
-from workers.openai_status import MaxNumSeqsLearner, ServerStatus, parse_prometheus, server_status
-from workers.upstream_http import UpstreamFailure, refusal_of
+from workers.openai.agent import OpenAIAgent
+from workers.openai.status import MaxNumSeqsLearner, ServerStatus, parse_prometheus, server_status
+from workers.openai.upstream import UpstreamFailure, refusal_of
 
 
 # --------------------------------------------------------------------------- builders

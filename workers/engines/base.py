@@ -1,10 +1,10 @@
 """The engine contract: what the worker agent (workers/agent.py) and the sim HTTP front
-(workers/http_front.py) call on an engine, and the records one engine step returns.
+(workers/sim_server/http.py) call on an engine, and the records one engine step returns.
 
 `Engine` is implemented by `SimEngine` (workers/engines/sim.py: modelled time and KV) and
 `TorchEngine` (workers/engines/torch_engine.py: a real model, measured time), both on the
 shared scheduler `ScheduledEngine` (workers/engines/scheduler.py). The HTTP-backed engine
-(workers/openai_agent.py) has no steps of its own: it is an agent backend
+(workers/openai/agent.py) has no steps of its own: it is an agent backend
 (`EngineBackend` in workers/agent.py), not an `Engine`.
 
 Calling contract (one caller, one thread: the event loop):

@@ -1,5 +1,5 @@
 """The step loop: how an engine (workers/engines/base.py) is driven, one implementation for
-the NATS worker (workers/agent.py) and the sim HTTP front (workers/http_front.py).
+the NATS worker (workers/agent.py) and the sim HTTP front (workers/sim_server/http.py).
 
 `StepLoop.run()` (one asyncio task), over and over:
 1. `engine.step()`. None (nothing to do): wait for `work`, the event whoever submits sets,

@@ -44,7 +44,7 @@ alone, when nothing else is open). `engine_protocol` says which POST:
   ({"type": "length" | "stop" | "abort"}: abort fails the request, upstream_error). A
   cancel closes the stream (SGLang aborts a request whose client went) and also POSTs
   `/abort_request {"rid"}`, best effort.
-The streams are read by workers/upstream_http.py (keep-alive connections, httptools, each
+The streams are read by workers/openai/upstream.py (keep-alive connections, httptools, each
 event handed over from the read callback), not httpx: httpx's streaming was most of the
 agent's CPU per token (bench/README.md, "adapter_cost.py"). Tokens are relayed with the
 server's text as they arrive, through the agent's outbox (workers/agent.py): the chunks its
@@ -64,7 +64,7 @@ LoRA adapters: a request that names one (`BatchRequest.lora_adapter`) is sent wi
 reports are those GET /v1/models lists with a `parent` (vLLM's --lora-modules; one the
 server loads at run time appears at the agent's next start), its slots `max_loras` (the
 setting, else vllm:lora_requests_info's max_lora) and the loaded ones from
-vllm:lora_requests_info (workers/openai_status.py; None without it).
+vllm:lora_requests_info (workers/openai/status.py; None without it).
 
 Streams without token ids (vLLM < 0.10.2, SGLang's OpenAI endpoints, TGI, llama.cpp: a
 server that ignores return_token_ids): the text is relayed and its tokens counted, as
@@ -97,7 +97,7 @@ Status. At every heartbeat the agent asks whether the server is up, and how load
 No connection (or no answer within METRICS_TIMEOUT_S) fails the poll at once. Running =
 the server's (with metrics "none": the agent's open streams); queued = the agent's
 unreleased batches + the server's waiting requests; max_num_seqs = engine_max_num_seqs,
-else the highest running count a poll saw while requests waited (workers/openai_status.py,
+else the highest running count a poll saw while requests waited (workers/openai/status.py,
 0 until one did; forgotten when the server is gone); free blocks = (1 - usage) x blocks
 (all of them without metrics); `recent_step_ms` = the mean gap between tokens of the
 streams of the last 3 s (the server's time per output token). Every status carries `signals`
@@ -111,7 +111,7 @@ heartbeats keep coming, so its liveness is unchanged). At start, the server's bl
 and block count (cache_config_info) and max_model_len (/v1/models) replace the configured
 ones before the worker registers.
 
-KV events (`kv_events_endpoint`): vLLM's ZMQ publisher, through workers/vllm_kv_zmq.py,
+KV events (`kv_events_endpoint`): vLLM's ZMQ publisher, through workers/openai/kv_zmq.py,
 translated into FlexLB's `KvBlocksStored` / `KvBlocksRemoved` / `KvAllCleared` with our own
 chained hashes, so the router's exact prefix index works in front of vLLM; a snapshot
 request is answered from that view. A gap the replay socket cannot fill clears the view
@@ -124,8 +124,8 @@ bootstrap), logprobs; a chat stream's tool calls and reasoning are counted as ou
 not relayed (a token chunk carries text only: the router's answer has the content alone);
 text prompts are tokenized at the router (`--tokenizer`).
 
-Parts: the /metrics reading (workers/openai_status.py) and the stream relays per protocol
-(workers/openai_relays.py). What stays here (about 500 lines with this docstring over it) is
+Parts: the /metrics reading (workers/openai/status.py) and the stream relays per protocol
+(workers/openai/relays.py). What stays here (about 500 lines with this docstring over it) is
 one concept, the requests' life on the server: queue, release, stream, poll, fail; split
 further, its state (queued, streams, batch_of, ending) would be passed between modules.
 
@@ -139,7 +139,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -147,16 +146,16 @@ from schemas import messages as m
 from schemas.errors import error_code
 from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes
-from workers.agent import ReqMeta, WorkerAgent  # noqa: F401  (ReqMeta: as before)
-from workers.openai_relays import FINISH_REASONS, SGLangRelay, StreamRelay  # noqa: F401  (FINISH_REASONS: as before)
-from workers.openai_status import (  # noqa: F401  (STATUS_METRICS, parse_prometheus: this module's API)
+from workers.agent import ReqMeta, WorkerAgent  # noqa: F401  (ReqMeta: where tests take it)
+from workers.openai.relays import FINISH_REASONS, OpenBatch, SGLangRelay, StreamRelay  # noqa: F401  (FINISH_REASONS: where tests take it)
+from workers.openai.status import (  # noqa: F401  (STATUS_METRICS, parse_prometheus: this module's API)
     STATUS_METRICS,
     MaxNumSeqsLearner,
     ServerStatus,
     parse_prometheus,
     server_status,
 )
-from workers.upstream_http import UpstreamClient, UpstreamFailure, refusal_of  # noqa: F401  (refusal_of: this module's API)
+from workers.openai.upstream import UpstreamClient, UpstreamFailure, refusal_of  # noqa: F401  (refusal_of: this module's API)
 
 log = logging.getLogger("flexlb.worker.openai")
 
@@ -175,21 +174,11 @@ _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
 
-@dataclass
-class OpenBatch:
-    batch_id: str
-    requests: list[m.BatchRequest]
-    released_ns: int = 0
-    waiting_first: set[str] = field(default_factory=set)  # members with neither a first token nor an end yet
-    first_ms: dict[str, float] = field(default_factory=dict)  # member -> first-token latency from release
-    cached: dict[str, int] = field(default_factory=dict)  # member -> cached prompt tokens (estimate)
-
-
 class OpenAIAgent(WorkerAgent):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.base_url = config.engine_url.rstrip("/")
-        # Streams, /metrics and /v1/models (workers/upstream_http.py: httpx's streaming was most
+        # Streams, /metrics and /v1/models (workers/openai/upstream.py: httpx's streaming was most
         # of the agent's CPU per token, and its /metrics GET per heartbeat the next largest part).
         self.upstream = UpstreamClient(self.base_url, config.upstream_max_concurrency + 8)
         self.queued: deque[OpenBatch] = deque()  # not yet released, in arrival order
@@ -262,7 +251,7 @@ class OpenAIAgent(WorkerAgent):
         if st.num_gpu_blocks:
             cfg.num_kv_blocks = st.num_gpu_blocks
         if cfg.kv_events_endpoint:
-            from workers.vllm_kv_zmq import VllmKvSubscriber
+            from workers.openai.kv_zmq import VllmKvSubscriber
 
             self.kv_feed = VllmKvSubscriber(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint or None,
                                             cfg.kv_events_topic, cfg.block_size_tokens)
@@ -425,7 +414,7 @@ class OpenAIAgent(WorkerAgent):
             batch.requests = [r for r in batch.requests if r.request_id != request_id]
             if not batch.requests and batch in self.queued:
                 self.queued.remove(batch)
-        self._first_or_end(batch, request_id, None)
+        self.first_or_end(batch, request_id, None)
         return True
 
     def cached_block_hashes(self) -> list[int]:
@@ -483,7 +472,7 @@ class OpenAIAgent(WorkerAgent):
             batch.cached[r.request_id] = self._estimate_cached(r)
             self.streams[r.request_id] = asyncio.create_task(self._stream(batch, r), name=f"stream {r.request_id}")
 
-    def _first_or_end(self, batch: OpenBatch, request_id: str, first_ms: float | None) -> None:
+    def first_or_end(self, batch: OpenBatch, request_id: str, first_ms: float | None) -> None:
         """A member got its first token (first_ms) or ended without one; once every member has,
         the batch's prefill is complete."""
         if request_id not in batch.waiting_first:
@@ -617,7 +606,7 @@ class OpenAIAgent(WorkerAgent):
             relay.end()  # its last chunk, when it was held for the server's count
             await self._flush_tokens()  # its last chunk before its end
             self.batch_of.pop(rid, None)
-            self._first_or_end(batch, rid, None)
+            self.first_or_end(batch, rid, None)
             self._forget(rid)
             self.num_requests_finished += 1
             cached = relay.num_cached_tokens()

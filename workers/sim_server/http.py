@@ -136,8 +136,8 @@ SLO fields, vLLM's PD protocol (kv_transfer_params), data parallelism.
 Decisions: a raw ASGI app (no framework, schemas/http.py's helpers) keeps per-request
 overhead low and gives direct control of disconnects (a watcher awaits `http.disconnect` and
 cancels the engine request, also while it is still queued); JSON by msgspec. Parts: the
-engine side and `/metrics` (workers/sim_front.py), request parsing (workers/sim_requests.py),
-response formats (workers/sim_formats.py), PD bootstrap (workers/sim_pd.py).
+engine side and `/metrics` (workers/sim_server/front.py), request parsing (workers/sim_server/requests.py),
+response formats (workers/sim_server/formats.py), PD bootstrap (workers/sim_server/pd.py).
 
 Imports: `schemas` and `workers` only (never `services`).
 """
@@ -153,10 +153,10 @@ from schemas.chat_template import ChatTemplates
 from schemas.http import SSE_DONE, ClientGone, HttpError, Receive, Scope, Send, error_body, read_body, send_bytes, send_error, send_json, sse
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.config import WorkerConfig
-from workers.sim_formats import ABORT_MESSAGE, ChatFormat, OpenAIFormat, Output, SGLangFormat
-from workers.sim_front import DEFAULT_MODEL_NAME, Delta, OpenRequest, SimFront  # noqa: F401  (SimFront: this module's API)
-from workers.sim_pd import BOOTSTRAP_WAIT_S, bootstrap_of, fetch_handoff
-from workers.sim_requests import bool_field, chat_prompt, int_field, parse_json_object, prompt_of, refuse_unmodelled, request_id_of
+from workers.sim_server.formats import ABORT_MESSAGE, ChatFormat, OpenAIFormat, Output, SGLangFormat
+from workers.sim_server.front import DEFAULT_MODEL_NAME, Delta, OpenRequest, SimFront  # noqa: F401  (SimFront: this module's API)
+from workers.sim_server.pd import BOOTSTRAP_WAIT_S, bootstrap_of, fetch_handoff
+from workers.sim_server.requests import bool_field, chat_prompt, int_field, parse_json_object, prompt_of, refuse_unmodelled, request_id_of
 
 log = logging.getLogger("flexlb.sim_http")
 

@@ -1,6 +1,6 @@
 """The sim-server's request parsing: JSON bodies, prompts (text or token ids), typed fields,
 the request id, and the fields refused because the simulated engine would not honour them
-(workers/http_front.py documents each endpoint's fields). Every refusal is an `HttpError`
+(workers/sim_server/http.py documents each endpoint's fields). Every refusal is an `HttpError`
 (schemas/http.py) with code `invalid_request`.
 """
 

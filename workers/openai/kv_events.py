@@ -1,7 +1,7 @@
 """vLLM's KV-cache events, as its ZMQ publisher sends them, translated into FlexLB's.
 
 Part of the OpenAI-compatible engine agent (issue 13): the wire format and the translation;
-the sockets are in workers/vllm_kv_zmq.py.
+the sockets are in workers/openai/kv_zmq.py.
 
 Wire format (vLLM `vllm/distributed/kv_events.py`, `--kv-events-config`): a PUB socket sends
 multipart frames `[topic, seq, payload]`: `seq` is an 8-byte big-endian signed integer, one

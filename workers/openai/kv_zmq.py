@@ -1,6 +1,6 @@
 """vLLM's KV-event sockets: its publisher (for tests and the simulated server) and our subscriber.
 
-The wire format and the translation into FlexLB's hashes are in workers/vllm_kv_events.py;
+The wire format and the translation into FlexLB's hashes are in workers/openai/kv_events.py;
 this module is the transport, after vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py)
 and its example subscriber (examples/online_serving/kv_events_subscriber.py).
 
@@ -63,7 +63,7 @@ then raises CancelledError. Counters: `num_batches` (translated, live or replaye
 `num_foreign_frames`, `num_restarts`, `num_replay_requests`, `num_replay_timeouts`.
 
 `EngineKvPublisher`: our engines (workers/engines/sim.py, torch) as a vLLM server would
-publish them, for `flexlb sim-server --kv-events-endpoint` (workers/http_front.py). A step's
+publish them, for `flexlb sim-server --kv-events-endpoint` (workers/sim_server/http.py). A step's
 `blocks_stored` / `blocks_removed` hold our hashes, but a vLLM BlockStored needs each block's
 token ids and its parent: `note_prompt(token_ids)` (at every submission) remembers, for
 each full block of the prompt, our hash -> (its token ids, its parent's hash), in an LRU of
@@ -105,7 +105,7 @@ import zmq
 import zmq.asyncio
 
 from schemas.tokens import ROOT_DIGEST, chain_block_hashes
-from workers.vllm_kv_events import (
+from workers.openai.kv_events import (
     AllBlocksCleared,
     AllBlocksClearedMap,
     BlockRemoved,

@@ -1,7 +1,7 @@
 """The sim-server's response bodies and stream chunks, per dialect: OpenAI completions and chat
 (the shapes of schemas/api.py, with vLLM's token ids where asked) and SGLang's /generate.
-workers/http_front.py documents each endpoint's shape; a format turns one request's engine
-deltas (workers/sim_front.py `Delta`) into bytes: `chunk(out, delta, text)` for a stream
+workers/sim_server/http.py documents each endpoint's shape; a format turns one request's engine
+deltas (workers/sim_server/front.py `Delta`) into bytes: `chunk(out, delta, text)` for a stream
 (one or more server-sent events), `body(out, finished)` for a non-streaming answer.
 """
 
@@ -32,7 +32,7 @@ from schemas.api import (
 from schemas.http import sse
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.engines.base import FinishedOut
-from workers.sim_front import Delta
+from workers.sim_server.front import Delta
 
 ABORT_MESSAGE = "aborted by POST /abort_request"
 

@@ -1,7 +1,7 @@
 """The sim-server's engine side (`SimFront`): one engine (built by `workers.config.make_engine`,
 exactly as the NATS worker builds it), driven by the shared step loop
 (workers/engines/step_loop.py), and the open requests' streams; no transport. The ASGI app
-(workers/http_front.py) submits requests and reads their deltas.
+(workers/sim_server/http.py) submits requests and reads their deltas.
 
 Each engine step, once its time is up, becomes one `Delta` per request it touched (its new
 token ids, and its end: finished or failed), put on the request's queue. An exception from
@@ -36,7 +36,7 @@ tcp://*:5558` and `--kv-events-topic`; needs pyzmq): the server publishes its pr
 changes as `vllm serve --kv-events-config` does (and, as vLLM, binds an endpoint with `*`
 or `::` but connects to any other), after each engine step one batch of
 BlockStored / BlockRemoved events on a ZMQ PUB socket, with vLLM's replay socket
-(workers/vllm_kv_zmq.py `EngineKvPublisher`: vLLM-side hashes are a different hash of ours;
+(workers/openai/kv_zmq.py `EngineKvPublisher`: vLLM-side hashes are a different hash of ours;
 a BlockStored's token ids come from the submitted prompts). Counted in
 `flexlb_sim_kv_event_batches_total` / `flexlb_sim_kv_events_unknown_blocks_total`.
 """
@@ -56,7 +56,7 @@ from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.config import WorkerConfig, make_engine
 from workers.engines.base import EngineBatch, EngineRequest, FailedOut, FinishedOut, StepResult
 from workers.engines.step_loop import ENGINE_FAILED_CODE, StepLoop
-from workers.sim_pd import MAX_ROOMS
+from workers.sim_server.pd import MAX_ROOMS
 
 log = logging.getLogger("flexlb.sim_http")
 
@@ -134,7 +134,7 @@ class SimFront:
         # vLLM's KV events (module docstring): the engine's cache changes on a ZMQ PUB socket.
         self.kv_events = None
         if cfg.kv_events_endpoint:
-            from workers.vllm_kv_zmq import EngineKvPublisher  # pyzmq (the openai extra): only when asked for
+            from workers.openai.kv_zmq import EngineKvPublisher  # pyzmq (the openai extra): only when asked for
 
             self.kv_events = EngineKvPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint or None,
                                                cfg.kv_events_topic, cfg.block_size_tokens)

@@ -1,5 +1,5 @@
 """The openai agent's stream relays: one per request, turning each server-sent event of the
-engine server's stream into token chunks in the agent's outbox (workers/openai_agent.py,
+engine server's stream into token chunks in the agent's outbox (workers/openai/agent.py,
 module docstring "Execution" and "Streams without token ids"). `StreamRelay` reads OpenAI's
 /v1/completions and /v1/chat/completions chunks, `SGLangRelay` SGLang's /generate; both
 read through lean reader Structs (only the fields the agent uses; the rest is ignored).
@@ -8,16 +8,45 @@ read through lean reader Structs (only the fields the agent uses; the rest is ig
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
 from schemas import messages as m
-from workers.upstream_http import UpstreamFailure
+from workers.agent import ReqMeta
+from workers.config import WorkerConfig
+from workers.openai.upstream import UpstreamFailure
 
-if TYPE_CHECKING:
-    from workers.agent import ReqMeta
-    from workers.openai_agent import OpenAIAgent, OpenBatch
+
+@dataclass
+class OpenBatch:
+    """A dispatched batch the agent has released to the server, until every member has its
+    first token or its end."""
+
+    batch_id: str
+    requests: list[m.BatchRequest]
+    released_ns: int = 0
+    waiting_first: set[str] = field(default_factory=set)  # members with neither a first token nor an end yet
+    first_ms: dict[str, float] = field(default_factory=dict)  # member -> first-token latency from release
+    cached: dict[str, int] = field(default_factory=dict)  # member -> cached prompt tokens (estimate)
+
+
+class RelayHost(Protocol):
+    """What a relay uses of the agent that owns it (workers/openai/agent.py `OpenAIAgent`):
+    its open requests, its outbox and first-token bookkeeping. Relays import this, not the
+    agent: the imports point one way (agent -> relays)."""
+
+    cfg: WorkerConfig
+    meta: dict[str, ReqMeta]  # the open requests: one that left (cancelled, failed) is gone
+    first_token_ns: dict[str, int]
+    stream_token_ids: bool | None  # the server streams token ids (None: not known yet)
+
+    def first_or_end(self, batch: OpenBatch, request_id: str, first_ms: float | None) -> None: ...
+
+    def note_token_gap(self, now_s: float, ms_per_token: float) -> None: ...
+
+    def queue_tokens(self, meta: ReqMeta, chunk: m.TokensGenerated) -> None: ...
 
 
 class _Delta(msgspec.Struct):
@@ -79,7 +108,7 @@ class _Relay:
     __slots__ = ("agent", "batch", "meta", "request", "request_id", "index", "finish", "first_ns", "last_s",
                  "held", "without_ids", "server_num_output_tokens", "server_num_cached_tokens")
 
-    def __init__(self, agent: OpenAIAgent, batch: OpenBatch, r: m.BatchRequest, meta: ReqMeta) -> None:
+    def __init__(self, agent: RelayHost, batch: OpenBatch, r: m.BatchRequest, meta: ReqMeta) -> None:
         self.agent = agent
         self.batch = batch
         self.meta = meta
@@ -111,7 +140,7 @@ class _Relay:
             if self.index == 0:
                 self.first_ns = time.time_ns()
                 agent.first_token_ns[rid] = self.first_ns
-                agent._first_or_end(self.batch, rid, (time.monotonic_ns() - self.batch.released_ns) / 1e6)
+                agent.first_or_end(self.batch, rid, (time.monotonic_ns() - self.batch.released_ns) / 1e6)
             else:
                 agent.note_token_gap(now_s, (now_s - self.last_s) * 1000 / num_tokens)
             self.last_s = now_s
@@ -123,7 +152,7 @@ class _Relay:
             if self.without_ids:
                 self.held = chunk
                 return
-        agent._queue_tokens(self.meta, chunk)
+        agent.queue_tokens(self.meta, chunk)
 
     def end(self) -> None:
         """The stream is over: its held last chunk goes out, standing for the tokens the server
@@ -136,7 +165,7 @@ class _Relay:
             n = max(counted - chunk.start_index, 0)
             self.index = chunk.start_index + n
             chunk = msgspec.structs.replace(chunk, num_tokens=n)
-        self.agent._queue_tokens(self.meta, chunk)
+        self.agent.queue_tokens(self.meta, chunk)
 
     def num_output_tokens(self) -> int:
         """The request's output count: the server's where the stream has no ids, else the ids relayed."""

@@ -1,5 +1,5 @@
 """Reading an engine server's load from its Prometheus /metrics (the openai agent's status
-poll, workers/openai_agent.py, module docstring "Status"): vLLM's or SGLang's metric names.
+poll, workers/openai/agent.py, module docstring "Status"): vLLM's or SGLang's metric names.
 
 LoRA (vLLM only): `vllm:lora_requests_info{max_lora, running_lora_adapters,
 waiting_lora_adapters}`, an info gauge whose value is the time it was set: vLLM sets a new

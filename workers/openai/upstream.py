@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for the OpenAI agent's streamed completions (workers/openai_agent.py).
+"""A lean HTTP/1.1 client for the OpenAI agent's streamed completions (workers/openai/agent.py).
 
 Why not httpx here: its streaming path (httpx -> httpcore -> anyio -> h11, a coroutine hop
 per layer for every read, a line iterator over decoded text) was most of the agent's CPU
