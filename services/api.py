@@ -60,11 +60,10 @@ from schemas.http import (
     send_error,
     sse,
 )
+from schemas.openai_bodies import ChatShape, CompletionShape
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from services.chat import (
-    ChatShape,
-    CompletionShape,
     OutputCursor,
     check_max_tokens,
     check_options,

@@ -53,20 +53,12 @@ import msgspec
 
 from schemas import messages as m
 from schemas.api import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessage,
-    CompletionChoice,
-    CompletionResponse,
-    PromptTokensDetails,
     UsageWithDetails,
 )
 from schemas.chat_template import ChatTemplateError, ChatTemplates, load_chat_templates, tool_arguments_as_objects
 from schemas.http import HttpError
+from schemas.openai_bodies import usage_of
 from schemas.subjects import validate_token
 from schemas.tokens import ByteTokenizer, HFTokenizer
 from services.core.fairness import CLASSES
@@ -75,7 +67,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
-_ENC = msgspec.json.Encoder()
 
 
 def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: str):
@@ -315,66 +306,3 @@ class OutputCursor:
     def usage(self, num_prompt_tokens: int) -> UsageWithDetails:
         return usage_of(num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
 
-
-def usage_of(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None) -> UsageWithDetails:
-    return UsageWithDetails(
-        prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
-        total_tokens=num_prompt_tokens + num_output_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens is not None else None,
-    )
-
-
-class CompletionShape:
-    """`text_completion` bodies and chunks (/v1/completions)."""
-
-    skips_empty = False  # every engine chunk goes out, as before (a chunk's text may be "")
-
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False) -> None:
-        self.request_id, self.created, self.model, self.include_usage = request_id, created, model, include_usage
-
-    def first(self) -> bytes:
-        return b""
-
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
-        return b"data: " + _ENC.encode(CompletionResponse(
-            id=self.request_id, object="text_completion", created=self.created, model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)])) + b"\n\n"
-
-    def usage_chunk(self, usage: UsageWithDetails) -> bytes:
-        return b"data: " + _ENC.encode(CompletionResponse(
-            id=self.request_id, object="text_completion", created=self.created, model=self.model, choices=[],
-            usage=usage)) + b"\n\n"
-
-    def body(self, text: str, finish_reason: str | None, usage: UsageWithDetails) -> bytes:
-        return _ENC.encode(CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage))
-
-
-class ChatShape:
-    """`chat.completion` bodies and `chat.completion.chunk` chunks (/v1/chat/completions)."""
-
-    skips_empty = True  # a chunk with no text (a character's bytes held back) and no end: nothing to send
-
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False) -> None:
-        self.request_id, self.created, self.model, self.include_usage = request_id, created, model, include_usage
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageWithDetails | None = None) -> bytes:
-        return b"data: " + _ENC.encode(ChatCompletionChunk(
-            id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model,
-            choices=choices, usage=usage)) + b"\n\n"
-
-    def first(self) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text) if text else ChatDelta(),
-                                            finish_reason=finish_reason)])
-
-    def usage_chunk(self, usage: UsageWithDetails) -> bytes:
-        return self._chunk([], usage)
-
-    def body(self, text: str, finish_reason: str | None, usage: UsageWithDetails) -> bytes:
-        return _ENC.encode(ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model,
-            choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=finish_reason)], usage=usage))

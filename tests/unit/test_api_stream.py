@@ -12,8 +12,8 @@ import json
 import pytest
 
 from schemas import messages as m
+from schemas.openai_bodies import CompletionShape
 from services.api import RETRY_AFTER_CODES, CompletionsFront, error_headers
-from services.chat import CompletionShape
 from services.settings import RouterSettings
 from services.shell.state import RequestHandle, Terminal
 

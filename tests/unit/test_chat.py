@@ -11,8 +11,9 @@ import pytest
 
 from schemas.chat_template import ChatTemplates
 from schemas.http import HttpError
+from schemas.openai_bodies import ChatShape
 from schemas.tokens import BYTE_TOKENIZER
-from services.chat import ChatShape, StopMatcher, parse_chat
+from services.chat import StopMatcher, parse_chat
 from services.settings import RouterSettings
 
 SETTINGS = RouterSettings()
@@ -119,7 +120,7 @@ def test_the_first_chunk_says_the_role_and_a_chunk_without_text_carries_no_conte
 
 def test_usage_chunk_json_is_openai_shaped():
     shape = ChatShape("chatcmpl-2", 7, "m", include_usage=True)
-    from services.chat import usage_of
+    from schemas.openai_bodies import usage_of
 
     body = msgspec.json.decode(shape.usage_chunk(usage_of(10, 3, 4))[6:])
     assert body["choices"] == [] and body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,

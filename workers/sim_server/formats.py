@@ -13,23 +13,10 @@ from typing import Any
 import msgspec
 
 from schemas.api import (
-    ChatChoice,
-    ChatChoiceWithTokenIds,
-    ChatChunkChoice,
-    ChatChunkChoiceWithTokenIds,
-    ChatCompletionChunkWithPromptIds,
-    ChatCompletionResponse,
-    ChatCompletionResponseWithPromptIds,
-    ChatDelta,
-    ChatMessage,
-    CompletionChoice,
-    CompletionChoiceWithTokenIds,
-    CompletionChunk,
-    CompletionResponse,
-    PromptTokensDetails,
     UsageWithDetails,
 )
 from schemas.http import sse
+from schemas.openai_bodies import ChatShape, CompletionShape, usage_of
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer
 from workers.engines.base import FinishedOut
 from workers.sim_server.front import Delta
@@ -44,9 +31,7 @@ def _sse(obj: Any) -> bytes:
 
 
 def _usage(num_prompt_tokens: int, out: Output, finished: FinishedOut) -> UsageWithDetails:
-    n = len(out.token_ids)
-    return UsageWithDetails(prompt_tokens=num_prompt_tokens, completion_tokens=n, total_tokens=num_prompt_tokens + n,
-                            prompt_tokens_details=PromptTokensDetails(cached_tokens=finished.num_cached_tokens))
+    return usage_of(num_prompt_tokens, len(out.token_ids), finished.num_cached_tokens)
 
 
 class Output:
@@ -74,87 +59,52 @@ class Output:
 
 
 class OpenAIFormat:
-    """`/v1/completions` bodies and chunks (OpenAI completion shape)."""
+    """`/v1/completions` bodies and chunks (schemas/openai_bodies.py's shape; vLLM's token ids
+    where asked)."""
 
     def __init__(self, request_id: str, model: str, num_prompt_tokens: int, include_usage: bool,
                  return_token_ids: bool = False) -> None:
-        self.id = f"cmpl-{request_id}"
-        self.model = model
-        self.created = int(time.time())
+        self.shape = CompletionShape(f"cmpl-{request_id}", int(time.time()), model, include_usage, return_token_ids)
         self.num_prompt_tokens = num_prompt_tokens
-        self.include_usage = include_usage
-        self.return_token_ids = return_token_ids  # vLLM >= 0.10.2: each choice carries its token ids
-
-    def _choice(self, text: str, finish_reason: str | None, token_ids: list[int]) -> CompletionChoice:
-        if self.return_token_ids:
-            return CompletionChoiceWithTokenIds(text=text, finish_reason=finish_reason, token_ids=token_ids)
-        return CompletionChoice(text=text, finish_reason=finish_reason)
 
     def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
-        finish_reason = delta.finished.finish_reason if delta.finished is not None else None
-        data = _sse(CompletionChunk(id=self.id, object="text_completion", created=self.created, model=self.model,
-                                    choices=[self._choice(text, finish_reason, delta.token_ids)]))
-        if delta.finished is not None and self.include_usage:
-            data += _sse(CompletionChunk(id=self.id, object="text_completion", created=self.created, model=self.model,
-                                         choices=[], usage=_usage(self.num_prompt_tokens, out, delta.finished)))
-        return data
+        return _chunk(self.shape, self.num_prompt_tokens, out, delta, text)
 
     def body(self, out: Output, finished: FinishedOut) -> bytes:
-        return _json_encode(CompletionResponse(
-            id=self.id, created=self.created, model=self.model,
-            choices=[self._choice(out.text, finished.finish_reason, out.token_ids)],
-            usage=_usage(self.num_prompt_tokens, out, finished)))
+        return self.shape.body(out.text, finished.finish_reason, _usage(self.num_prompt_tokens, out, finished),
+                               out.token_ids)
 
 
 class ChatFormat:
-    """`/v1/chat/completions` bodies and chunks (OpenAI chat shape; vLLM's token ids)."""
+    """`/v1/chat/completions` bodies and chunks (schemas/openai_bodies.py's shape; vLLM's token
+    ids and the prompt's where asked)."""
 
     def __init__(self, request_id: str, model: str, prompt_token_ids: list[int], include_usage: bool,
                  return_token_ids: bool = False) -> None:
-        self.id = f"chatcmpl-{request_id}"
-        self.model = model
-        self.created = int(time.time())
-        self.prompt_token_ids = prompt_token_ids
-        self.include_usage = include_usage
-        # vLLM >= 0.10.2: the prompt's ids (the first chunk, or the body) and each choice's ids.
-        self.return_token_ids = return_token_ids
+        self.shape = ChatShape(f"chatcmpl-{request_id}", int(time.time()), model, include_usage, return_token_ids,
+                               prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.sent_role = False
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageWithDetails | None = None,
-               prompt_token_ids: list[int] | None = None) -> bytes:
-        return _sse(ChatCompletionChunkWithPromptIds(
-            id=self.id, object="chat.completion.chunk", created=self.created, model=self.model, choices=choices,
-            usage=usage, prompt_token_ids=prompt_token_ids))
-
     def chunk(self, out: Output, delta: Delta, text: str) -> bytes:
-        data = b""
+        first = b""
         if not self.sent_role:  # the first chunk: the role, no content (and the prompt's ids)
             self.sent_role = True
-            data = self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))],
-                               prompt_token_ids=self.prompt_token_ids if self.return_token_ids else None)
-        finish_reason = delta.finished.finish_reason if delta.finished is not None else None
-        if self.return_token_ids:
-            choice = ChatChunkChoiceWithTokenIds(delta=ChatDelta(content=text), finish_reason=finish_reason,
-                                                 token_ids=delta.token_ids)
-        else:
-            choice = ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish_reason)
-        data += self._chunk([choice])
-        if delta.finished is not None and self.include_usage:
-            data += self._chunk([], usage=_usage(len(self.prompt_token_ids), out, delta.finished))
-        return data
+            first = self.shape.first()
+        return first + _chunk(self.shape, self.num_prompt_tokens, out, delta, text)
 
     def body(self, out: Output, finished: FinishedOut) -> bytes:
-        message = ChatMessage(role="assistant", content=out.text)
-        usage = _usage(len(self.prompt_token_ids), out, finished)
-        if self.return_token_ids:
-            return _json_encode(ChatCompletionResponseWithPromptIds(
-                id=self.id, created=self.created, model=self.model, usage=usage,
-                choices=[ChatChoiceWithTokenIds(message=message, finish_reason=finished.finish_reason,
-                                                token_ids=out.token_ids)],
-                prompt_token_ids=self.prompt_token_ids))
-        return _json_encode(ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, usage=usage,
-            choices=[ChatChoice(message=message, finish_reason=finished.finish_reason)]))
+        return self.shape.body(out.text, finished.finish_reason, _usage(self.num_prompt_tokens, out, finished),
+                               out.token_ids)
+
+
+def _chunk(shape: CompletionShape | ChatShape, num_prompt_tokens: int, out: Output, delta: Delta, text: str) -> bytes:
+    """One engine delta's event, and the usage event after the last one where asked."""
+    finished = delta.finished
+    data = shape.chunk(text, finished.finish_reason if finished is not None else None, delta.token_ids)
+    if finished is not None and shape.include_usage:
+        data += shape.usage_chunk(_usage(num_prompt_tokens, out, finished))
+    return data
 
 
 class SGLangFormat:
