@@ -460,25 +460,40 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     batch_id: str = ""
 
 
-class SubmitRequest(_Event, tag="cmd.submit_request"):
-    """A standby router forwards a client's request to the leader (NATS request-reply).
-    Tokens go straight to the standby's `token_subject`."""
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    """One client request as the API parsed it (services/api.py): made once there and passed
+    whole, to the admission of the leader (a standby forwards it inside `SubmitRequest`, which
+    is a Request), into the request's handle, and from there into its dispatch. A new field of
+    a request goes here, where the API sets it, and where it is read: nothing between names it."""
 
     request_id: str
-    router_id: str  # the forwarding router
     prompt_token_ids: list[int]
     max_tokens: int
-    token_subject: str
     priority: int | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    timeout_s: float | None = None
+    timeout_s: float | None = None  # None: the router's request_timeout_s
     sampling: Sampling | None = None
     stop: list[str] = []  # as BatchRequest.stop
     chat: ChatForward | None = None  # as BatchRequest.chat
     model: str = ""  # the model the client named ("": none, the default pool)
     tenant: str = ""  # who sent it ("": the default tenant): its share in the leader's fair queue
     priority_class: str = ""  # critical | standard | sheddable ("": by priority)
+
+
+REQUEST_FIELDS = Request.__struct_fields__
+
+
+class SubmitRequest(Request, _Event, tag="cmd.submit_request"):
+    """A standby router forwards a client's request to the leader (NATS request-reply), or a
+    leader that stops hands one over. Tokens go straight to the forwarder's `token_subject`."""
+
+    router_id: str  # the forwarding router
+    token_subject: str
+
+    @classmethod
+    def of(cls, request: Request, router_id: str, token_subject: str) -> "SubmitRequest":
+        return cls(**{f: getattr(request, f) for f in REQUEST_FIELDS}, router_id=router_id, token_subject=token_subject)
 
 
 class SubmitReply(_Event, tag="cmd.submit_reply"):

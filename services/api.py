@@ -417,9 +417,10 @@ class CompletionsFront:
             await send_error(send, code, message, _id_header(request_id))
             return
         request_id = request_id or service.new_request_id()
-        outcome = await service.submit(request_id, tokens, max_tokens, req.priority, slo_ttft, slo_tpot, req.timeout_s,
-                                       sampling=sampling, stop=stop, chat=forward, model=req.model or "", tenant=tenant,
-                                       priority_class=priority_class)
+        outcome = await service.submit(m.Request(
+            request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=req.priority,
+            slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=req.timeout_s, sampling=sampling, stop=stop,
+            chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class))
         if not isinstance(outcome, Rejected) and outcome.admission is not None:  # waiting in the fair queue
             outcome = await self.await_admission(outcome, receive)
             if outcome is None:

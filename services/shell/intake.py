@@ -44,60 +44,47 @@ class Intake:
     def new_request_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_seq):012x}"
 
-    async def submit(
-        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None = None,
-        slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, timeout_s: float | None = None,
-        sampling: m.Sampling | None = None, stop: list[str] | None = None, chat: m.ChatForward | None = None,
-        model: str = "", tenant: str = "", priority_class: str = "",
-    ) -> RequestHandle | Rejected:
+    async def submit(self, request: m.Request) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching. A
-        standby router forwards it to the leader and relays its tokens and outcome. `model`:
-        the one the client named ("": none, the default pool); `tenant`, `priority_class`: its
+        standby router forwards it to the leader and relays its tokens and outcome. Its
+        `model` ("": none, the default pool) picks the pool; `tenant`, `priority_class`: its
         place in the fair queue. A handle whose `admission` future is set waits in the fair
         queue: the caller awaits it (None: admitted; a Rejected: refused while waiting)."""
         to_pool = self.s.pool
         if self.s.pool:  # a router leading one pool: another pool's requests go to that pool's leader
-            to_pool = self.s.pool_of_model(model) or self.s.pool
+            to_pool = self.s.pool_of_model(request.model) or self.s.pool
         if not self.s.is_leader or to_pool != self.s.pool:
-            out = await self.forward(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                                     sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
-                                     priority_class=priority_class, to_pool=to_pool)
+            out = await self.forward(request, to_pool)
             if out is not None:  # (None: no leader answered until we took the lease: admitted here)
                 return out
-        return await self.admit_local(request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms,
-                                       timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model, tenant=tenant,
-                                       priority_class=priority_class)
+        return await self.admit_local(request)
 
-    async def admit_local(
-        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int | None,
-        slo_ttft_ms: float | None, slo_tpot_ms: float | None, timeout_s: float | None,
-        token_subject_override: str = "", sampling: m.Sampling | None = None, stop: list[str] | None = None,
-        chat: m.ChatForward | None = None, model: str = "", tenant: str = "", priority_class: str = "",
-        forwarded_by: str = "", mine: RequestHandle | None = None,
-    ) -> RequestHandle | Rejected:
+    async def admit_local(self, request: m.Request, token_subject_override: str = "", forwarded_by: str = "",
+                          mine: RequestHandle | None = None) -> RequestHandle | Rejected:
         """Admit here. A standby's request (`forwarded_by`) streams to `token_subject_override`;
         `mine`: one we forwarded, handed back now that we lead: admitted into its client's handle."""
+        request_id = request.request_id
         now = time.time_ns()
         if self.s.handles.get(request_id, mine) is not mine:  # (another handle of that id is live)
             return await self.reject(request_id, "duplicate_request", f"request {request_id} is already in flight")
         handle = mine or RequestHandle(
-            request_id, prompt_token_ids, max_tokens, now, timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
-            token_subject=token_subject_override, remote=bool(token_subject_override), forwarded_by=forwarded_by,
-            stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class)
-        handle.sampling, handle.leader_id, handle.leader_pool = sampling, "", ""
-        hashes = tuple(block_hashes(prompt_token_ids, self.s.scheduler.block_size_tokens()))
+            request, now, timeout_s=self._timeout_s(request), token_subject=token_subject_override,
+            remote=bool(token_subject_override), forwarded_by=forwarded_by)
+        handle.leader_id, handle.leader_pool = "", ""
+        prompt = request.prompt_token_ids
+        hashes = tuple(block_hashes(prompt, self.s.scheduler.block_size_tokens()))
         handle.admit = AdmitRequest(
-            request_id=request_id, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens, block_hashes=hashes,
-            priority=priority, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, payload=handle, model=model,
-            tenant=tenant, priority_class=priority_class,
+            request_id=request_id, num_prompt_tokens=len(prompt), max_tokens=request.max_tokens, block_hashes=hashes,
+            priority=request.priority, slo_ttft_ms=request.slo_ttft_ms, slo_tpot_ms=request.slo_tpot_ms, payload=handle,
+            model=request.model, tenant=request.tenant, priority_class=request.priority_class,
         )
         try:
             decision = (self.s.scheduler.offer(handle.admit, now) if self.s.settings.fair_queue
                         else self.s.scheduler.admit(handle.admit, now))
         except ValueError as exc:  # a bad priority class (the API checks it; a forwarded one is checked here)
             return await self.reject(request_id, "invalid_request", str(exc))
-        rec = self.s.records.open(request_id, now, num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                                  decisions=list(getattr(decision, "decisions", ())), tenant=tenant or DEFAULT_TENANT)
+        rec = self.s.records.open(request_id, now, num_prompt_tokens=len(prompt), max_tokens=request.max_tokens,
+                                  decisions=list(getattr(decision, "decisions", ())), tenant=request.tenant or DEFAULT_TENANT)
         self.s.records.note(request_id, now, "arrived")
         if isinstance(decision, Queued):
             await self._queued(handle, decision, now)
@@ -230,22 +217,16 @@ class Intake:
                 handle.admission.set_result(out if isinstance(out, Rejected) else None)
         self._count_waiting()
 
-    async def forward(self, request_id, prompt_token_ids, max_tokens, priority, slo_ttft_ms, slo_tpot_ms, timeout_s,
-                       sampling=None, stop: list[str] | None = None, chat: m.ChatForward | None = None, model: str = "",
-                       tenant: str = "", priority_class: str = "", to_pool: str = "") -> RequestHandle | Rejected | None:
+    def _timeout_s(self, request: m.Request) -> float:
+        return request.timeout_s if request.timeout_s is not None else self.s.settings.request_timeout_s
+
+    async def forward(self, request: m.Request, to_pool: str = "") -> RequestHandle | Rejected | None:
         """To the leader of `to_pool` ("": the cluster's one leader) over NATS request-reply;
         None if no leader answered until we took the lease (the caller admits it here)."""
-        handle = RequestHandle(request_id, prompt_token_ids, max_tokens, time.time_ns(),
-                               timeout_s=timeout_s if timeout_s is not None else self.s.settings.request_timeout_s,
-                               stop=stop or [], chat=chat, tenant=tenant, priority_class=priority_class,
-                               leader_pool=to_pool)
+        request_id = request.request_id
+        handle = RequestHandle(request, time.time_ns(), timeout_s=self._timeout_s(request), leader_pool=to_pool)
         self.s.handles[request_id] = handle
-        cmd = m.SubmitRequest(
-            request_id=request_id, router_id=self.s.router_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
-            token_subject=token_subject(self.s.router_id, request_id), priority=priority, slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms, timeout_s=timeout_s, sampling=sampling, stop=stop or [], chat=chat, model=model,
-            tenant=tenant, priority_class=priority_class,
-        )
+        cmd = m.SubmitRequest.of(request, self.s.router_id, token_subject(self.s.router_id, request_id))
         try:
             reply = await self.s.ask_leader(cmd, to_pool, min(FORWARD_NO_LEADER_WAIT_S, handle.timeout_s))
         except Exception as exc:  # no leader now (failover in progress) or a broken reply
@@ -293,11 +274,8 @@ class Intake:
         mine = mine if mine is not None and mine.is_forward and mine.leader_id in ("", env.producer) else None  # (else: a duplicate)
         out: RequestHandle | Rejected = Rejected("not_ready", NOT_LEADER_MESSAGE)
         if self.s.is_leader:
-            out = await self.admit_local(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.priority,
-                                         cmd.slo_ttft_ms, cmd.slo_tpot_ms, cmd.timeout_s,
-                                         token_subject_override="" if mine else cmd.token_subject, sampling=cmd.sampling,
-                                         stop=cmd.stop, chat=cmd.chat, model=cmd.model, tenant=cmd.tenant,
-                                         priority_class=cmd.priority_class, forwarded_by=cmd.router_id, mine=mine)
+            out = await self.admit_local(cmd, token_subject_override="" if mine else cmd.token_subject,
+                                         forwarded_by=cmd.router_id, mine=mine)
             if mine is not None:  # ours again: its client (awaiting its admission, or its stream) goes on here
                 self.s.records.note(cmd.request_id, time.time_ns(), "handed_back", by=env.producer)
                 if isinstance(out, Rejected):

@@ -50,6 +50,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from schemas import messages as m
 from schemas.subjects import epoch_subject, pool_token, submit_subject, token_subject
 from services.shell.state import RequestHandle, RouterState
@@ -353,13 +355,9 @@ class Leadership:
             return "a standby's, and no hand-off mark (that standby fails it as stranded)"
         if adm is None or remaining_s <= 0:
             return "past its deadline"
-        cmd = m.SubmitRequest(
-            request_id=rid, router_id=handle.forwarded_by if handle.remote else self.s.router_id,
-            prompt_token_ids=handle.prompt_token_ids, max_tokens=handle.max_tokens,
-            token_subject=handle.token_subject or token_subject(self.s.router_id, rid), priority=adm.priority,
-            slo_ttft_ms=adm.slo_ttft_ms, slo_tpot_ms=adm.slo_tpot_ms, timeout_s=remaining_s, sampling=handle.sampling,
-            stop=handle.stop, chat=handle.chat, model=adm.model, tenant=adm.tenant, priority_class=adm.priority_class,
-        )
+        cmd = m.SubmitRequest.of(msgspec.structs.replace(handle.request, timeout_s=remaining_s),
+                                 handle.forwarded_by if handle.remote else self.s.router_id,
+                                 handle.token_subject or token_subject(self.s.router_id, rid))
         try:
             reply = await self.s.ask_leader(cmd, self.s.pool, no_leader_wait_s)
         except Exception as exc:  # no leader (yet): the caller fails it retryable

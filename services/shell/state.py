@@ -174,9 +174,7 @@ class Inbox:
 
 @dataclass
 class RequestHandle:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
+    request: m.Request  # what the client asked, whole (schemas/messages.py): its fields are read through it
     arrival_ns: int
     queue: Inbox = field(default_factory=Inbox)  # TokensGenerated | Terminal
     next_index: int = 0  # index of the next output token we expect
@@ -198,18 +196,41 @@ class RequestHandle:
     # A batch holding it was dispatched (the acked publish: Dispatcher.dispatch), here or, forwarded,
     # by its leader (its batch.dispatched event): its client's stream may start (mark_dispatched).
     dispatched: bool = False
-    sampling: m.Sampling | None = None  # how its tokens are drawn (None: greedy)
-    stop: list[str] = field(default_factory=list)  # OpenAI stop strings (the API cuts the text at the first)
-    chat: m.ChatForward | None = None  # a chat completion as the client sent it (BatchRequest.chat)
     ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index (relay)
     resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
     slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
     slo_tpot_ms: float = 0.0
-    tenant: str = ""  # who sent it ("": the default tenant)
-    priority_class: str = ""  # as the client named it ("": by priority)
     # Set while it waits in the fair queue (the leader's, or the leader's a standby forwarded it
     # to): resolved None when admitted, or with the Rejected that refused it.
     admission: asyncio.Future | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.max_tokens
+
+    @property
+    def stop(self) -> list[str]:
+        return self.request.stop  # OpenAI stop strings (the API cuts the text at the first)
+
+    @property
+    def chat(self) -> m.ChatForward | None:
+        return self.request.chat
+
+    @property
+    def sampling(self) -> m.Sampling | None:
+        return self.request.sampling  # how its tokens are drawn (None: greedy)
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant  # ("": the default tenant)
 
     def mark_dispatched(self) -> None:
         """Its batch went (module docstring of services/api.py: a stream's response starts at

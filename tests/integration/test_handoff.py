@@ -113,7 +113,7 @@ class Listener:
 
 def make_forward(s: RouterState, rid: str, leader_id: str = OLD, queued: bool = False) -> RequestHandle:
     """A request of our client's that we forwarded to `leader_id` (waiting in its fair queue if `queued`)."""
-    handle = RequestHandle(rid, [1, 2, 3], 4, 0, leader_id=leader_id)
+    handle = RequestHandle(m.Request(request_id=rid, prompt_token_ids=[1, 2, 3], max_tokens=4), 0, leader_id=leader_id)
     if queued:
         handle.admission = asyncio.get_running_loop().create_future()
     s.handles[rid] = handle
@@ -197,8 +197,10 @@ async def test_a_hand_over_that_failed_fails_the_request_retryable_for_its_clien
 
 def make_remote(s: RouterState, rid: str) -> RequestHandle:
     """A request a standby forwarded to us, admitted here and not dispatched."""
-    handle = RequestHandle(rid, [1, 2, 3], 4, 0, timeout_s=1e12, token_subject=token_subject("standby", rid),
-                           remote=True, forwarded_by="standby", tenant="acme", priority_class="critical")
+    request = m.Request(request_id=rid, prompt_token_ids=[1, 2, 3], max_tokens=4, priority=90, slo_ttft_ms=500.0,
+                        model="m", tenant="acme", priority_class="critical")
+    handle = RequestHandle(request, 0, timeout_s=1e12, token_subject=token_subject("standby", rid), remote=True,
+                           forwarded_by="standby")
     handle.admit = AdmitRequest(request_id=rid, num_prompt_tokens=3, max_tokens=4, priority=90, slo_ttft_ms=500.0,
                                 payload=handle, model="m", tenant="acme", priority_class="critical")
     s.handles[rid] = handle

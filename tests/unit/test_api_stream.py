@@ -59,7 +59,7 @@ class Client:
 
 
 def make_handle(request_id: str = "r1", timeout_s: float = 60.0) -> RequestHandle:
-    return RequestHandle(request_id, [1, 2, 3], 2, 0, timeout_s=timeout_s)
+    return RequestHandle(m.Request(request_id=request_id, prompt_token_ids=[1, 2, 3], max_tokens=2), 0, timeout_s=timeout_s)
 
 
 def tokens(request_id: str, start: int, text: str, finish_reason: str | None = None) -> m.TokensGenerated:

@@ -156,3 +156,19 @@ def test_text_decoded_chunk_by_chunk_equals_the_whole_decoded_once(ids, cuts):
         out += decoder.decode(ids[i:i + cut], final=i + cut >= len(ids))
         i += cut
     assert out == decode_tokens(ids)
+
+
+def test_a_request_travels_whole_in_a_forward():
+    """A field of Request reaches the leader without anything between naming it: SubmitRequest
+    is a Request, and `of` copies every field (this test sets each one off its default, so a
+    field added without a value here fails it)."""
+    req = m.Request(request_id="r1", prompt_token_ids=[1, 2], max_tokens=5, priority=90, slo_ttft_ms=500.0,
+                    slo_tpot_ms=50.0, timeout_s=9.0, sampling=m.Sampling(temperature=0.5), stop=["\n"],
+                    chat=m.ChatForward(messages=[{"role": "user", "content": "hi"}]), model="m", tenant="acme",
+                    priority_class="critical")
+    defaults = m.Request(request_id="", prompt_token_ids=[], max_tokens=0)
+    assert all(getattr(req, f) != getattr(defaults, f) for f in m.REQUEST_FIELDS)
+    cmd = m.SubmitRequest.of(req, "router-1", "flexlb.tok.router-1.r1")
+    back = m.decode(m.encode(m.EnvelopeFactory("p", "b").wrap(cmd, 1))).payload
+    assert isinstance(back, m.Request) and back.router_id == "router-1"
+    assert {f: getattr(back, f) for f in m.REQUEST_FIELDS} == {f: getattr(req, f) for f in m.REQUEST_FIELDS}
