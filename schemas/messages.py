@@ -281,11 +281,11 @@ class TokensBatch(_Event, tag="tokens.batch"):
     message on the router's token subject (`BatchRequest.token_batch_subject`).
 
     A worker sends a request's chunks this way only when its dispatch named that subject (a
-    router before this message names none, and gets one TokensGenerated per chunk on the
-    request's own subject, as before). What a worker coalesces: one engine step's chunks (the
+    router that names none gets one TokensGenerated per chunk on the request's own
+    subject). What a worker coalesces: one engine step's chunks (the
     NATS worker), or what its streams brought within a flush interval (the OpenAI agent).
     Each chunk keeps its request's `start_index`, so the router finds gaps and duplicates
-    per request as before; a ResendTokens is answered with plain TokensGenerated on the
+    per request; a ResendTokens is answered with plain TokensGenerated on the
     request's own subject. A request's chunks are in order within a message and across the
     messages of one worker.
     """

@@ -25,7 +25,7 @@ slot idles for the release's tens of ms, against seconds of decode). In virtual 
 
 A worker that reports no `max_num_seqs` (0: an OpenAI-compatible server that did not say
 and has not shown its limit yet) makes its pool's room unknown: the router holds nothing
-back for that pool (the engines queue, as before this module), and the queue stays empty.
+back for that pool (the engines queue), and the queue stays empty.
 The room counts concurrency only: an engine bound by its KV cache before `max_num_seqs`
 queues the excess itself (the openai agent's learned limit, the most it ran while requests
 waited, covers that case for vLLM and SGLang servers).

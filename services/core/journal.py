@@ -258,7 +258,7 @@ class Recorder:
         res = self._s.offer(req, now_ns)
         # Admitted or rejected at once, the offer was an admission (the queue was only read):
         # journaled as one, so what reads journals for arrivals (replay, explain, what-if)
-        # sees it as before the queue existed.
+        # sees one kind of arrival whether the fair queue is on or off.
         op = "admit" if isinstance(res, (Admitted, Rejected)) else "offer"
         self._sink(op, now_ns, {"request": _request_out(req)}, summarize_offer(res))
         return res

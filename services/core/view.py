@@ -26,7 +26,7 @@ the default) names no pool, while one inside it whose workers are all gone names
 The default names the pool of that name; but while no worker has reported it and every worker
 has reported one same model (a torch or openai fleet of one model behind a router left at its
 default name), it names that model's pool: a single-model fleet takes requests that name no
-model, or the default, as before pools, and `resolve_model` says which pool a name is.
+model, or the default, and `resolve_model` says which pool a name is.
 """
 
 from __future__ import annotations

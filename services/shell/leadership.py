@@ -36,7 +36,7 @@ client's included:
    new leader's request.admitted, whichever comes first; from then on the old leader's word
    on it no longer counts (intake.on_router_event_msg). An owner that is the new leader
    takes it back into its client's handle (intake.on_submit). What the new leader refuses,
-   or no leader answers within the stop's budget, fails retryable (request.failed) as before.
+   or no leader answers within the stop's budget, fails retryable (request.failed).
 No request runs twice: only the old leader, having taken it out of its queues, sends it on,
 once; a leader admits an id once (duplicate_request); the owner ignores the old leader once
 the new one has it. One an owner still believes at the old leader when the mark expires (a

@@ -60,7 +60,7 @@ class RequestRecords:
     def note(self, request_id: str, now_ns: int, what: str, **detail: Any) -> None:
         rec = self.records.get(request_id)
         if rec is not None:
-            # The shape of `flexlb explain --json` (t_ms, source, what), plus "event" as before.
+            # The shape of `flexlb explain --json` (t_ms, source, what), plus "event" (the lifecycle event it came from).
             rec["timeline"].append({"t_ms": round((now_ns - rec["arrival_ns"]) / 1e6, 3), "source": "router", "what": what,
                                     "event": what, **detail})
 

@@ -95,7 +95,7 @@ adapters, at most max_loras are loaded at once, in an LRU of slots):
   vLLM V1 skips such a request and admits later ones of any adapter; those keep the loaded
   adapters busy, so a steady stream of them can starve it forever. Here nothing new holds a
   slot while it waits: the running sequences of the loaded adapters finish, a slot frees,
-  and it is the first to take it. (Preempted sequences go back to the front as before.)
+  and it is the first to take it. (Preempted sequences go back to the front.)
 - invariants (checked by the engines' `check_invariants`): at most max_loras adapters are
   loaded; every running sequence's adapter is loaded.
 - role decode: a hand-off carries no adapter (StartDecode names none); it decodes on the base.

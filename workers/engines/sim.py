@@ -60,9 +60,9 @@ from typing import Annotated, Iterable, Sequence
 
 import msgspec
 
-# The contract's records, importable from here as before (the what-if runner, tests):
+# The contract's records, importable from here (the what-if runner, tests):
 from workers.engines.base import BatchPrefilled, EngineBatch, EngineRequest, FailedOut, StepResult  # noqa: F401
-from workers.engines.scheduler import SCHEDULERS, ScheduledEngine, _Sequence  # noqa: F401  (SCHEDULERS: as before)
+from workers.engines.scheduler import ScheduledEngine, _Sequence
 
 DEFAULT_PROFILE_FILE = "llama2-70b-h100-tp8.json"  # under workers/profiles/
 DEFAULT_LORA_LOAD_MS = 20.0  # the modelled time of loading one LoRA adapter into a slot (module docstring)

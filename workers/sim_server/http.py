@@ -68,7 +68,7 @@ Endpoints
   `/v1/completions` or `/v1/chat/completions` body whose `model` is one of them runs with
   it (as vLLM selects an adapter), and its answer names it as `model`; `/generate` takes
   SGLang's `lora_path` (a name that is not an adapter: 400). Any other `model` runs on the
-  base model, as before adapters existed: vLLM answers 404 to an unknown model, but peer
+  base model: vLLM answers 404 to an unknown model, but peer
   routers and benchmark clients send their own names and the sim-server has always
   ignored them.
 - Unknown body fields (`model` but an adapter's name, `temperature`, `slo_ttft_ms`,
@@ -319,7 +319,7 @@ class SimHttpApp:
 
     def _adapter_of_model(self, body: dict[str, Any]) -> str:
         """The LoRA adapter an OpenAI body's `model` names; "" (the base model) for any other
-        value, as before adapters (module docstring, LoRA adapters)."""
+        value (module docstring, LoRA adapters)."""
         model = body.get("model")
         return model if isinstance(model, str) and model in self.front.engine.lora_adapters else ""
 
