@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -49,6 +50,12 @@ CASES: dict[str, tuple[str, int, int, float, str, str]] = {
                             'least-loaded+fixed-window|{"decode_policy": "random"}'),
     "random-round-robin": ("azure-code", 100, 80, 1.0, "sglang",
                            'random+slo-budget|{"decode_policy": "round-robin"}'),
+    "pipeline-prefix-ttft": ("chat", 0, 40, 1.5, "vllm", 'pipeline+slo-budget|' + json.dumps({
+        "prefill_policy_params": {"filters": [{"type": "gated"}, {"type": "tpot"}],
+                                  "scorers": [{"type": "prefix-affinity", "weight": 2}, {"type": "predicted-ttft"},
+                                              {"type": "fewest-pending", "weight": 0.5}]},
+        "decode_policy": "pipeline",
+        "decode_policy_params": {"scorers": [{"type": "kv-free"}], "picker": {"type": "power-of-two"}}})),
 }
 
 

@@ -58,6 +58,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--prefill-policy-params", help="JSON object of the prefill policy's parameters")
     p.add_argument("--decode-policy", help=DECODE_HELP)
     p.add_argument("--decode-policy-params", help="JSON object of the decode policy's parameters")
+    p.add_argument("--scheduling-config", help="YAML or JSON file: `prefill` / `decode` pipelines of filters, scorers "
+                                               "and a picker (services/core/pipeline/; README, Extending the scheduler)")
     p.add_argument("--batcher", help=BATCHER_HELP)
     p.add_argument("--batcher-params", help="JSON object of the batcher's parameters")
     p.add_argument("--batch-wait-ms", type=float,

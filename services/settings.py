@@ -123,6 +123,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill_policy_params: dict[str, Any] = {}  # JSON object of the policy's parameters
     decode_policy: str = "kv-aware"
     decode_policy_params: dict[str, Any] = {}
+    # A scheduling pipeline file (YAML or JSON; services/core/pipeline/): its `prefill` and / or
+    # `decode` section makes that stage's policy `pipeline`, with those filters, scorers and
+    # picker (README, "Extending the scheduler"). Not with that stage's policy parameters.
+    scheduling_config: str = ""
     batcher: str = SHIPPED_BATCHER  # slo-budget | fixed-window (services/core/batchers/)
     batcher_params: dict[str, Any] = {}  # JSON object of the batcher's parameters (over the shipped ones)
     # Shortcuts: the longest wait of a batch (fixed-window wait_ms, slo-budget window_ms) and
@@ -230,6 +234,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise SettingsError(f"setting {name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.own_port < 65536 or (self.own_port and (not self.reuse_port or self.own_port == self.port)):
             raise SettingsError(f"setting own_port goes with reuse_port and must be another port than port, got {self.own_port!r}")
+        if self.scheduling_config:
+            self._apply_scheduling_config()
         if not self.http_keep_alive_s > 0:
             raise SettingsError(f"setting http_keep_alive_s must be > 0, got {self.http_keep_alive_s!r}")
         if not self.drain_timeout_s >= 0:
@@ -278,6 +284,35 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.batch_size_max is not None:
             params["batch_size_max"] = self.batch_size_max
         return params
+
+    def _apply_scheduling_config(self) -> None:
+        """Each section of the scheduling config file becomes its stage's `pipeline` policy
+        (idempotent: validating again finds the same parameters in place)."""
+        import yaml
+
+        from services.core.policies import build_policy
+
+        where = f"setting scheduling_config ({self.scheduling_config})"
+        try:
+            with open(self.scheduling_config, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except OSError as exc:
+            raise SettingsError(f"{where}: cannot read it: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"{where}: not YAML or JSON: {str(exc)[:300]}") from None
+        if not isinstance(doc, dict) or not doc or set(doc) - {"prefill", "decode"}:
+            raise SettingsError(f"{where}: must be a mapping with a `prefill` and / or a `decode` section, got "
+                                f"{sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
+        for stage, section in doc.items():
+            params = getattr(self, f"{stage}_policy_params")
+            if params and (getattr(self, f"{stage}_policy") != "pipeline" or params != section):
+                raise SettingsError(f"{where}: its {stage} section and {stage}_policy_params both given: one or the other")
+            try:
+                build_policy(stage, "pipeline", section)
+            except ValueError as exc:
+                raise SettingsError(f"{where}: {stage}: {exc}") from None
+            setattr(self, f"{stage}_policy", "pipeline")
+            setattr(self, f"{stage}_policy_params", section)
 
     def scheduler_config(self):
         from services.core.predictor import PredictorParams, PrefillCoefficients

@@ -10,9 +10,11 @@ name, an unknown parameter key or a bad value raises ValueError naming the polic
 field. The CLI's `--prefill-policy` / `--decode-policy` help is built from the summaries.
 
 Prefill stage (colocated pd_fusion workers too): cost-based (cost_based.py), cache-aware,
-least-loaded, power-of-two, round-robin, random. Decode stage (disaggregated): kv-aware,
-least-loaded, round-robin, random (load = running + reserved requests). The scheduler's
-defaults are cost-based and kv-aware (SchedulerConfig).
+least-loaded, power-of-two, round-robin, random, pipeline. Decode stage (disaggregated):
+kv-aware, least-loaded, round-robin, random, pipeline (load = running + reserved requests).
+least-loaded, power-of-two, round-robin and random are named pipelines of filters, scorers
+and a picker (services/core/pipeline/); `pipeline` is one composed from its parameters. The
+scheduler's defaults are cost-based and kv-aware (SchedulerConfig).
 """
 
 from __future__ import annotations
@@ -27,17 +29,13 @@ import msgspec
 from services.core.policies.cache_aware import CacheAware, CacheAwareParams
 from services.core.policies.cost_based import CostBased, CostBasedParams
 from services.core.policies.kv_aware import KvAware, KvAwareParams
-from services.core.policies.least_loaded import LeastLoaded
-from services.core.policies.power_of_two import PowerOfTwo
 from services.core.policies.protocol import Candidate, NoParams, Pick, PolicyParams, RouteContext, RoutingPolicy, Score
-from services.core.policies.random_policy import RandomPolicy
-from services.core.policies.round_robin import RoundRobin
 from services.core.seeded import DecisionRng
 
 __all__ = [
     "DECODE_POLICIES", "PREFILL_POLICIES", "CacheAware", "CacheAwareParams", "Candidate", "CostBased", "CostBasedParams",
-    "DecisionRng", "KvAware", "KvAwareParams", "LeastLoaded", "NoParams", "Pick", "PolicyParams", "PolicySpec",
-    "PowerOfTwo", "RandomPolicy", "RoundRobin", "RouteContext", "RoutingPolicy", "Score", "UnknownPolicyError",
+    "DecisionRng", "KvAware", "KvAwareParams", "NoParams", "Pick", "PolicyParams", "PolicySpec", "RouteContext",
+    "RoutingPolicy", "Score", "UnknownPolicyError",
     "build_policy",
 ]
 
@@ -49,9 +47,37 @@ class PolicySpec:
     summary: str  # one line, for the CLI's help and `explain`
 
 
-_LEAST_LOADED = PolicySpec(LeastLoaded, NoParams, "fewest pending requests")
-_ROUND_ROBIN = PolicySpec(RoundRobin, NoParams, "next worker id after the last pick")
-_RANDOM = PolicySpec(RandomPolicy, NoParams, "uniform")
+def _pipeline(name: str, config: dict[str, Any]) -> Callable[[Any], RoutingPolicy]:
+    """A policy shipped as a named pipeline (services/core/pipeline/): built on first use, as
+    the pipeline package imports this one's contract."""
+
+    def factory(_params: NoParams) -> RoutingPolicy:
+        from services.core.pipeline import named
+
+        return named(name, config)(_params)
+    return factory
+
+
+def _pipeline_policy(params: Any) -> RoutingPolicy:
+    from services.core.pipeline import Pipeline
+
+    return Pipeline(params)
+
+
+def _pipeline_params() -> type[PolicyParams]:
+    from services.core.pipeline import PipelineParams
+
+    return PipelineParams
+
+
+_LEAST_LOADED = PolicySpec(_pipeline("least-loaded", {"scorers": [{"type": "fewest-pending"}],
+                                                      "picker": {"type": "max-score"}}),
+                           NoParams, "fewest pending requests (pipeline: fewest-pending, max-score)")
+_ROUND_ROBIN = PolicySpec(_pipeline("round-robin", {"picker": {"type": "round-robin"}}), NoParams,
+                          "next worker id after the last pick (pipeline: picker round-robin)")
+_RANDOM = PolicySpec(_pipeline("random", {"picker": {"type": "random"}}), NoParams, "uniform (pipeline: picker random)")
+_PIPELINE = PolicySpec(_pipeline_policy, PolicyParams, "filters, scorers and a picker from configuration "
+                       "(services/core/pipeline/; --scheduling-config)")
 
 PREFILL_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
     "cost-based": PolicySpec(CostBased, CostBasedParams,
@@ -59,7 +85,9 @@ PREFILL_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
     "cache-aware": PolicySpec(CacheAware, CacheAwareParams,
                               "SGLang's rule: best prefix match, else smallest cache; shortest queue when imbalanced"),
     "least-loaded": _LEAST_LOADED,
-    "power-of-two": PolicySpec(PowerOfTwo, NoParams, "the less loaded of two drawn at random"),
+    "power-of-two": PolicySpec(_pipeline("power-of-two", {"picker": {"type": "power-of-two"}}), NoParams,
+                               "the less loaded of two drawn at random (pipeline: picker power-of-two)"),
+    "pipeline": _PIPELINE,
     "round-robin": _ROUND_ROBIN,
     "random": _RANDOM,
 })
@@ -68,6 +96,7 @@ DECODE_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
     "least-loaded": _LEAST_LOADED,
     "round-robin": _ROUND_ROBIN,
     "random": _RANDOM,
+    "pipeline": _PIPELINE,
 })
 
 
@@ -81,8 +110,9 @@ def build_policy(stage: str, name: str, params: dict[str, Any] | None = None) ->
     spec = table.get(name)
     if spec is None:
         raise UnknownPolicyError(f"unknown {stage} policy {name!r}; known: {', '.join(sorted(table))}")
+    params_type = _pipeline_params() if spec is _PIPELINE else spec.params
     try:
-        typed = msgspec.convert(params or {}, spec.params).validate()  # strict: types checked, as batchers'
+        typed = msgspec.convert(params or {}, params_type).validate()  # strict: types checked, as batchers'
     except msgspec.ValidationError as exc:
         raise ValueError(f"{stage} policy {name}: bad parameters: {exc}") from None
     return spec.factory(typed)

@@ -1,0 +1,139 @@
+"""Scheduling as a pipeline: filters, scorers and a picker, composed by configuration.
+
+A decision's candidates (one per live worker of the stage: services/core/policies/protocol.py)
+go through the pipeline's filters in order (a worker a filter drops shows that filter's name
+on its score card), the survivors are scored by every scorer (each a score in [0, 1], times
+its weight, summed), and the picker chooses among them by their totals. The card of every
+candidate lists each scorer's score (`score.<name>`) beside the candidate's inputs, so
+`flexlb explain` shows why. Every candidate dropped: no pick ("every candidate filtered").
+
+Plugins live one per file in filters/, scorers/ and pickers/ (protocol.py has the contract)
+and are found by their `name`: adding one is a file, and naming it in configuration.
+Configuration is a `PipelineParams` (the `pipeline` policy's parameters, or one stage of
+`--scheduling-config FILE`; services/settings.py):
+
+    {"filters": [{"type": "gated"}], "scorers": [{"type": "prefix-affinity", "weight": 2},
+     {"type": "fewest-pending"}], "picker": {"type": "max-score"}}
+
+Named pipelines: `least-loaded` (scorer fewest-pending, picker max-score), `random`,
+`round-robin` and `power-of-two` (their pickers, no scorer) are shipped this way and decide
+exactly as their policies did (tests/unit/test_golden_journals.py); `cost-based`,
+`cache-aware` and `kv-aware` are still policies of their own (services/core/policies/).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import msgspec
+
+from services.core.pipeline import filters, pickers, scorers
+from services.core.pipeline.protocol import Filter, Picker, PluginRef, Scorer
+from services.core.policies.base import no_pick, score_components
+from services.core.policies.protocol import Pick, PolicyParams, RouteContext, Score
+
+
+def _discover(package) -> Mapping[str, type]:
+    """Every plugin class of a package: one with a `name`, defined in one of its modules."""
+    found: dict[str, type] = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, type) and value.__module__ == module.__name__ and isinstance(getattr(value, "name", None), str):
+                if value.name in found:
+                    raise ValueError(f"two pipeline plugins named {value.name!r} in {package.__name__}")
+                found[value.name] = value
+    return MappingProxyType(found)
+
+
+FILTERS: Mapping[str, type[Filter]] = _discover(filters)
+SCORERS: Mapping[str, type[Scorer]] = _discover(scorers)
+PICKERS: Mapping[str, type[Picker]] = _discover(pickers)
+
+
+class PipelineParams(PolicyParams):
+    filters: list[PluginRef] = []
+    scorers: list[PluginRef] = []
+    picker: PluginRef = PluginRef(type="max-score")
+
+    def validate(self) -> "PipelineParams":
+        for kind, refs, table in (("filter", self.filters, FILTERS), ("scorer", self.scorers, SCORERS),
+                                  ("picker", [self.picker], PICKERS)):
+            for ref in refs:
+                if ref.type not in table:
+                    raise ValueError(f"pipeline: unknown {kind} {ref.type!r}; known: {', '.join(sorted(table))}")
+                if kind != "scorer" and ref.weight != 1.0:
+                    raise ValueError(f"pipeline: a {kind} has no weight ({ref.type!r} was given {ref.weight!r})")
+                if not ref.weight >= 0:
+                    raise ValueError(f"pipeline: scorer {ref.type!r} weight must be >= 0, got {ref.weight!r}")
+                _build(table[ref.type], ref)  # its parameters, checked now
+        return self
+
+
+def _build(cls: type, ref: PluginRef) -> Any:
+    try:
+        params = msgspec.convert(ref.params, cls.Params).validate()
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"pipeline: {ref.type!r}: bad parameters: {exc}") from None
+    return cls(params)
+
+
+class Pipeline:
+    """A routing policy (RoutingPolicy) made of plugins (module docstring)."""
+
+    def __init__(self, params: PipelineParams, name: str = "pipeline") -> None:
+        self.name = name
+        self.params = params
+        self.filters: list[Filter] = [_build(FILTERS[r.type], r) for r in params.filters]
+        self.scorers: list[tuple[Scorer, float]] = [(_build(SCORERS[r.type], r), r.weight) for r in params.scorers]
+        self.picker: Picker = _build(PICKERS[params.picker.type], params.picker)
+
+    def select(self, ctx: RouteContext) -> Pick:
+        cands = ctx.candidates
+        if not cands:
+            return no_pick("no live candidate", [])
+        dropped: list[str | None] = [None] * len(cands)
+        for f in self.filters:
+            for i, c in enumerate(cands):
+                if dropped[i] is None and not f.keep(ctx, c):
+                    dropped[i] = f.name
+        alive = [i for i in range(len(cands)) if dropped[i] is None]
+        kept = [cands[i] for i in alive]
+        per_scorer = [(s.name, w, s.score(ctx, kept) if kept else []) for s, w in self.scorers]
+        totals = [sum(w * scores[j] for _, w, scores in per_scorer) for j in range(len(kept))]
+
+        def cards() -> list[Score]:
+            total_of = dict(zip(alive, totals))
+            scored = {i: {f"score.{name}": scores[j] for name, _, scores in per_scorer} for j, i in enumerate(alive)}
+            return [Score(c.worker_id, total_of.get(i, 0.0), {**score_components(c), **scored.get(i, {})}, dropped[i])
+                    for i, c in enumerate(cands)]
+
+        if not kept:
+            counts: dict[str, int] = {}
+            for d in dropped:
+                counts[d] = counts.get(d, 0) + 1
+            return Pick(None, reason_fn=lambda: "every candidate filtered (" + ", ".join(
+                f"{n} by {name}" for name, n in sorted(counts.items())) + ")", cards=cards)
+        j, why = self.picker.pick(ctx, kept, totals)
+        return Pick(kept[j].worker_id, why, cards=cards)
+
+    def record(self, pick: Pick) -> None:
+        if pick.worker_id is not None:
+            self.picker.record(pick.worker_id)
+
+
+def named(name: str, params: dict[str, Any]) -> Any:
+    """A factory for the policy registry: the pipeline `params` under the policy's `name` (its
+    parameters are fixed: the registry gives it NoParams)."""
+    fixed = msgspec.convert(params, PipelineParams).validate()
+
+    def factory(_params: PolicyParams) -> Pipeline:
+        return Pipeline(fixed, name)
+    return factory
+
+
+__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "named"]

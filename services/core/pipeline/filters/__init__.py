@@ -1,0 +1,1 @@
+"""Pipeline filters: one per file, found by its `name` (services/core/pipeline/__init__.py)."""

@@ -1,0 +1,18 @@
+"""`gated`: drops a worker whose gate is closed (prefill: too many pending requests, the
+policy parameters' `pending_gate_high`; decode: KV usage above `max_kv_usage`)."""
+
+from __future__ import annotations
+
+from services.core.pipeline.protocol import NoPluginParams
+from services.core.policies.protocol import Candidate, RouteContext
+
+
+class Gated:
+    name = "gated"
+    Params = NoPluginParams
+
+    def __init__(self, params: NoPluginParams) -> None:
+        self.params = params
+
+    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
+        return not c.gated

@@ -1,0 +1,26 @@
+"""`slo-ttft`: drops a worker whose predicted TTFT (prefill + waits) passes the request's TTFT
+target less `margin_ms`. A request without a target keeps every worker."""
+
+from __future__ import annotations
+
+from services.core.policies.protocol import Candidate, PolicyParams, RouteContext
+
+
+class SloTtftParams(PolicyParams):
+    margin_ms: float = 100.0
+
+    def validate(self) -> "SloTtftParams":
+        if not self.margin_ms >= 0:
+            raise ValueError("filter slo-ttft: margin_ms must be >= 0")
+        return self
+
+
+class SloTtft:
+    name = "slo-ttft"
+    Params = SloTtftParams
+
+    def __init__(self, params: SloTtftParams) -> None:
+        self.params = params
+
+    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
+        return ctx.slo_ttft_ms <= 0 or c.ttft_ms <= ctx.slo_ttft_ms - self.params.margin_ms

@@ -1,0 +1,19 @@
+"""`tpot`: drops a worker whose predicted decode step with this request would pass the TPOT
+hold's limit (the batcher's `tpot_headroom` x the request's TPOT target): it would only hold
+the request there. No limit (no hold, no target): keeps every worker."""
+
+from __future__ import annotations
+
+from services.core.pipeline.protocol import NoPluginParams
+from services.core.policies.protocol import Candidate, RouteContext
+
+
+class Tpot:
+    name = "tpot"
+    Params = NoPluginParams
+
+    def __init__(self, params: NoPluginParams) -> None:
+        self.params = params
+
+    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
+        return not 0 < ctx.tpot_limit_ms < c.tpot_ms
