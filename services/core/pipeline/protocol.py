@@ -23,6 +23,20 @@ class NoPluginParams(PolicyParams):
     """The parameters of a plugin that has none."""
 
 
+class Plugin:
+    """What every plugin shares: its `name` (how configuration names it), its parameter Struct
+    and the parameters it was built with. A picker without state inherits `record`."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[PolicyParams]] = NoPluginParams
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+
+    def record(self, worker_id: str) -> None:
+        """A committed pick: a stateless picker has nothing to fold (pickers only)."""
+
+
 class Filter(Protocol):
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]]

@@ -3,16 +3,12 @@ policy parameters' `pending_gate_high`; decode: KV usage above `max_kv_usage`)."
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class Gated:
+class Gated(Plugin):
     name = "gated"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def keep(self, ctx: RouteContext, c: Candidate) -> bool:
         return not c.gated

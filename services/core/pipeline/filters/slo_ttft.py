@@ -3,6 +3,7 @@ target less `margin_ms`. A request without a target keeps every worker."""
 
 from __future__ import annotations
 
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, PolicyParams, RouteContext
 
 
@@ -15,12 +16,9 @@ class SloTtftParams(PolicyParams):
         return self
 
 
-class SloTtft:
+class SloTtft(Plugin):
     name = "slo-ttft"
     Params = SloTtftParams
-
-    def __init__(self, params: SloTtftParams) -> None:
-        self.params = params
 
     def keep(self, ctx: RouteContext, c: Candidate) -> bool:
         return ctx.slo_ttft_ms <= 0 or c.ttft_ms <= ctx.slo_ttft_ms - self.params.margin_ms

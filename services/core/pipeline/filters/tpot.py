@@ -4,16 +4,12 @@ the request there. No limit (no hold, no target): keeps every worker."""
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class Tpot:
+class Tpot(Plugin):
     name = "tpot"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def keep(self, ctx: RouteContext, c: Candidate) -> bool:
         return not 0 < ctx.tpot_limit_ms < c.tpot_ms

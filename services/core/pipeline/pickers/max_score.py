@@ -3,20 +3,13 @@ then the worker id. With the one scorer `fewest-pending` this is `least-loaded`.
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class MaxScore:
+class MaxScore(Plugin):
     name = "max-score"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def pick(self, ctx: RouteContext, cands: list[Candidate], totals: list[float]) -> tuple[int, str]:
         i = min(range(len(cands)), key=lambda i: (-totals[i], cands[i].wait_ms + cands[i].queue_ms, cands[i].worker_id))
         return i, f"highest score {totals[i]:.3f} of {len(cands)}"
-
-    def record(self, worker_id: str) -> None:
-        """Stateless."""

@@ -4,16 +4,12 @@ a lone candidate is picked. With no scorer this is `power-of-two`'s rule: the le
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class PowerOfTwoPick:
+class PowerOfTwoPick(Plugin):
     name = "power-of-two"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def pick(self, ctx: RouteContext, cands: list[Candidate], totals: list[float]) -> tuple[int, str]:
         order = sorted(range(len(cands)), key=lambda i: cands[i].worker_id)
@@ -23,6 +19,3 @@ class PowerOfTwoPick:
         key = lambda i: (-totals[i], cands[i].num_pending, cands[i].worker_id)  # noqa: E731
         i = a if key(a) <= key(b) else b
         return i, f"better of {cands[a].worker_id}/{cands[b].worker_id}"
-
-    def record(self, worker_id: str) -> None:
-        """Stateless."""

@@ -4,16 +4,15 @@ so a rejected request does not advance it."""
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import NoPluginParams, Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class RoundRobinPick:
+class RoundRobinPick(Plugin):
     name = "round-robin"
-    Params = NoPluginParams
 
     def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
+        super().__init__(params)
         self.last_worker_id: str | None = None  # the last committed pick
 
     def pick(self, ctx: RouteContext, cands: list[Candidate], totals: list[float]) -> tuple[int, str]:

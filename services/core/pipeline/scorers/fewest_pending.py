@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class FewestPending:
+class FewestPending(Plugin):
     name = "fewest-pending"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def score(self, ctx: RouteContext, cands: list[Candidate]) -> list[float]:
         return [1.0 / (1 + c.num_pending) for c in cands]

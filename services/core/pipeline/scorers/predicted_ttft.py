@@ -3,16 +3,12 @@ the fastest, 0.5 for one twice as slow); every worker 1 where all predict 0."""
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class PredictedTtft:
+class PredictedTtft(Plugin):
     name = "predicted-ttft"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def score(self, ctx: RouteContext, cands: list[Candidate]) -> list[float]:
         best = min((c.ttft_ms for c in cands), default=0.0)

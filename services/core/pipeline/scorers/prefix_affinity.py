@@ -3,16 +3,12 @@ cached tokens / prompt tokens): 1 where the whole prompt is cached, 0 where none
 
 from __future__ import annotations
 
-from services.core.pipeline.protocol import NoPluginParams
+from services.core.pipeline.protocol import Plugin
 from services.core.policies.protocol import Candidate, RouteContext
 
 
-class PrefixAffinity:
+class PrefixAffinity(Plugin):
     name = "prefix-affinity"
-    Params = NoPluginParams
-
-    def __init__(self, params: NoPluginParams) -> None:
-        self.params = params
 
     def score(self, ctx: RouteContext, cands: list[Candidate]) -> list[float]:
         n = ctx.num_prompt_tokens
