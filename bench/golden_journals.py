@@ -12,7 +12,8 @@ bench/workloads.py) re-run by services/whatif.py as bench/tune.py does (4 worker
 openai agents in front of simulated engines, SLO TTFT 2 s / TPOT 100 ms), at a load above
 the shipped defaults' 90 % crossing so that the hold, its moves, give-ways and refusals,
 backpressure and the gates all act. Shipped defaults in both engine modes, and every other
-routing policy and batcher once. Rewrite the files only for a change that is meant to
+routing policy and batcher once; the `pd-` cases run 2 prefill and 2 decode workers, so that
+the decode policies decide too. Rewrite the files only for a change that is meant to
 change decisions, and say so in its commit.
 """
 
@@ -50,7 +51,12 @@ CASES: dict[str, tuple[str, int, int, float, str, str]] = {
                             'least-loaded+fixed-window|{"decode_policy": "random"}'),
     "random-round-robin": ("azure-code", 100, 80, 1.0, "sglang",
                            'random+slo-budget|{"decode_policy": "round-robin"}'),
-    "pipeline-prefix-ttft": ("chat", 0, 40, 1.5, "vllm", 'pipeline+slo-budget|' + json.dumps({
+    # Disaggregated (2 prefill + 2 decode workers): the decode policies decide too.
+    "pd-default": ("azure-conv", 300, 120, 3.0, "vllm", "default"),
+    "pd-decode-least-loaded": ("azure-conv", 300, 80, 2.0, "sglang", 'cost-based+slo-budget|{"decode_policy": "least-loaded"}'),
+    "pd-decode-random": ("azure-conv", 300, 80, 2.0, "vllm", 'cost-based+slo-budget|{"decode_policy": "random"}'),
+    "pd-decode-round-robin": ("azure-conv", 300, 80, 2.0, "vllm", 'cost-based+slo-budget|{"decode_policy": "round-robin"}'),
+    "pd-pipeline": ("chat", 0, 40, 1.5, "vllm", 'pipeline+slo-budget|' + json.dumps({
         "prefill_policy_params": {"filters": [{"type": "gated"}, {"type": "tpot"}],
                                   "scorers": [{"type": "prefix-affinity", "weight": 2}, {"type": "predicted-ttft"},
                                               {"type": "fewest-pending", "weight": 0.5}]},
@@ -68,8 +74,9 @@ def record(name: str) -> list[bytes]:
         out.append(m.encode(envelopes.wrap(m.CoreRecorded(router_id="golden", op=op, now_ns=now_ns, args=args, out=result),
                                            now_ns)))
 
-    run(load_rows(workload, start, rows), rate, build_settings(spec), 4, 2000.0, 100.0, 16384, scheduler=scheduler,
-        journal=sink)
+    roles = ["prefill", "prefill", "decode", "decode"] if name.startswith("pd-") else None
+    run(load_rows(workload, start, rows), rate, build_settings(spec), 4, 2000.0, 100.0, 16384, roles=roles,
+        scheduler=scheduler, journal=sink)
     return out
 
 
