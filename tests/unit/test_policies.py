@@ -124,10 +124,10 @@ def test_kv_aware_weighted_random_favours_the_emptier_worker_1_5_to_3_times():
 @pytest.mark.parametrize(
     "bad,why",
     [
-        (dict(kv_available_tokens=50), "kv_available"),
-        (dict(gated=True), "kv_usage_gate"),
+        (dict(kv_available_tokens=50), "kv-available"),
+        (dict(gated=True), "gated"),
         (dict(num_pending=100), "load"),
-        (dict(kv_used_tokens=90_000), "kv_used"),
+        (dict(kv_used_tokens=90_000), "kv-used"),
     ],
     ids=["no-room-for-prompt", "usage-gate", "load-3x", "kv-used-3x"],
 )

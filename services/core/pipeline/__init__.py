@@ -16,9 +16,10 @@ Configuration is a `PipelineParams` (the `pipeline` policy's parameters, or one 
      {"type": "fewest-pending"}], "picker": {"type": "max-score"}}
 
 Named pipelines: `least-loaded` (scorer fewest-pending, picker max-score), `random`,
-`round-robin` and `power-of-two` (their pickers, no scorer) are shipped this way and decide
-exactly as their policies did (tests/unit/test_golden_journals.py); `cost-based`,
-`cache-aware` and `kv-aware` are still policies of their own (services/core/policies/).
+`round-robin` and `power-of-two` (their pickers, no scorer) and `kv-aware` (`kv_aware`
+below) are shipped this way and decide exactly as their policies did
+(tests/unit/test_golden_journals.py); `cost-based` and `cache-aware` are still policies of
+their own (services/core/policies/).
 """
 
 from __future__ import annotations
@@ -59,8 +60,24 @@ class PipelineParams(PolicyParams):
     filters: list[PluginRef] = []
     scorers: list[PluginRef] = []
     picker: PluginRef = PluginRef(type="max-score")
+    # The gates the scheduler keeps for this stage, which the `gated` filter reads: as
+    # cost-based's (prefill) and kv-aware's (decode), with their defaults.
+    pending_gate_high: int = 64
+    pending_gate_hysteresis: float = 0.15
+    max_kv_usage: float = 0.9
+    kv_usage_hysteresis: float = 0.15
+
+    def pending_gate(self) -> tuple[float, float]:
+        return self.pending_gate_high, self.pending_gate_hysteresis
+
+    def kv_gate(self) -> tuple[float, float]:
+        return self.max_kv_usage, self.kv_usage_hysteresis
 
     def validate(self) -> "PipelineParams":
+        if self.pending_gate_high < 1 or not 0 <= self.pending_gate_hysteresis < 1:
+            raise ValueError("pipeline: pending_gate_high must be >= 1 and pending_gate_hysteresis in [0, 1)")
+        if not 0 < self.max_kv_usage <= 1 or not 0 <= self.kv_usage_hysteresis < 1:
+            raise ValueError("pipeline: max_kv_usage in (0, 1] and kv_usage_hysteresis in [0, 1) required")
         for kind, refs, table in (("filter", self.filters, FILTERS), ("scorer", self.scorers, SCORERS),
                                   ("picker", [self.picker], PICKERS)):
             for ref in refs:
@@ -85,12 +102,15 @@ def _build(cls: type, ref: PluginRef) -> Any:
 class Pipeline:
     """A routing policy (RoutingPolicy) made of plugins (module docstring)."""
 
-    def __init__(self, params: PipelineParams, name: str = "pipeline") -> None:
+    def __init__(self, config: PipelineParams, name: str = "pipeline", params: PolicyParams | None = None) -> None:
+        """`params`: the policy's parameters, which the scheduler reads its gates from (a named
+        pipeline's: its policy's; a composed one's: its PipelineParams)."""
         self.name = name
-        self.params = params
-        self.filters: list[Filter] = [_build(FILTERS[r.type], r) for r in params.filters]
-        self.scorers: list[tuple[Scorer, float]] = [(_build(SCORERS[r.type], r), r.weight) for r in params.scorers]
-        self.picker: Picker = _build(PICKERS[params.picker.type], params.picker)
+        self.config = config
+        self.params = config if params is None else params
+        self.filters: list[Filter] = [_build(FILTERS[r.type], r) for r in config.filters]
+        self.scorers: list[tuple[Scorer, float]] = [(_build(SCORERS[r.type], r), r.weight) for r in config.scorers]
+        self.picker: Picker = _build(PICKERS[config.picker.type], config.picker)
 
     def select(self, ctx: RouteContext) -> Pick:
         cands = ctx.candidates
@@ -98,8 +118,8 @@ class Pipeline:
             return no_pick("no live candidate", [])
         dropped: list[str | None] = [None] * len(cands)
         for f in self.filters:
-            for i, c in enumerate(cands):
-                if dropped[i] is None and not f.keep(ctx, c):
+            for i, kept in enumerate(f.keep(ctx, cands)):
+                if dropped[i] is None and not kept:
                     dropped[i] = f.name
         alive = [i for i in range(len(cands)) if dropped[i] is None]
         kept = [cands[i] for i in alive]
@@ -109,7 +129,9 @@ class Pipeline:
         def cards() -> list[Score]:
             total_of = dict(zip(alive, totals))
             scored = {i: {f"score.{name}": scores[j] for name, _, scores in per_scorer} for j, i in enumerate(alive)}
-            return [Score(c.worker_id, total_of.get(i, 0.0), {**score_components(c), **scored.get(i, {})}, dropped[i])
+            return [Score(c.worker_id, total_of.get(i, 0.0),
+                          {**score_components(c), "kv_used_tokens": float(c.kv_used_tokens),
+                           "kv_available_tokens": float(c.kv_available_tokens), **scored.get(i, {})}, dropped[i])
                     for i, c in enumerate(cands)]
 
         if not kept:
@@ -126,14 +148,23 @@ class Pipeline:
             self.picker.record(pick.worker_id)
 
 
-def named(name: str, params: dict[str, Any]) -> Any:
-    """A factory for the policy registry: the pipeline `params` under the policy's `name` (its
-    parameters are fixed: the registry gives it NoParams)."""
-    fixed = msgspec.convert(params, PipelineParams).validate()
-
-    def factory(_params: PolicyParams) -> Pipeline:
-        return Pipeline(fixed, name)
-    return factory
+def named(name: str, config: dict[str, Any], params: PolicyParams) -> Pipeline:
+    """A shipped policy expressed as a pipeline: `config` under the policy's `name`, with the
+    policy's own parameters (what its gates read)."""
+    return Pipeline(msgspec.convert(config, PipelineParams).validate(), name, params)
 
 
-__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "named"]
+def kv_aware(params: Any) -> Pipeline:
+    """kv-aware (services/core/policies/kv_aware.py has its parameters): the worker must hold
+    the prompt, its KV gate open, its load and KV in use within their factors of the average;
+    then a draw weighted toward the least KV in use."""
+    return named("kv-aware", {
+        "filters": [{"type": "kv-available"}, {"type": "gated"},
+                    {"type": "load", "parameters": {"factor": params.load_factor}},
+                    {"type": "kv-used", "parameters": {"factor": params.kv_used_factor}}],
+        "scorers": [{"type": "least-kv-used", "parameters": {"per_token": params.kv_weight_per_token}}],
+        "picker": {"type": "weighted-random"},
+    }, params)
+
+
+__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "kv_aware", "named"]

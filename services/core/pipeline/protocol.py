@@ -43,8 +43,10 @@ class Filter(Protocol):
 
     def __init__(self, params: Any) -> None: ...
 
-    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
-        """Whether the candidate stays in; one the filter drops shows its name on its card."""
+    def keep(self, ctx: RouteContext, cands: list[Candidate]) -> list[bool]:
+        """For every candidate of the decision (all of them, so that a filter may compare a
+        worker with the average), whether it stays in; one the filter drops shows the filter's
+        name on its card, unless a filter before it dropped it already."""
 
 
 class Scorer(Protocol):

@@ -28,13 +28,13 @@ import msgspec
 
 from services.core.policies.cache_aware import CacheAware, CacheAwareParams
 from services.core.policies.cost_based import CostBased, CostBasedParams
-from services.core.policies.kv_aware import KvAware, KvAwareParams
+from services.core.policies.kv_aware import KvAwareParams
 from services.core.policies.protocol import Candidate, NoParams, Pick, PolicyParams, RouteContext, RoutingPolicy, Score
 from services.core.seeded import DecisionRng
 
 __all__ = [
     "DECODE_POLICIES", "PREFILL_POLICIES", "CacheAware", "CacheAwareParams", "Candidate", "CostBased", "CostBasedParams",
-    "DecisionRng", "KvAware", "KvAwareParams", "NoParams", "Pick", "PolicyParams", "PolicySpec", "RouteContext",
+    "DecisionRng", "KvAwareParams", "NoParams", "Pick", "PolicyParams", "PolicySpec", "RouteContext",
     "RoutingPolicy", "Score", "UnknownPolicyError",
     "build_policy",
 ]
@@ -51,11 +51,17 @@ def _pipeline(name: str, config: dict[str, Any]) -> Callable[[Any], RoutingPolic
     """A policy shipped as a named pipeline (services/core/pipeline/): built on first use, as
     the pipeline package imports this one's contract."""
 
-    def factory(_params: NoParams) -> RoutingPolicy:
+    def factory(params: NoParams) -> RoutingPolicy:
         from services.core.pipeline import named
 
-        return named(name, config)(_params)
+        return named(name, config, params)
     return factory
+
+
+def _kv_aware(params: KvAwareParams) -> RoutingPolicy:
+    from services.core.pipeline import kv_aware
+
+    return kv_aware(params)
 
 
 def _pipeline_policy(params: Any) -> RoutingPolicy:
@@ -92,7 +98,8 @@ PREFILL_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
     "random": _RANDOM,
 })
 DECODE_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
-    "kv-aware": PolicySpec(KvAware, KvAwareParams, "weighted random toward the least KV in use, among those that fit"),
+    "kv-aware": PolicySpec(_kv_aware, KvAwareParams, "weighted random toward the least KV in use, among those that fit "
+                           "(pipeline: kv-available, gated, load, kv-used; least-kv-used; weighted-random)"),
     "least-loaded": _LEAST_LOADED,
     "round-robin": _ROUND_ROBIN,
     "random": _RANDOM,

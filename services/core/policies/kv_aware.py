@@ -4,14 +4,14 @@ with the least KV in use, among those that can hold the request.
 The scheduler reserves on the picked worker the request's expected KV = prompt +
 min(max_tokens, `expected_output_cap`) (read from these parameters), and passes per worker
 its KV used (reported + expected reservations it does not show yet) and available (reported
-free − hard reservations). Filters, in order:
-- `kv_available`: available KV < the prompt's tokens;
-- `kv_usage_gate`: the usage gate is closed (the scheduler keeps it: closes at KV usage >=
+free − hard reservations). It is a pipeline (services/core/pipeline/ `kv_aware`). Filters, in order:
+- `kv-available`: available KV < the prompt's tokens;
+- `gated`: the usage gate is closed (the scheduler keeps it: closes at KV usage >=
   `max_kv_usage`, reopens at <= max_kv_usage × (1 − `kv_usage_hysteresis`));
 - `load`: pending > `load_factor` × the average pending;
-- `kv_used`: KV used > `kv_used_factor` × the average KV used.
+- `kv-used`: KV used > `kv_used_factor` × the average KV used.
 Nothing left: no pick (`no_worker`; no fallback). Pick: weighted random (`ctx.rng`, worker-id
-order), weight = exp(−`kv_weight_per_token` × (kv used − the least kv used)): with the
+order; picker weighted-random), weight (scorer least-kv-used) = exp(−`kv_weight_per_token` × (kv used − the least kv used)): with the
 default, a worker with 500 tokens used is picked e ≈ 2.7 times as often as one with 1,500.
 
 Parameters (`KvAwareParams`, defaults): expected_output_cap 1000, kv_weight_per_token 0.001,
@@ -20,10 +20,7 @@ max_kv_usage 0.9, kv_usage_hysteresis 0.15, load_factor 3, kv_used_factor 3.
 
 from __future__ import annotations
 
-import math
-
-from services.core.policies.base import StatelessPolicy, average, no_pick
-from services.core.policies.protocol import DEFAULT_EXPECTED_OUTPUT_CAP, Pick, PolicyParams, RouteContext, Score
+from services.core.policies.protocol import DEFAULT_EXPECTED_OUTPUT_CAP, PolicyParams
 
 
 class KvAwareParams(PolicyParams):
@@ -48,48 +45,3 @@ class KvAwareParams(PolicyParams):
         if self.load_factor <= 1 or self.kv_used_factor <= 1:
             raise ValueError("kv-aware: load_factor and kv_used_factor must be > 1")
         return self
-
-
-class KvAware(StatelessPolicy):
-    name = "kv-aware"
-    params: KvAwareParams
-
-    def select(self, ctx: RouteContext) -> Pick:
-        p = self.params
-        cands = sorted(ctx.candidates, key=lambda c: c.worker_id)
-        if not cands:
-            return no_pick("no live candidate", [])
-        filtered: dict[str, str] = {}
-        avg_load = average([c.num_pending for c in cands])
-        avg_used = average([c.kv_used_tokens for c in cands])
-        for c in cands:
-            if c.kv_available_tokens < ctx.num_prompt_tokens:
-                filtered[c.worker_id] = "kv_available"
-            elif c.gated:
-                filtered[c.worker_id] = "kv_usage_gate"
-            elif avg_load > 0 and c.num_pending > p.load_factor * avg_load:
-                filtered[c.worker_id] = "load"
-            elif avg_used > 0 and c.kv_used_tokens > p.kv_used_factor * avg_used:
-                filtered[c.worker_id] = "kv_used"
-        eligible = [c for c in cands if c.worker_id not in filtered]
-        min_used = min((c.kv_used_tokens for c in eligible), default=0)
-        weights = {c.worker_id: math.exp(-p.kv_weight_per_token * (c.kv_used_tokens - min_used)) for c in eligible}
-        scores = [
-            Score(c.worker_id, round(weights.get(c.worker_id, 0.0), 6),
-                  {"kv_used_tokens": float(c.kv_used_tokens), "kv_available_tokens": float(c.kv_available_tokens),
-                   "pending": float(c.num_pending)}, filtered.get(c.worker_id))
-            for c in cands
-        ]
-        if not eligible:
-            return no_pick("every decode candidate filtered", scores)
-        total = sum(weights.values())
-        x = ctx.rng.random() * total
-        acc = 0.0
-        chosen = eligible[-1]
-        for c in eligible:
-            acc += weights[c.worker_id]
-            if x < acc:
-                chosen = c
-                break
-        return Pick(chosen.worker_id, f"weighted random (w={weights[chosen.worker_id]:.3f} of {total:.3f})", scores)
-

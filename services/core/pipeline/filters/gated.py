@@ -10,5 +10,5 @@ from services.core.policies.protocol import Candidate, RouteContext
 class Gated(Plugin):
     name = "gated"
 
-    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
-        return not c.gated
+    def keep(self, ctx: RouteContext, cands: list[Candidate]) -> list[bool]:
+        return [not c.gated for c in cands]

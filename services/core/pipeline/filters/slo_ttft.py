@@ -20,5 +20,8 @@ class SloTtft(Plugin):
     name = "slo-ttft"
     Params = SloTtftParams
 
-    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
-        return ctx.slo_ttft_ms <= 0 or c.ttft_ms <= ctx.slo_ttft_ms - self.params.margin_ms
+    def keep(self, ctx: RouteContext, cands: list[Candidate]) -> list[bool]:
+        if ctx.slo_ttft_ms <= 0:
+            return [True] * len(cands)
+        budget = ctx.slo_ttft_ms - self.params.margin_ms
+        return [c.ttft_ms <= budget for c in cands]

@@ -11,5 +11,5 @@ from services.core.policies.protocol import Candidate, RouteContext
 class Tpot(Plugin):
     name = "tpot"
 
-    def keep(self, ctx: RouteContext, c: Candidate) -> bool:
-        return not 0 < ctx.tpot_limit_ms < c.tpot_ms
+    def keep(self, ctx: RouteContext, cands: list[Candidate]) -> list[bool]:
+        return [not 0 < ctx.tpot_limit_ms < c.tpot_ms for c in cands]
