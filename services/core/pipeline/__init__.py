@@ -16,10 +16,10 @@ Configuration is a `PipelineParams` (the `pipeline` policy's parameters, or one 
      {"type": "fewest-pending"}], "picker": {"type": "max-score"}}
 
 Named pipelines: `least-loaded` (scorer fewest-pending, picker max-score), `random`,
-`round-robin` and `power-of-two` (their pickers, no scorer) and `kv-aware` (`kv_aware`
-below) are shipped this way and decide exactly as their policies did
-(tests/unit/test_golden_journals.py); `cost-based` and `cache-aware` are still policies of
-their own (services/core/policies/).
+`round-robin` and `power-of-two` (their pickers, no scorer) `kv-aware` and
+`cache-aware` (`kv_aware`, `cache_aware` below) are shipped this way and decide exactly as
+their policies did (tests/unit/test_golden_journals.py); `cost-based` is still a policy of
+its own (services/core/policies/).
 """
 
 from __future__ import annotations
@@ -154,6 +154,15 @@ def named(name: str, config: dict[str, Any], params: PolicyParams) -> Pipeline:
     return Pipeline(msgspec.convert(config, PipelineParams).validate(), name, params)
 
 
+def cache_aware(params: Any) -> Pipeline:
+    """cache-aware (services/core/policies/cache_aware.py has its parameters): SGLang's rule,
+    its picker; the prefix-affinity scorer for the cards."""
+    return named("cache-aware", {
+        "scorers": [{"type": "prefix-affinity"}],
+        "picker": {"type": "cache-aware", "parameters": msgspec.structs.asdict(params)},
+    }, params)
+
+
 def kv_aware(params: Any) -> Pipeline:
     """kv-aware (services/core/policies/kv_aware.py has its parameters): the worker must hold
     the prompt, its KV gate open, its load and KV in use within their factors of the average;
@@ -167,4 +176,4 @@ def kv_aware(params: Any) -> Pipeline:
     }, params)
 
 
-__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "kv_aware", "named"]
+__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "cache_aware", "kv_aware", "named"]

@@ -26,14 +26,14 @@ from typing import Any
 
 import msgspec
 
-from services.core.policies.cache_aware import CacheAware, CacheAwareParams
+from services.core.policies.cache_aware import CacheAwareParams
 from services.core.policies.cost_based import CostBased, CostBasedParams
 from services.core.policies.kv_aware import KvAwareParams
 from services.core.policies.protocol import Candidate, NoParams, Pick, PolicyParams, RouteContext, RoutingPolicy, Score
 from services.core.seeded import DecisionRng
 
 __all__ = [
-    "DECODE_POLICIES", "PREFILL_POLICIES", "CacheAware", "CacheAwareParams", "Candidate", "CostBased", "CostBasedParams",
+    "DECODE_POLICIES", "PREFILL_POLICIES", "CacheAwareParams", "Candidate", "CostBased", "CostBasedParams",
     "DecisionRng", "KvAwareParams", "NoParams", "Pick", "PolicyParams", "PolicySpec", "RouteContext",
     "RoutingPolicy", "Score", "UnknownPolicyError",
     "build_policy",
@@ -56,6 +56,12 @@ def _pipeline(name: str, config: dict[str, Any]) -> Callable[[Any], RoutingPolic
 
         return named(name, config, params)
     return factory
+
+
+def _cache_aware(params: CacheAwareParams) -> RoutingPolicy:
+    from services.core.pipeline import cache_aware
+
+    return cache_aware(params)
 
 
 def _kv_aware(params: KvAwareParams) -> RoutingPolicy:
@@ -88,7 +94,7 @@ _PIPELINE = PolicySpec(_pipeline_policy, PolicyParams, "filters, scorers and a p
 PREFILL_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
     "cost-based": PolicySpec(CostBased, CostBasedParams,
                              "lowest predicted TTFT (prefix hit, prefill, waits) after load filters"),
-    "cache-aware": PolicySpec(CacheAware, CacheAwareParams,
+    "cache-aware": PolicySpec(_cache_aware, CacheAwareParams,
                               "SGLang's rule: best prefix match, else smallest cache; shortest queue when imbalanced"),
     "least-loaded": _LEAST_LOADED,
     "power-of-two": PolicySpec(_pipeline("power-of-two", {"picker": {"type": "power-of-two"}}), NoParams,
