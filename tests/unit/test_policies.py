@@ -40,8 +40,9 @@ def test_cost_based_picks_the_lowest_prefill_plus_wait_plus_queue():
     pick = p.select(ctx([cand("a", prefill_ms=100, wait_ms=50), cand("b", prefill_ms=60, wait_ms=20, queue_ms=10),
                          cand("c", prefill_ms=80)]))
     assert pick.worker_id == "c"
-    scores = {s.worker_id: s.score for s in pick.scores}
-    assert scores == {"a": 150, "b": 90, "c": 80}
+    # (the card: the least cost over each worker's, 80 / (150, 90, 80) ms)
+    scores = {s.worker_id: s.components["score.predicted-cost"] for s in pick.scores}
+    assert scores == {"a": 80 / 150, "b": 80 / 90, "c": 1.0}
 
 
 def test_cost_based_prefers_the_cache_hit_through_a_shorter_prefill():
@@ -100,7 +101,7 @@ def test_when_everything_is_filtered_the_least_waiting_worker_is_taken():
     pick = p.select(ctx([cand("a", gated=True, wait_ms=300), cand("b", gated=True, wait_ms=100)]))
     assert pick.worker_id == "b" and "every candidate filtered" in pick.reason
     card = {s.worker_id: s for s in pick.scores}
-    assert card["b"].filtered_by is None and card["a"].filtered_by == "pending_gate"
+    assert card["b"].filtered_by is None and card["a"].filtered_by == "gated"
 
 
 def test_slo_filter_drops_workers_that_cannot_meet_the_ttft_target():
@@ -108,7 +109,7 @@ def test_slo_filter_drops_workers_that_cannot_meet_the_ttft_target():
     pick = p.select(ctx([cand("fast", prefill_ms=100, wait_ms=300), cand("late", prefill_ms=50, wait_ms=10)], slo=500.0))
     assert pick.worker_id == "late"
     pick = p.select(ctx([cand("fast", prefill_ms=100, wait_ms=350), cand("ok", prefill_ms=100, wait_ms=200)], slo=500.0))
-    assert {s.worker_id: s.filtered_by for s in pick.scores}["fast"] == "slo"
+    assert {s.worker_id: s.filtered_by for s in pick.scores}["fast"] == "slo-ttft"
 
 
 # ------------------------------------------------------------------ kv-aware decode

@@ -223,7 +223,7 @@ def test_cost_based_follows_the_prefix_cache_reported_by_kv_events():
     assert a.request.prefill_worker_id == "w2"
     assert a.request.num_cached_tokens == 1024 - 16  # full hit: the last block is recomputed
     card = {c["worker_id"] if isinstance(c, dict) else c.worker_id: c for c in a.prefill_pick.scores}
-    assert card["w2"].score < card["w0"].score
+    assert card["w2"].score > card["w0"].score  # (higher is better: the least cost over its own)
 
 
 def test_kv_aware_decode_skips_a_worker_without_room():

@@ -15,11 +15,12 @@ Configuration is a `PipelineParams` (the `pipeline` policy's parameters, or one 
     {"filters": [{"type": "gated"}], "scorers": [{"type": "prefix-affinity", "weight": 2},
      {"type": "fewest-pending"}], "picker": {"type": "max-score"}}
 
-Named pipelines: `least-loaded` (scorer fewest-pending, picker max-score), `random`,
-`round-robin` and `power-of-two` (their pickers, no scorer) `kv-aware` and
-`cache-aware` (`kv_aware`, `cache_aware` below) are shipped this way and decide exactly as
-their policies did (tests/unit/test_golden_journals.py); `cost-based` is still a policy of
-its own (services/core/policies/).
+Named pipelines: every shipped policy is one (services/core/policies/__init__.py registers
+them; their parameter Structs stay in services/core/policies/): `least-loaded` (scorer
+fewest-pending, picker max-score), `random`, `round-robin`, `power-of-two` (their pickers),
+`kv-aware`, `cache-aware` and `cost-based` (`kv_aware`, `cache_aware`, `cost_based` below).
+Each decides exactly as its policy class did (tests/unit/test_golden_journals.py replays
+journals recorded before).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class PipelineParams(PolicyParams):
     filters: list[PluginRef] = []
     scorers: list[PluginRef] = []
     picker: PluginRef = PluginRef(type="max-score")
+    # Every candidate filtered: "" no pick; "least-waiting" the least predicted wait (then id),
+    # its card marked `fallback_from` (the filter lifted), as cost-based does.
+    fallback: str = ""
     # The gates the scheduler keeps for this stage, which the `gated` filter reads: as
     # cost-based's (prefill) and kv-aware's (decode), with their defaults.
     pending_gate_high: int = 64
@@ -74,6 +78,8 @@ class PipelineParams(PolicyParams):
         return self.max_kv_usage, self.kv_usage_hysteresis
 
     def validate(self) -> "PipelineParams":
+        if self.fallback not in ("", "least-waiting"):
+            raise ValueError(f"pipeline: fallback must be least-waiting or empty, got {self.fallback!r}")
         if self.pending_gate_high < 1 or not 0 <= self.pending_gate_hysteresis < 1:
             raise ValueError("pipeline: pending_gate_high must be >= 1 and pending_gate_hysteresis in [0, 1)")
         if not 0 < self.max_kv_usage <= 1 or not 0 <= self.kv_usage_hysteresis < 1:
@@ -117,23 +123,50 @@ class Pipeline:
         if not cands:
             return no_pick("no live candidate", [])
         dropped: list[str | None] = [None] * len(cands)
+        any_dropped = False
         for f in self.filters:
-            for i, kept in enumerate(f.keep(ctx, cands)):
-                if dropped[i] is None and not kept:
-                    dropped[i] = f.name
-        alive = [i for i in range(len(cands)) if dropped[i] is None]
-        kept = [cands[i] for i in alive]
-        per_scorer = [(s.name, w, s.score(ctx, kept) if kept else []) for s, w in self.scorers]
-        totals = [sum(w * scores[j] for _, w, scores in per_scorer) for j in range(len(kept))]
+            flags = f.keep(ctx, cands)
+            if all(flags):  # (most decisions: nobody dropped, no per-candidate loop)
+                continue
+            any_dropped = True
+            name = f.name
+            for i, keep in enumerate(flags):
+                if not keep and dropped[i] is None:
+                    dropped[i] = name
+        if any_dropped:
+            alive = [i for i, d in enumerate(dropped) if d is None]
+            kept = [cands[i] for i in alive]
+        else:
+            alive, kept = list(range(len(cands))), cands
+        scorers = self.scorers
+        # A picker that does not read the totals (lowest-cost, random, ...) leaves the scoring to
+        # the cards, which are built on first read (Pick): the decision's hot path skips it.
+        scored: list | None = None
+        totals: list[float] = []
+        if scorers and kept and self.picker.uses_totals:
+            scored = [(s.name, w, s.score(ctx, kept)) for s, w in scorers]
+            totals = [sum(w * scores[j] for _, w, scores in scored) for j in range(len(kept))]
+        elif not scorers:
+            totals = [0.0] * len(kept)
 
-        def cards() -> list[Score]:
-            total_of = dict(zip(alive, totals))
-            scored = {i: {f"score.{name}": scores[j] for name, _, scores in per_scorer} for j, i in enumerate(alive)}
-            return [Score(c.worker_id, total_of.get(i, 0.0),
-                          {**score_components(c), "kv_used_tokens": float(c.kv_used_tokens),
-                           "kv_available_tokens": float(c.kv_available_tokens), **scored.get(i, {})}, dropped[i])
-                    for i, c in enumerate(cands)]
+        def cards(fallback: int = -1) -> list[Score]:
+            per = scored if scored is not None else [(s.name, w, s.score(ctx, kept) if kept else []) for s, w in scorers]
+            tot = totals if scored is not None or not scorers else [
+                sum(w * scores[j] for _, w, scores in per) for j in range(len(kept))]
+            total_of = dict(zip(alive, tot))
+            by_scorer = {i: {f"score.{name}": scores[j] for name, _, scores in per} for j, i in enumerate(alive)}
+            out = [Score(c.worker_id, total_of.get(i, 0.0),
+                         {**score_components(c), "kv_used_tokens": float(c.kv_used_tokens),
+                          "kv_available_tokens": float(c.kv_available_tokens), **by_scorer.get(i, {})}, dropped[i])
+                   for i, c in enumerate(cands)]
+            if fallback >= 0:  # the fallback's card shows the filter lifted: a pick is never a filtered card
+                out[fallback] = Score(out[fallback].worker_id, 0.0, {**out[fallback].components, "fallback_from": 1.0}, None)
+            return out
 
+        if not kept and self.config.fallback == "least-waiting":
+            fb = min(range(len(cands)), key=lambda i: (cands[i].wait_ms + cands[i].queue_ms, cands[i].worker_id))
+            wid = cands[fb].worker_id
+            return Pick(wid, f"every candidate filtered; least waiting {wid} (was {dropped[fb]})", cards=lambda: cards(fb))
         if not kept:
             counts: dict[str, int] = {}
             for d in dropped:
@@ -152,6 +185,32 @@ def named(name: str, config: dict[str, Any], params: PolicyParams) -> Pipeline:
     """A shipped policy expressed as a pipeline: `config` under the policy's `name`, with the
     policy's own parameters (what its gates read)."""
     return Pipeline(msgspec.convert(config, PipelineParams).validate(), name, params)
+
+
+def cost_based(params: Any) -> Pipeline:
+    """cost-based (services/core/policies/cost_based.py has its parameters, and why): filters
+    gated, late, tpot, slo-ttft, hotspot and imbalance in that order (those its parameters turn
+    on), the fallback least-waiting, the scorer predicted-cost for the cards, and the picker
+    lowest-cost (its tie window is in milliseconds)."""
+    w = params.prefill_weight
+    filters: list[dict[str, Any]] = [{"type": "gated"}]
+    if w:
+        filters.append({"type": "late", "parameters": {"prefill_weight": w}})
+    if params.tpot_filter:
+        filters.append({"type": "tpot"})
+    if params.slo_filter:
+        filters.append({"type": "slo-ttft", "parameters": {"margin_ms": params.slo_margin_ms, "prefill_weight": w}})
+    filters.append({"type": "hotspot", "parameters": {"factor": params.hotspot_factor,
+                                                      "min_excess": params.hotspot_min_excess}})
+    if params.imbalance_factor:
+        filters.append({"type": "imbalance", "parameters": {"factor": params.imbalance_factor,
+                                                            "min_excess_ms": params.imbalance_min_excess_ms}})
+    return named("cost-based", {
+        "filters": filters, "fallback": "least-waiting",
+        "scorers": [{"type": "predicted-cost", "parameters": {"prefill_weight": w}}],
+        "picker": {"type": "lowest-cost", "parameters": {"prefill_weight": w, "tie_rel": params.tie_rel,
+                                                         "tie_abs_ms": params.tie_abs_ms, "tie_break": params.tie_break}},
+    }, params)
 
 
 def cache_aware(params: Any) -> Pipeline:
@@ -176,4 +235,4 @@ def kv_aware(params: Any) -> Pipeline:
     }, params)
 
 
-__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "cache_aware", "kv_aware", "named"]
+__all__ = ["FILTERS", "PICKERS", "SCORERS", "Pipeline", "PipelineParams", "cache_aware", "cost_based", "kv_aware", "named"]

@@ -29,6 +29,7 @@ class Plugin:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[PolicyParams]] = NoPluginParams
+    uses_totals: ClassVar[bool] = True  # (pickers) False: it chooses by its own rule, not by the scores
 
     def __init__(self, params: Any) -> None:
         self.params = params

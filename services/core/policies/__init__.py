@@ -12,8 +12,8 @@ field. The CLI's `--prefill-policy` / `--decode-policy` help is built from the s
 Prefill stage (colocated pd_fusion workers too): cost-based (cost_based.py), cache-aware,
 least-loaded, power-of-two, round-robin, random, pipeline. Decode stage (disaggregated):
 kv-aware, least-loaded, round-robin, random, pipeline (load = running + reserved requests).
-least-loaded, power-of-two, round-robin and random are named pipelines of filters, scorers
-and a picker (services/core/pipeline/); `pipeline` is one composed from its parameters. The
+Each is a named pipeline of filters, scorers and a picker (services/core/pipeline/), built
+from its parameters; `pipeline` is one composed from configuration. The
 scheduler's defaults are cost-based and kv-aware (SchedulerConfig).
 """
 
@@ -27,13 +27,13 @@ from typing import Any
 import msgspec
 
 from services.core.policies.cache_aware import CacheAwareParams
-from services.core.policies.cost_based import CostBased, CostBasedParams
+from services.core.policies.cost_based import CostBasedParams
 from services.core.policies.kv_aware import KvAwareParams
 from services.core.policies.protocol import Candidate, NoParams, Pick, PolicyParams, RouteContext, RoutingPolicy, Score
 from services.core.seeded import DecisionRng
 
 __all__ = [
-    "DECODE_POLICIES", "PREFILL_POLICIES", "CacheAwareParams", "Candidate", "CostBased", "CostBasedParams",
+    "DECODE_POLICIES", "PREFILL_POLICIES", "CacheAwareParams", "Candidate", "CostBasedParams",
     "DecisionRng", "KvAwareParams", "NoParams", "Pick", "PolicyParams", "PolicySpec", "RouteContext",
     "RoutingPolicy", "Score", "UnknownPolicyError",
     "build_policy",
@@ -56,6 +56,12 @@ def _pipeline(name: str, config: dict[str, Any]) -> Callable[[Any], RoutingPolic
 
         return named(name, config, params)
     return factory
+
+
+def _cost_based(params: CostBasedParams) -> RoutingPolicy:
+    from services.core.pipeline import cost_based
+
+    return cost_based(params)
 
 
 def _cache_aware(params: CacheAwareParams) -> RoutingPolicy:
@@ -92,7 +98,7 @@ _PIPELINE = PolicySpec(_pipeline_policy, PolicyParams, "filters, scorers and a p
                        "(services/core/pipeline/; --scheduling-config)")
 
 PREFILL_POLICIES: Mapping[str, PolicySpec] = MappingProxyType({
-    "cost-based": PolicySpec(CostBased, CostBasedParams,
+    "cost-based": PolicySpec(_cost_based, CostBasedParams,
                              "lowest predicted TTFT (prefix hit, prefill, waits) after load filters"),
     "cache-aware": PolicySpec(_cache_aware, CacheAwareParams,
                               "SGLang's rule: best prefix match, else smallest cache; shortest queue when imbalanced"),

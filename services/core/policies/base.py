@@ -1,25 +1,9 @@
-"""What the policies share beyond the contract (protocol.py): the base of a policy that keeps
-no state, and the helpers that build score cards."""
+"""What the policies share beyond the contract (protocol.py): the helpers that build score
+cards."""
 
 from __future__ import annotations
 
-from services.core.policies.protocol import Candidate, Pick, PolicyParams, Score
-
-
-class StatelessPolicy:
-    """A policy whose `select` is its whole behaviour: `record` has nothing to fold."""
-
-    name = ""
-
-    def __init__(self, params: PolicyParams) -> None:
-        self.params = params
-
-    def record(self, pick: Pick) -> None:
-        """Stateless: nothing to record (gates and reservations are scheduler state)."""
-
-
-def average(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+from services.core.policies.protocol import Candidate, Pick, Score
 
 
 def score_components(c: Candidate) -> dict[str, float]:

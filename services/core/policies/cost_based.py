@@ -1,7 +1,10 @@
 """`cost-based` (prefill stage; colocated pd_fusion workers too): the worker where this request
 would see its first token soonest, after filters that keep load off hot spots.
 
-Score (ms, lower is better) = the candidate's predicted TTFT there: prefill of this request
+It is a pipeline (services/core/pipeline/ `cost_based`: the filters below, the fallback
+least-waiting, the scorer predicted-cost for the cards, the picker lowest-cost).
+
+Cost (ms, lower is better; services/core/pipeline/cost.py) = the candidate's predicted TTFT there: prefill of this request
 given the worker's prefix hit + predicted wait of its inflight batches + predicted wait in its
 batcher queue (`Candidate.ttft_ms`), + `prefill_weight` x the prefill it spends for lack of the
 best-cached candidate's prefix (its prefill's share of the tokens that candidate has cached
@@ -11,7 +14,7 @@ prefill-first engine every running decode's TPOT), not only on this request's TT
 conversation's next turn stays on the worker holding its history unless waiting there costs
 more. 0 (FlexLB's): the request's TTFT alone. Filters, in order (the score card names the
 one that removed a worker):
-- `pending_gate`: the worker's pending requests closed its hysteresis gate: closed at
+- `gated`: the worker's pending requests closed its hysteresis gate: closed at
   `pending_gate_high`, open again once pending <= high × (1 − `pending_gate_hysteresis`)
   (64 and 0.15: closes at 64, reopens at 54). The scheduler keeps the gate state and passes
   `Candidate.gated`.
@@ -20,7 +23,7 @@ one that removed a worker):
 - `tpot` (`tpot_filter`, off): the worker's predicted TPOT with this request added is above
   `ctx.tpot_limit_ms` (the slo-budget batcher's `tpot_headroom` × the request's TPOT target:
   the batcher would only hold the request there).
-- `slo` (`slo_filter`, off): predicted TTFT > the request's TTFT target − `slo_margin_ms`.
+- `slo-ttft` (`slo_filter`, off): cost > the request's TTFT target − `slo_margin_ms`.
 - `hotspot`: pending > `hotspot_factor` × the average pending AND pending >= average +
   `hotspot_min_excess`.
 - `imbalance`: wait + queue > `imbalance_factor` × the average AND >= average +
@@ -31,7 +34,7 @@ holding 2 requests while the others hold none is a hot spot, and the second requ
 shared prefix would be pushed off the worker about to cache it.
 If every candidate is filtered: the least-waiting one (wait + queue, then id), its card marked
 `fallback_from` so a pick is never shown as filtered.
-Pick: the ties are the unfiltered workers whose score is within max(`tie_rel` × min score,
+Pick: the ties are the unfiltered workers whose cost is within max(`tie_rel` × min cost,
 `tie_abs_ms`) of the minimum; with `tie_break` "fewest-pending" (default) those with the fewest
 pending requests (the shortest decode steps, so the best TPOT) are kept, then one is drawn
 uniformly (`ctx.rng`, by worker id order); "random" draws among all ties.
@@ -48,8 +51,7 @@ from __future__ import annotations
 
 import math
 
-from services.core.policies.base import StatelessPolicy, no_pick, score_components
-from services.core.policies.protocol import Pick, PolicyParams, RouteContext, Score
+from services.core.policies.protocol import PolicyParams
 
 
 class CostBasedParams(PolicyParams):
@@ -91,99 +93,3 @@ class CostBasedParams(PolicyParams):
         if self.tie_rel < 0 or self.tie_abs_ms < 0 or self.slo_margin_ms < 0:
             raise ValueError("cost-based: tie_rel, tie_abs_ms and slo_margin_ms must be >= 0")
         return self
-
-
-class CostBased(StatelessPolicy):
-    name = "cost-based"
-    params: CostBasedParams
-
-    def select(self, ctx: RouteContext) -> Pick:
-        p = self.params
-        cands = ctx.candidates
-        if not cands:
-            return no_pick("no live candidate", [])
-        k = len(cands)
-        waits = [c.wait_ms + c.queue_ms for c in cands]
-        w = p.prefill_weight
-        late_after = math.inf  # (prefill_weight: a worker whose TTFT misses the target loses to one that meets it)
-        if w:
-            # The prefill it spends for lack of the best-cached candidate's prefix: its own
-            # prefill's share of the tokens that candidate has cached and it has not (0 when
-            # the caches match, whatever each worker's predictor says).
-            most = max(c.num_cached_tokens for c in cands)
-            n = ctx.num_prompt_tokens
-            costs = []
-            for c in cands:
-                extra = 0.0
-                if most > c.num_cached_tokens and n > c.num_cached_tokens:
-                    extra = c.prefill_ms * (most - c.num_cached_tokens) / (n - c.num_cached_tokens)
-                costs.append(c.ttft_ms + w * extra)
-            if ctx.slo_ttft_ms > 0 and any(c.ttft_ms <= ctx.slo_ttft_ms and not c.gated for c in cands):
-                late_after = ctx.slo_ttft_ms
-        else:
-            costs = [c.ttft_ms for c in cands]
-        avg_pending = sum([c.num_pending for c in cands]) / k
-        avg_wait = sum(waits) / k
-        hot_ratio, hot_abs = p.hotspot_factor * avg_pending, avg_pending + p.hotspot_min_excess
-        imb_ratio, imb_abs = (p.imbalance_factor * avg_wait, avg_wait + p.imbalance_min_excess_ms) if p.imbalance_factor \
-            else (math.inf, math.inf)
-        # (the scheduler gives every request a TTFT target: its own or its bucket's; 0 = none)
-        budget = ctx.slo_ttft_ms - p.slo_margin_ms if p.slo_filter and ctx.slo_ttft_ms > 0 else math.inf
-        filtered: list[str | None] = [None] * k
-        best = math.inf
-        num_filtered = 0
-        tpot_limit = ctx.tpot_limit_ms if p.tpot_filter else 0.0
-        for i, c in enumerate(cands):
-            pending = c.num_pending
-            if c.gated:
-                filtered[i] = "pending_gate"
-            elif c.ttft_ms > late_after:
-                filtered[i] = "late"
-            elif 0 < tpot_limit < c.tpot_ms:
-                filtered[i] = "tpot"
-            elif costs[i] > budget:
-                filtered[i] = "slo"
-            elif pending > hot_ratio and pending >= hot_abs:
-                filtered[i] = "hotspot"
-            elif waits[i] > imb_ratio and waits[i] >= imb_abs:
-                filtered[i] = "imbalance"
-            elif costs[i] < best:
-                best = costs[i]
-                continue
-            else:
-                continue
-            num_filtered += 1
-
-        def cards(fallback: int = -1) -> list[Score]:
-            out = [Score(c.worker_id, costs[i], score_components(c), filtered[i]) for i, c in enumerate(cands)]
-            if fallback >= 0:  # the card of the fallback pick shows the filter lifted
-                out[fallback] = Score(out[fallback].worker_id, costs[fallback],
-                                      {**out[fallback].components, "fallback_from": 1.0}, None)
-            return out
-
-        if num_filtered == k:
-            # The fallback: the least-waiting worker. Its score card is marked as the
-            # fallback (filter lifted) so a pick is never a worker the card shows as filtered.
-            fb = min(range(k), key=lambda i: (waits[i], cands[i].worker_id))
-            wid = cands[fb].worker_id
-            return Pick(wid, f"every candidate filtered; least waiting {wid} (was {filtered[fb]})",
-                        cards=lambda: cards(fb))
-        window = max(p.tie_rel * best, p.tie_abs_ms)
-        limit = best + window
-        ties = [i for i in range(k) if filtered[i] is None and costs[i] <= limit]
-        if len(ties) > 1 and p.tie_break == "fewest-pending":
-            fewest = min(cands[i].num_pending for i in ties)
-            ties = [i for i in ties if cands[i].num_pending == fewest]
-        if len(ties) == 1:
-            pick = ties[0]
-        else:
-            ties.sort(key=[c.worker_id for c in cands].__getitem__)
-            pick = ties[ctx.rng.randrange(len(ties))]
-        num_ties = len(ties)
-        return Pick(
-            cands[pick].worker_id,
-            reason_fn=lambda: (f"cost {costs[pick]:.1f} ms (min {best:.1f}, tie window {window:.1f} ms, {num_ties} tied, "
-                               f"{num_filtered} filtered)"),
-            cards=cards,
-        )
-

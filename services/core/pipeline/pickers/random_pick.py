@@ -8,6 +8,7 @@ from services.core.policies.protocol import Candidate, RouteContext
 
 class RandomPick(Plugin):
     name = "random"
+    uses_totals = False
 
     def pick(self, ctx: RouteContext, cands: list[Candidate], totals: list[float]) -> tuple[int, str]:
         ids = sorted(c.worker_id for c in cands)

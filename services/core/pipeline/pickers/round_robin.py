@@ -10,6 +10,7 @@ from services.core.policies.protocol import Candidate, RouteContext
 
 class RoundRobinPick(Plugin):
     name = "round-robin"
+    uses_totals = False
 
     def __init__(self, params: NoPluginParams) -> None:
         super().__init__(params)

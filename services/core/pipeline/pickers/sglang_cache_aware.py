@@ -13,6 +13,7 @@ from services.core.policies.protocol import Candidate, RouteContext
 
 class CacheAwarePick(Plugin):
     name = "cache-aware"
+    uses_totals = False
     Params = CacheAwareParams  # (services/core/policies/cache_aware.py: the policy's, whole)
 
     def pick(self, ctx: RouteContext, cands: list[Candidate], totals: list[float]) -> tuple[int, str]:
