@@ -8,7 +8,7 @@ workers), the work is spread perfectly evenly over the K workers with no idle ti
 step is as full as the engine's limits allow, and no latency target is considered. It must
 never be below what a fleet sustains: every term below is a LOWER bound on the engine time
 the workload needs, so K x 1000 / (work per request) is an upper bound on the rate. It is
-checked against the simulated engine (tests/unit/test_capacity.py: random workloads with shared
+checked against the simulated engine (tests/unit/bench/test_capacity.py: random workloads with shared
 prefixes, random routings and arrival gaps, both schedulers: the engines never need less time
 than the bound charges). One assumption: each engine takes its requests in arrival order, so
 a shared prefix is first computed by the earliest request that has it.
@@ -66,7 +66,7 @@ when TPOT binds (a decode batch as large as the KV allows steps slower than a 10
 
 Why a slice must be sustained (bench/peers.py): a slice that arrives, at the bound, within a
 few request lifetimes is a burst the fleet absorbs in its running batch and drains after the
-last arrival, so it passes loads no fleet sustains (tests/unit/test_capacity.py replays such a
+last arrival, so it passes loads no fleet sustains (tests/unit/bench/test_capacity.py replays such a
 slice in virtual time). `slice_lifetimes` is how many mean request lifetimes
 (`mean_zero_load_e2e_ms`: alone on an idle engine, cold cache) a slice lasts when it arrives
 at the bound; bench/peers.py by default replays about the shortest slice that lasts

@@ -1,7 +1,7 @@
 """Golden journals: the core's calls in seeded virtual-time runs, kept under
 tests/golden/journals/ so that a change meant to leave scheduling as it is (a refactor of the
 core, its policies or batchers) is checked against what the code decided before it:
-tests/unit/test_golden_journals.py replays each file and fails at the first decision that
+tests/unit/services/core/test_golden_journals.py replays each file and fails at the first decision that
 differs.
 
     python bench/golden_journals.py            # (re)write every file

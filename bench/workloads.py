@@ -23,7 +23,7 @@ Workloads (`name`; the data files are read from ../shared/data, never copied):
   is random printable text seeded by its row index.
 - a path to a file of either format.
   These three are exactly what bench/peers.py replayed before this module existed (same
-  rows, prompts and request ids `row-NNNNN`; tests/unit/test_workloads.py pins them), so old
+  rows, prompts and request ids `row-NNNNN`; tests/unit/bench/test_workloads.py pins them), so old
   results stay comparable. `seed` and `chat` do not apply to them (a ValueError if given).
 - `chat`: a synthetic multi-turn chat with shared system prompts (`ChatParams`, below).
 - `long-conv`: long-prompt multi-turn conversations, Mooncake-like (`LONG_CONV`, below): the

@@ -1,5 +1,6 @@
-"""The test tree: `tests/unit/` (pure: no servers, no processes; `pytest tests/unit` runs
-alone on a machine without a nats-server or redis-server) and `tests/integration/` (real
+"""The test tree: `tests/unit/` (pure: no servers, no processes; laid out as the packages
+are, unit/services/core/ for services/core/ and so on; `pytest tests/unit` runs alone on a
+machine without a nats-server or redis-server) and `tests/integration/` (real
 NATS, Redis and `flexlb` processes; its fixtures are in tests/integration/conftest.py).
 Each test is marked by its folder (`-m unit`, `-m integration`); golden payloads and the
 recorded journal are in tests/golden/.

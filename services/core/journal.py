@@ -186,7 +186,7 @@ class Recorder:
     explicitly: each state-changing method of Scheduler has its recording method below, and
     what callers may read through it is named in READS; any other name raises AttributeError,
     so a new core method cannot be called unjournaled (and replays diverge later) without
-    anyone noticing. tests/unit/test_journal.py fails while a public Scheduler method is
+    anyone noticing. tests/unit/services/core/test_journal.py fails while a public Scheduler method is
     neither recorded here nor in READS."""
 
     # Queries and views: none changes what the core decides. decode_model and predictor build

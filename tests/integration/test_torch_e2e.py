@@ -29,7 +29,7 @@ TORCH_FLEET = ("--engine", "torch", "--model", "tiny", "--num-kv-blocks", "4096"
 
 def reference_texts(bodies: list[dict]) -> list[str]:
     """What the tiny model (seed 0) generates for each prompt, greedy: one engine, one batch
-    (tests/unit/test_torch_engine.py shows batching does not change a request's tokens)."""
+    (tests/unit/workers/engines/test_torch_engine.py shows batching does not change a request's tokens)."""
     eng = TorchEngine(load_model("tiny"), "pd_fusion", num_kv_blocks=8192, block_size_tokens=16, max_seq_len_tokens=2048)
     eng.submit_batch(EngineBatch(batch_id="ref", requests=[
         EngineRequest(request_id=f"r{i}", prompt_token_ids=encode_text(b["prompt"]), max_tokens=b["max_tokens"])

@@ -1,7 +1,7 @@
 """A worker's limits and LoRA adapters, end to end: the sim worker (workers/agent.py, the sim
 engine's adapters), the sim-server's adapters over HTTP (workers/sim_server/http.py), and the
 openai agent in front of it (workers/openai/agent.py). (Without processes:
-tests/unit/test_sim_lora.py and tests/unit/test_worker_limits.py.)
+tests/unit/workers/engines/test_sim_lora.py and tests/unit/workers/test_worker_limits.py.)
 
 Story:
 - in process, the sim-server lists its adapters in /v1/models with their base model as

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent.parent
+from tests import REPO
+
 OURS = ("schemas", "services", "workers", "tests", "bench")
 
 

@@ -10,7 +10,7 @@ vLLM's field for field, with vLLM's msgspec options: `array_like=True` (a struct
 of its fields in declaration order), `tag=True` on the events (the first array element is
 the class name), `omit_defaults=True`. A `ExternalBlockHash` is `bytes | int` (vLLM hashes
 blocks with a configurable function; both come over the wire). Golden frames encoded by hand
-from this layout pin it (tests/unit/test_vllm_kv_events.py). Fields vLLM added later (`medium`,
+from this layout pin it (tests/unit/workers/openai/test_vllm_kv_events.py). Fields vLLM added later (`medium`,
 `lora_id`, `data_parallel_rank`) default to None, so older publishers decode too; fields
 newer than these structs (`lora_name`, `extra_keys`, `group_idx`, ...) are ignored.
 

@@ -148,7 +148,7 @@ class QueueBatcher(Generic[T]):
         # queue_wait_ms is read for every candidate of every routing decision: its O(queue)
         # part is cached under (version, caps). The version moves on EVERY mutation of the
         # queue and on invalidate() (the predictor learned), so the cache is never stale;
-        # tests/unit/test_batchers.py pins each invalidation.
+        # tests/unit/services/core/test_batchers.py pins each invalidation.
         self._version = 0
         self._wait_cache: tuple[tuple, object] | None = None
 

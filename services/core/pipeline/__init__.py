@@ -19,7 +19,7 @@ Named pipelines: every shipped policy is one (services/core/policies/__init__.py
 them; their parameter Structs stay in services/core/policies/): `least-loaded` (scorer
 fewest-pending, picker max-score), `random`, `round-robin`, `power-of-two` (their pickers),
 `kv-aware`, `cache-aware` and `cost-based` (`kv_aware`, `cache_aware`, `cost_based` below).
-Each decides exactly as its policy class did (tests/unit/test_golden_journals.py replays
+Each decides exactly as its policy class did (tests/unit/services/core/test_golden_journals.py replays
 journals recorded before).
 """
 

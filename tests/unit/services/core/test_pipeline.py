@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +13,10 @@ from services.core.pipeline import FILTERS, PICKERS, SCORERS, Pipeline, Pipeline
 from services.core.policies import build_policy
 from services.core.policies.protocol import Candidate, RouteContext
 from services.settings import RouterSettings, SettingsError, load
-from tests.unit.test_policies import make_worker
+from tests import REPO
+from tests.unit.services.core.test_policies import make_worker
 
-PIPELINE_DIR = Path(__file__).resolve().parent.parent.parent / "services" / "core" / "pipeline"
+PIPELINE_DIR = REPO / "services" / "core" / "pipeline"
 
 
 def cand(worker_id: str, **kw) -> Candidate:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import ast
 import json
-from pathlib import Path
 
 from schemas.openai_bodies import ChatShape, CompletionShape, usage_of
+from tests import REPO
 
-REPO = Path(__file__).resolve().parent.parent.parent
 BUILT_HERE = {"CompletionResponse", "CompletionChunk", "ChatCompletionResponse", "ChatCompletionChunk",
               "ChatCompletionResponseWithPromptIds", "ChatCompletionChunkWithPromptIds"}
 

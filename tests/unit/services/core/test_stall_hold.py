@@ -18,7 +18,7 @@ from services.core.batchers import build_batcher
 from services.core.batchers.protocol import WorkerLoad
 from services.core.scheduler import AdmitRequest, Admitted, Scheduler, SchedulerConfig
 from services.core.slo import SloParams
-from tests.unit.test_batchers import Req
+from tests.unit.services.core.test_batchers import Req
 
 MS = 1_000_000
 

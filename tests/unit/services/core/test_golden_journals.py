@@ -7,14 +7,14 @@ of the core, its policies, batchers or parameters) shows here if it did not."""
 from __future__ import annotations
 
 import gzip
-from pathlib import Path
 
 import pytest
 
 from schemas import messages as m
 from services.core.journal import replay
+from tests import REPO
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "journals"
+GOLDEN = REPO / "tests" / "golden" / "journals"
 FILES = sorted(GOLDEN.glob("*.jsonl.gz"))
 
 

@@ -35,6 +35,7 @@ from schemas.chat_template import (
     load_chat_templates,
 )
 from schemas.tokens import HFTokenizer
+from tests import REPO
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -447,5 +448,5 @@ def test_importing_the_module_does_not_import_jinja():
 
     code = "import sys, schemas.chat_template; print('jinja2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=str(Path(__file__).resolve().parent.parent.parent))
+                         cwd=str(REPO))
     assert out.stdout.strip() == "False"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pathlib
 
 import msgspec
 import pytest
@@ -14,8 +13,9 @@ from schemas import messages as m
 from schemas.errors import ERROR_CODES, ErrorBody, error_code
 from schemas.subjects import ALL_STREAMS, dispatch_subject, token_subject, validate_token
 from schemas.tokens import TextDecoder, block_hashes, decode_tokens, encode_text
+from tests import REPO
 
-GOLDEN = pathlib.Path(__file__).parent.parent / "golden"
+GOLDEN = REPO / "tests" / "golden"
 GOLDEN_FILES = sorted(GOLDEN.glob("*.json"))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,9 +31,8 @@ from bench.capacity import (
     zero_load_latency_ms,
     zero_load_slo_fraction,
 )
+from tests import REPO
 from workers.engines.sim import EngineBatch, EngineRequest, SimEngine, TimingProfile, load_profile
-
-REPO = Path(__file__).resolve().parent.parent.parent
 
 COSTS = StepCosts(prefill_base_ms=8.0, prefill_per_token_ms=0.5, prefill_per_token_sq_ms=0.001,
                   decode_base_ms=10.0, decode_per_seq_ms=1.0, decode_per_context_token_ms=0.01)
@@ -273,7 +271,7 @@ def test_slice_lifetimes_is_the_slice_at_the_bound_over_a_lifetime_alone():
 
 
 # --------------------------------------------------------------------------- against the engine
-PROFILE = TimingProfile(name="test", source="tests/unit/test_capacity.py", prefill_base_ms=8.0, prefill_per_token_ms=0.5,
+PROFILE = TimingProfile(name="test", source="tests/unit/bench/test_capacity.py", prefill_base_ms=8.0, prefill_per_token_ms=0.5,
                         prefill_per_token_sq_ms=0.001, decode_base_ms=10.0, decode_per_seq_ms=1.0,
                         decode_per_context_token_ms=0.01)
 
