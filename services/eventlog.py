@@ -95,7 +95,7 @@ async def _while_electing(call, what: str):
         except ServiceUnavailableError:
             if time.monotonic() >= deadline:
                 raise
-            print(f"flexlb events export: JetStream unavailable for {what} (a stream electing its leader?); "
+            print(f"flexlb events: JetStream unavailable for {what} (a stream electing its leader?); "
                   "asking again", file=sys.stderr)
             await asyncio.sleep(0.5)
 
@@ -110,11 +110,11 @@ async def read_stream(nats_url: str, stream: str = EVENTS_STREAM.name) -> list[m
     nc = await nats.connect(nats_servers(nats_url))
     try:
         js = nc.jetstream()
-        info = await js.stream_info(stream)
+        info = await _while_electing(lambda: js.stream_info(stream), f"{stream}'s info")
         out = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             try:
-                raw = await js.get_msg(stream, seq)
+                raw = await _while_electing(lambda: js.get_msg(stream, seq), f"{stream}'s message {seq}")
             except nats.js.errors.NotFoundError:
                 continue
             try:
@@ -171,8 +171,8 @@ async def export(nats_url: str, out_path: str, streams: list[str], since: str | 
                 task = bar.add_task(f"export {stream}", total=total)
                 done = False
                 while not done:
-                    try:
-                        msgs = await sub.fetch(batch=1000, timeout=2.0)
+                    try:  # (a node restarted: the consumer's stream may still be electing its leader)
+                        msgs = await _while_electing(lambda: sub.fetch(batch=1000, timeout=2.0), f"{stream}'s messages")
                     except asyncio.TimeoutError:
                         break
                     for msg in msgs:
