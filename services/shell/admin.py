@@ -27,6 +27,7 @@ class Admin:
     def __init__(self, state: RouterState, recovery: "Recovery") -> None:
         self.s = state
         self.recovery = recovery
+        self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
 
     def drain_key(self, worker_id: str) -> str:
         return f"flexlb:{self.s.settings.cluster}:drain:{worker_id}"
@@ -41,15 +42,15 @@ class Admin:
             log.warning("could not read drain flags: %s", exc)
             return
         self.s.scheduler.set_drain_flags(flags)
-        self.s.reported_drained &= flags | self.s.seen_draining  # (a worker's own drain: once, until it is back)
+        self.reported_drained &= flags | self.s.seen_draining  # (a worker's own drain: once, until it is back)
 
     async def report_drained(self) -> None:
         """Once per drain: an operator's (the drain flag) or the worker's own (it reports
         "draining": told to stop, it finishes what it holds), when it holds nothing more."""
         view = self.s.scheduler.view
-        for worker_id in sorted((view.drain_flags | self.s.seen_draining) - self.s.reported_drained):
+        for worker_id in sorted((view.drain_flags | self.s.seen_draining) - self.reported_drained):
             if worker_id in view.workers and self.s.scheduler.holds_work(worker_id) == 0:
-                self.s.reported_drained.add(worker_id)
+                self.reported_drained.add(worker_id)
                 by = "" if worker_id in view.drain_flags else "worker"
                 await self.s.emit(m.WorkerDrainChanged(worker_id=worker_id, router_id=self.s.router_id, action="drained",
                                                        by=by))
@@ -60,7 +61,7 @@ class Admin:
         if w is None:
             return "unknown"
         if w.draining or (worker_id in self.s.seen_draining and w.liveness in ("ready", "suspect")):
-            return "drained" if worker_id in self.s.reported_drained else "draining"
+            return "drained" if worker_id in self.reported_drained else "draining"
         if w.liveness == "dead" and w.state == "stopping":
             return "stopped"  # silent after saying it stops: not a failure
         return w.state if w.liveness in ("ready", "suspect") else w.liveness

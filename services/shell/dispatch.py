@@ -28,8 +28,9 @@ from schemas import messages as m
 from schemas.acked import publish_until_acked
 from schemas.subjects import dispatch_subject, token_batch_subject, token_subject
 from services.core.scheduler import FormedBatch, Moved, QueueFailure
+from services.shell.handle import RequestHandle
 from services.shell.ledger import LedgerEntry, kv_field, prefill_field
-from services.shell.state import RequestHandle, RouterState, decision_event
+from services.shell.state import RouterState, decision_event
 
 if TYPE_CHECKING:
     from services.shell.recovery import Recovery
@@ -155,7 +156,6 @@ class Dispatcher:
         for item in batch.items:
             handle: RequestHandle = item.payload
             handle.batch_id = batch.batch_id
-            self.s.request_batch[item.request_id] = batch.batch_id
             requests.append(m.BatchRequest(
                 request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
                 decode_worker_id=item.decode_worker_id,
@@ -172,7 +172,7 @@ class Dispatcher:
                 "expected_kv_tokens": item.num_prompt_tokens + min(item.max_tokens, EXPECTED_DECODE_CAP_TOKENS),
                 "created_ms": now // 1_000_000,
             }))
-        self.s.batch_pending[batch.batch_id] = {i.request_id for i in batch.items}
+        self.s.batches.open(batch.batch_id, [i.request_id for i in batch.items])
         cmd = m.DispatchBatch(
             batch_id=batch.batch_id, router_id=self.s.router_id, worker_id=batch.worker_id, epoch=self.s.epoch, requests=requests
         )
@@ -225,10 +225,9 @@ class Dispatcher:
                 await self.s.ledger.release([e.field for e in entries])
             except Exception as exc:  # Redis away: the rebuild from the mirror leaves them out
                 self.upkeep.ledger_failed("release", exc)
-        self.s.batch_pending.pop(batch.batch_id, None)
+        self.s.batches.close(batch.batch_id, [i.request_id for i in batch.items])
         self.s.scheduler.rollback(batch)
         for item in batch.items:
-            self.s.request_batch.pop(item.request_id, None)
             await self.recovery.reroute(item.payload, "the scheduling lease lapsed before its batch was sent",
                                         fail_code="not_ready", counts=False)
 
@@ -244,10 +243,9 @@ class Dispatcher:
             await self.s.ledger.release([e.field for e in entries])
         except Exception as rel_exc:  # Redis down too: the TTL sweep evicts them later
             log.error("rollback of batch %s reservations failed: %s", batch.batch_id, rel_exc)
-        self.s.batch_pending.pop(batch.batch_id, None)
+        self.s.batches.close(batch.batch_id, [i.request_id for i in batch.items])
         self.s.scheduler.rollback(batch)
         for item in batch.items:
-            self.s.request_batch.pop(item.request_id, None)
             self.s.metrics.requests.labels("failed", code).inc()
             self.s.finish_router(item.payload, "failed", code, message)
             await self.s.emit(m.RequestFailed(request_id=item.request_id, worker_id=self.s.router_id, code=code,

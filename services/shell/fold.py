@@ -43,6 +43,8 @@ class Fold:
         self.recovery = recovery
         self.upkeep = upkeep
         self.settling: set[asyncio.Task] = set()  # requests calibration settled, failed unless they end meanwhile
+        self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
+        self.snapshot_requested_ns: dict[str, int] = {}  # worker id -> when we last asked for a KV snapshot
 
     async def load_last_status(self) -> None:
         try:
@@ -132,10 +134,10 @@ class Fold:
         await self.recovery.fail_from_router(handle, "worker_failed", why)
 
     async def request_snapshot(self, worker_id: str, reason: str, now_ns: int) -> None:
-        last = self.s.snapshot_requested_ns.get(worker_id, 0)
+        last = self.snapshot_requested_ns.get(worker_id, 0)
         if now_ns - last < SNAPSHOT_RETRY_NS:
             return
-        self.s.snapshot_requested_ns[worker_id] = now_ns
+        self.snapshot_requested_ns[worker_id] = now_ns
         cmd = m.RequestKvSnapshot(worker_id=worker_id, requester=self.s.router_id, reason=reason)
         try:
             await self.s.nc.publish(kv_snapshot_request_subject(worker_id), m.encode(self.s.envelopes.wrap(cmd, now_ns)))
@@ -183,7 +185,7 @@ class Fold:
                 except Exception:  # one bad event must not stop the loop; it is redelivered
                     self.s.metrics.consumer_errors.labels("events").inc()
                     log.exception("handling event on %s failed", msg.subject)
-            fields, self.s.release_buffer = self.s.release_buffer, []
+            fields, self.release_buffer = self.release_buffer, []
             # Redis known away (a call failed since the last rebuild): do not wait on it here;
             # the mirror has applied them and the leader rebuilds Redis from it when it answers.
             # Waiting (a partition costs a socket timeout per call) held every event behind it,
@@ -225,7 +227,7 @@ class Fold:
             for rid in ev.request_ids:
                 self.s.records.note(rid, time.time_ns(), "prefill_completed", batch_id=ev.batch_id,
                                   measured_ms=ev.measured_ms, predicted_batch_ms=round(batch.predicted_ms, 3) if batch else None)
-            self.s.release_buffer.append(prefill_field(ev.batch_id))
+            self.release_buffer.append(prefill_field(ev.batch_id))
             self.s.wakeup.set()  # a backpressured batcher may dispatch now
         elif isinstance(ev, (m.RequestFinished, m.RequestFailed, m.RequestCancelled, m.RequestTimedOut)):
             await self.on_worker_terminal(ev, env.time_ns)
@@ -242,7 +244,7 @@ class Fold:
             self.s.metrics.duplicate_terminal.inc()
             log.warning("ignoring %s of %s from %s (re-routed away)", type(ev).__name__, request_id, ev.worker_id)
             return
-        self.s.release_buffer.extend(self.upkeep.fields_to_release(request_id))
+        self.release_buffer.extend(self.upkeep.fields_to_release(request_id))
         if isinstance(ev, m.RequestFinished):
             self.s.num_finished[ev.worker_id] = self.s.num_finished.get(ev.worker_id, 0) + 1
             rec = self.s.records.records.get(request_id)  # (its client may have its answer already: no handle)

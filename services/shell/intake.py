@@ -24,7 +24,8 @@ from schemas.tokens import block_hashes
 from services.core.admission import DEFAULT_TENANT, priority_class_of
 from services.core.fairness import CLASSES, Dispatched, Queued, Refused
 from services.core.scheduler import AdmitRequest, Admitted, Rejected
-from services.shell.state import NOT_LEADER_MESSAGE, RequestHandle, RouterState, decision_event
+from services.shell.handle import RequestHandle
+from services.shell.state import NOT_LEADER_MESSAGE, RouterState, decision_event
 
 log = logging.getLogger("flexlb.router")
 

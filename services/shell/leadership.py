@@ -54,7 +54,8 @@ import msgspec
 
 from schemas import messages as m
 from schemas.subjects import epoch_subject, pool_token, submit_subject, token_subject
-from services.shell.state import RequestHandle, RouterState
+from services.shell.handle import RequestHandle
+from services.shell.state import RouterState
 
 if TYPE_CHECKING:
     from services.shell.intake import Intake
@@ -145,6 +146,9 @@ class Leadership:
         self.intake = intake
         self.deferred_stranded = False  # leader: forwards of ours the old leader is still handing over (hand_off)
         self.fence_after = 0.0  # time.monotonic() before which we do not announce our epoch (HANDOFF_FENCE_DELAY_S)
+        self.lease_value = f"{state.router_id}:{state.boot_id}"  # what the lease key holds while it is ours
+        self.submit_sub = None  # leader: the subscription to forwarded requests
+        self.dispatch_paused = False  # leader whose lease outran its renewal: dispatching nothing
 
     def lease_key(self, pool: str | None = None) -> str:
         """The scheduling lease of `pool` (None: ours; "": the cluster's one leader's)."""
@@ -187,7 +191,7 @@ class Leadership:
         ttl_ms = int(LEASE_TTL_S * 1000)
         sent = time.monotonic()
         if self.s.is_leader:
-            renewed = int(await self.s.redis.eval(RENEW_LUA, 2, key, self.epoch_key(), self.s.lease_value, ttl_ms,
+            renewed = int(await self.s.redis.eval(RENEW_LUA, 2, key, self.epoch_key(), self.lease_value, ttl_ms,
                                                   self.s.epoch))
             if not renewed:
                 await self.step_down("lease lost")
@@ -202,12 +206,12 @@ class Leadership:
             if self.s.pool:
                 await self.check_other_pools()
             return
-        if await self.s.redis.eval(ACQUIRE_LUA, 1, key, self.s.lease_value, ttl_ms, f"{self.s.router_id}:"):
+        if await self.s.redis.eval(ACQUIRE_LUA, 1, key, self.lease_value, ttl_ms, f"{self.s.router_id}:"):
             self.s.lease_valid_until = sent + LEASE_TTL_S
             floor = max(self.s.epoch, self.s.max_worker_epoch)
             self.s.epoch = int(await self.s.redis.eval(EPOCH_LUA, 1, self.epoch_key(), floor))
             self.s.is_leader = True
-            self.s.submit_sub = await self.s.nc.subscribe(submit_subject(self.s.settings.cluster, self.s.pool),
+            self.submit_sub = await self.s.nc.subscribe(submit_subject(self.s.settings.cluster, self.s.pool),
                                                           cb=self.intake.on_submit)
             self.s.metrics.leader.set(1)
             log.warning("router %s is the leader (epoch %d)", self.s.router_id, self.s.epoch)
@@ -241,13 +245,13 @@ class Leadership:
                 await self.step_down(f"Redis unreachable for over {LEASE_TTL_S + PAUSE_STEP_DOWN_S:.0f} s")
 
     def note_dispatch_paused(self, paused: bool) -> None:
-        if paused and not self.s.dispatch_paused:
+        if paused and not self.dispatch_paused:
             log.error("router %s: lease not renewed for %.1f s (Redis unreachable): dispatch paused until it is",
                       self.s.router_id, LEASE_TTL_S)
-        elif not paused and self.s.dispatch_paused:
+        elif not paused and self.dispatch_paused:
             log.warning("router %s: lease renewed: dispatching again", self.s.router_id)
             self.s.wakeup.set()
-        self.s.dispatch_paused = paused
+        self.dispatch_paused = paused
         self.s.metrics.dispatch_paused.set(1 if paused else 0)
 
     async def fail_stranded_forwards(self, pool: str) -> None:
@@ -287,7 +291,7 @@ class Leadership:
         await self.stop_taking_submits()
         try:
             released = int(await asyncio.wait_for(self.s.redis.eval(
-                RELEASE_LUA, 2, self.lease_key(), self.handoff_key(), self.s.lease_value, self.s.router_id,
+                RELEASE_LUA, 2, self.lease_key(), self.handoff_key(), self.lease_value, self.s.router_id,
                 int(HANDOFF_GRACE_S * 1000)), 1.0))
         except Exception as exc:  # Redis away: the TTL does it
             log.warning("router %s: could not give the lease up at stop (%s); a standby takes it after its TTL",
@@ -298,7 +302,7 @@ class Leadership:
         if released and queued:  # (nothing to hand over: no need to see the standby take it)
             while time.monotonic() < deadline and not successor:
                 holder = _text(await self.s.redis.get(self.lease_key()))
-                successor = holder.split(":")[0] if holder and holder != self.s.lease_value else ""
+                successor = holder.split(":")[0] if holder and holder != self.lease_value else ""
                 if not successor:
                     await asyncio.sleep(0.05)
             log.warning("router %s stopping: %s", self.s.router_id,
@@ -309,7 +313,7 @@ class Leadership:
     async def stop_taking_submits(self) -> None:
         """Stopping: no more forwards to us. Those already delivered are admitted (and handed
         over with the rest); a standby's next ones find no leader until the next one subscribes."""
-        sub, self.s.submit_sub = self.s.submit_sub, None
+        sub, self.submit_sub = self.submit_sub, None
         if sub is None:
             return
         try:
@@ -327,9 +331,9 @@ class Leadership:
         self.s.is_leader = False
         self.note_dispatch_paused(False)
         self.s.metrics.leader.set(0)
-        if self.s.submit_sub is not None:
-            await self.s.submit_sub.unsubscribe()
-            self.s.submit_sub = None
+        if self.submit_sub is not None:
+            await self.submit_sub.unsubscribe()
+            self.submit_sub = None
         admitted = [item.payload for item in self.s.scheduler.drain_queues()]
         handles = admitted + self.intake.take_waiting()
         why_not = await asyncio.gather(*(self.hand_over(h, no_leader_wait_s, standbys_too) for h in handles))
@@ -368,8 +372,7 @@ class Leadership:
                             owner=cmd.router_id)
         self.s.metrics.forwarded.inc()
         if handle.remote:  # its standby's client: that router follows it to the new leader
-            handle.done = True
-            self.s.handles.pop(rid, None)
+            self.s.forget(handle)
             await self.s.emit(reply)
         else:  # our client's: its tokens come to us, its stream goes on
             handle.leader_pool = self.s.pool
@@ -389,10 +392,4 @@ class Leadership:
             cmd = m.FenceEpoch(worker_id=w.worker_id, router_id=self.s.router_id, epoch=self.s.epoch)
             await self.s.nc.publish(epoch_subject(w.worker_id), m.encode(self.s.envelopes.wrap(cmd, now)))
 
-    async def on_bus_state(self, state: str) -> None:
-        self.s.bus_state = state
-        if state == "reconnected":
-            # Heartbeats we missed while we were cut off are our fault, not the workers':
-            # give them a full detection window to be heard again before counting misses.
-            self.s.liveness_grace_cycles = self.s.settings.dead_after_missed_syncs + 1
 

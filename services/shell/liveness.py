@@ -45,10 +45,22 @@ class Liveness:
         self.admin = admin
         self.upkeep = upkeep
         self.leadership = leadership
+        self.grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
         self.probe_sub = None  # our own inbox: a probe published there comes back if the bus works
         self.probe_subject = ""
         self.probe_seq = 0
         self.probe_back = asyncio.Event()
+
+    def note_bus_state(self, state: str) -> None:
+        self.s.bus_state = state
+        if state == "reconnected":
+            # Heartbeats we missed while we were cut off are our fault, not the workers':
+            # give them a full detection window to be heard again before counting misses.
+            self.grace_cycles = self.s.settings.dead_after_missed_syncs + 1
+
+    async def on_bus_state(self, state: str) -> None:
+        """The NATS client's callback (services/shell/bus.py connect)."""
+        self.note_bus_state(state)
 
     async def liveness_loop(self) -> None:
         interval = self.s.settings.liveness_sync_ms / 1000
@@ -58,8 +70,8 @@ class Liveness:
                 continue  # we cannot hear anyone: no worker missed anything
             if not await self._bus_answers():
                 continue
-            if self.s.liveness_grace_cycles > 0:
-                self.s.liveness_grace_cycles -= 1
+            if self.grace_cycles > 0:
+                self.grace_cycles -= 1
                 continue
             try:
                 result = self.s.scheduler.sync(time.time_ns())
@@ -109,7 +121,7 @@ class Liveness:
         if s.bus_silent_since_ns:
             silent_s = (time.time_ns() - s.bus_silent_since_ns) / 1e9
             s.bus_silent_since_ns = 0
-            s.liveness_grace_cycles = s.settings.dead_after_missed_syncs + 1
+            self.grace_cycles = s.settings.dead_after_missed_syncs + 1
             log.warning("NATS server answers again after %.1f s silent: workers get a full detection window", silent_s)
         return True
 

@@ -16,7 +16,8 @@ from schemas import messages as m
 from schemas.errors import error_code
 from schemas.subjects import DISPATCH_STREAM, cancel_subject, dispatch_subject
 from services.core.scheduler import Admitted
-from services.shell.state import RequestHandle, RouterState, decision_event
+from services.shell.handle import RequestHandle
+from services.shell.state import RouterState, decision_event
 
 if TYPE_CHECKING:
     from services.shell.upkeep import Upkeep

@@ -19,7 +19,8 @@ import time
 
 from schemas import messages as m
 from schemas.subjects import cancel_subject, resend_subject, token_subject
-from services.shell.state import RequestHandle, RouterState, Terminal
+from services.shell.handle import RequestHandle
+from services.shell.state import RouterState
 
 RESEND_WAIT_S = 1.0  # a token gap not filled by the worker's resend within this fails the request
 
@@ -111,11 +112,7 @@ class Relay:
         handle.queue.put_nowait(chunk)
         if chunk.finish_reason is not None:
             self.observe_finished(handle, time.time_ns())
-            handle.done = True
-            self.s.handles.pop(handle.request_id, None)
-            if handle.grace_task is not None:
-                handle.grace_task.cancel()
-            handle.queue.put_nowait(Terminal("finished", finish_reason=chunk.finish_reason))
+            self.s.finish_router(handle, "finished", None, "", chunk.finish_reason)
 
     def observe_finished(self, handle: RequestHandle, now_ns: int) -> None:
         """A request's last token reached its client: its TPOT, and whether it met both SLOs

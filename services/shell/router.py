@@ -26,7 +26,9 @@ events and sent as one script call per fetch (bench/README.md has the measured c
 Undecodable messages on any subject are counted and republished to `flexlb.dlq.<router>`
 with the reason; consumers keep running.
 
-The parts, one module and one class each, sharing one RouterState (services/shell/state.py):
+The parts, one module and one class each, sharing one RouterState (services/shell/state.py,
+where OWNERS names the part that writes each of its fields) and the live requests' handles
+(services/shell/handle.py):
 
 | part | module | owns |
 |---|---|---|
@@ -35,7 +37,7 @@ The parts, one module and one class each, sharing one RouterState (services/shel
 | fold | fold.py | status, KV and lifecycle events → the core; ledger releases per fetch |
 | relay | relay.py | token chunks → clients; broken streams; the finish grace |
 | leadership | leadership.py | the Redis lease, the fencing epoch, stepping down |
-| liveness | liveness.py | the periodic cycle: dead workers, orphans, drain, ledger probe, epoch |
+| liveness | liveness.py | the periodic cycle: dead workers, orphans, drain, ledger probe, epoch; the bus's state |
 | recovery | recovery.py | a dead or removed worker's requests: re-route once or fail retryable |
 | upkeep | upkeep.py | the Redis ledger kept equal to the core's mirror: release, sweep, resync |
 | admin | admin.py | drain / undrain / remove, the workers view |
@@ -44,7 +46,8 @@ The parts, one module and one class each, sharing one RouterState (services/shel
 This module only builds them, starts and stops them, and is the one face the HTTP API
 (services/api.py) talks to. Calls go one way: admin → recovery → upkeep; liveness →
 recovery, admin, upkeep, leadership; fold → relay, recovery, upkeep; dispatch → recovery,
-upkeep; leadership → intake; every part → state. tests/unit/test_layering.py checks it.
+upkeep; leadership → intake; every part → state and handle. tests/unit/test_layering.py
+checks it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from services.shell.admin import Admin
 from services.shell.bus import connect, ensure_streams
 from services.shell.dispatch import Dispatcher
 from services.shell.fold import Fold
+from services.shell.handle import RequestHandle, Terminal
 from services.shell.intake import Intake
 from services.shell.journal import Journal
 from services.shell.leadership import Leadership
@@ -89,7 +93,7 @@ from services.shell.ledger import Ledger
 from services.shell.liveness import Liveness
 from services.shell.recovery import Recovery
 from services.shell.relay import Relay
-from services.shell.state import RequestHandle, RouterState, Terminal
+from services.shell.state import RouterState
 from services.shell.upkeep import Upkeep
 
 __all__ = ["RequestHandle", "RouterService", "Terminal"]
@@ -203,8 +207,8 @@ class RouterService:
     async def start(self) -> None:
         s = self.s
         s.started_ns = time.time_ns()
-        s.nc = await connect(nats_servers(s.settings.nats_url), f"flexlb-router-{s.router_id}", self.leadership.on_bus_state)
-        s.bus_state = "connected"
+        s.nc = await connect(nats_servers(s.settings.nats_url), f"flexlb-router-{s.router_id}", self.liveness.on_bus_state)
+        self.liveness.note_bus_state("connected")
         s.js = s.nc.jetstream()
         s.acked = AckedPublisher(s.nc, f"router {s.router_id} fact", on_lost=s.acked_lost)
         await ensure_streams(s.js, self._stream_specs(), s.settings.nats_replicas)

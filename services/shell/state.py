@@ -1,14 +1,17 @@
-"""What the parts of one router share, and the request handle the HTTP API reads.
+"""What the parts of one router share (RouterState), the decision records the admin API shows,
+and the batches in flight.
 
 RouterState holds the router's identity, its connections (NATS, JetStream, Redis, the Redis
 ledger), the core (the Scheduler, wrapped by the journal's Recorder), the live request
-handles and batch membership, leadership facts (is_leader, epoch) and the counters the admin
-views show. It owns no behaviour beyond four leaf actions the parts need: publish a router
-event (emit), dead-letter an undecodable message, give a client its terminal outcome once
-(finish_router), and ask a leader to take a request (ask_leader: intake's forwards,
-leadership's hand-overs). Each part (intake, dispatch, fold, relay, leadership,
-liveness, recovery, upkeep, admin, journal) holds this one object and reads and writes
-these fields; none keeps a copy.
+handles, the batches in flight, leadership facts (is_leader, epoch) and the counters the
+admin views show. Each field has one owner, the part that writes it (OWNERS: a unit test
+reads every module under services/ and fails on a write from any other part); the others
+read it. What only one part reads lives in that part, not here. Besides its owner's, a
+field is written only by the leaf actions defined here, which any part may call: publish a
+router event (emit), dead-letter an undecodable message, give a client its terminal outcome
+once (finish_router), forget a request handed to another router (forget), and ask a leader
+to take a request (ask_leader: intake's forwards, leadership's hand-overs). `wakeup` and
+`fenced` are signals: any part sets them, the one that waits on them clears them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any
 
 from nats.errors import NoRespondersError
@@ -26,9 +28,10 @@ from schemas import messages as m
 from schemas.acked import AckedPublisher
 from schemas.subjects import JOURNAL_PREFIX, router_events_subject, submit_subject
 from services.core.journal import Recorder
-from services.core.scheduler import AdmitRequest, Rejected, RouteDecision, Scheduler
+from services.core.scheduler import Rejected, RouteDecision, Scheduler
 from services.settings import RouterSettings
 from services.shell.bus import dead_letter
+from services.shell.handle import RequestHandle, Terminal
 from services.shell.ledger import Ledger
 from services.shell.metrics import RouterMetrics
 
@@ -92,157 +95,43 @@ def decision_event(request_id: str, router_id: str, d: RouteDecision) -> m.Route
     )
 
 
-@dataclass(frozen=True)
-class Terminal:
-    """The end of a request's stream, as the client sees it."""
+class Batches:
+    """The batches in flight and their members (owner: dispatch, which opens and closes them;
+    a member's end is counted by upkeep through member_ended, when its ledger fields go)."""
 
-    outcome: str  # finished | failed | cancelled | timed_out | rejected
-    code: str | None = None
-    message: str = ""
-    finish_reason: str | None = None
-
-
-class Inbox:
-    """A request's outbox to its one client reader: token chunks and, last, its Terminal.
-
-    asyncio.Queue's shape (put_nowait, get, get_nowait, empty, qsize) for exactly one reader,
-    which is all a handle has; an asyncio.Queue per request was ~2 % of the router's CPU at
-    3,000 requests/s (bench/README.md, "hotpath.py"). Unbounded: the relay bounds it
-    (token_buffer_max). Beyond a queue's: `peek`, and `wait` / `wake`, so that a stream
-    waits for its first item or its dispatch on the one future its reader already has
-    (RequestHandle.mark_dispatched), with no task or event of its own."""
-
-    __slots__ = ("_items", "_waiter", "_wakeable")
+    __slots__ = ("_pending", "_batch_of")
 
     def __init__(self) -> None:
-        self._items: deque = deque()
-        self._waiter: asyncio.Future | None = None
-        self._wakeable = False  # the waiter is wait()'s: wake() resolves it (get()'s waits for an item)
+        self._pending: dict[str, set[str]] = {}  # batch id -> member request ids without terminal event
+        self._batch_of: dict[str, str] = {}  # request id -> batch id
 
-    def put_nowait(self, item: Any) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def open(self, batch_id: str, request_ids: list[str]) -> None:
+        self._pending[batch_id] = set(request_ids)
+        for rid in request_ids:
+            self._batch_of[rid] = batch_id
 
-    def empty(self) -> bool:
-        return not self._items
+    def close(self, batch_id: str, request_ids: list[str]) -> None:
+        """A batch that did not go (requeued, failed): forgotten with its members."""
+        self._pending.pop(batch_id, None)
+        for rid in request_ids:
+            self._batch_of.pop(rid, None)
 
-    def qsize(self) -> int:
-        return len(self._items)
+    def member_ended(self, request_id: str) -> str | None:
+        """`request_id` ended: the id of its batch if it was that batch's last member, else None."""
+        batch_id = self._batch_of.pop(request_id, None)
+        if batch_id is None:
+            return None
+        pending = self._pending.get(batch_id)
+        if pending is None:
+            return None
+        pending.discard(request_id)
+        if pending:
+            return None
+        del self._pending[batch_id]
+        return batch_id
 
-    def get_nowait(self) -> Any:
-        if not self._items:
-            raise asyncio.QueueEmpty
-        return self._items.popleft()
-
-    def peek(self) -> Any:
-        """The next item, left in place (None when there is none)."""
-        return self._items[0] if self._items else None
-
-    async def get(self) -> Any:
-        while not self._items:  # (wait() inlined: this is every token chunk's path)
-            if self._waiter is not None:
-                raise RuntimeError("an Inbox has one reader")
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-    async def wait(self) -> None:
-        """Until an item is put, or wake() is called (returns at once if one is queued)."""
-        if self._items:
-            return
-        if self._waiter is not None:
-            raise RuntimeError("an Inbox has one reader")
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._wakeable = True
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-            self._wakeable = False
-
-    def wake(self) -> None:
-        """Wake the reader waiting in wait() without an item: something else it waits on
-        changed (RequestHandle.mark_dispatched). A reader in get(), or none, is left alone."""
-        if self._wakeable and not self._waiter.done():
-            self._waiter.set_result(None)
-
-
-@dataclass
-class RequestHandle:
-    request: m.Request  # what the client asked, whole (schemas/messages.py): its fields are read through it
-    arrival_ns: int
-    queue: Inbox = field(default_factory=Inbox)  # TokensGenerated | Terminal
-    next_index: int = 0  # index of the next output token we expect
-    num_buffered: int = 0  # token chunks queued and not yet read by the client
-    prefill_worker_id: str = ""
-    decode_worker_id: str = ""
-    batch_id: str = ""
-    done: bool = False  # the client has been given its terminal outcome
-    first_token_ns: int = 0
-    grace_task: asyncio.Task | None = None
-    admit: AdmitRequest | None = None  # what it was admitted with, for a re-route
-    num_reroutes: int = 0
-    timeout_s: float = 600.0  # its deadline, from arrival
-    token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
-    remote: bool = False  # forwarded by a standby: no local client reads this handle
-    forwarded_by: str = ""  # remote: the router that forwarded it (its client's), SubmitRequest.router_id
-    leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
-    leader_pool: str = ""  # the pool whose leader that is ("": the cluster's one leader)
-    # A batch holding it was dispatched (the acked publish: Dispatcher.dispatch), here or, forwarded,
-    # by its leader (its batch.dispatched event): its client's stream may start (mark_dispatched).
-    dispatched: bool = False
-    ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index (relay)
-    resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
-    slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
-    slo_tpot_ms: float = 0.0
-    # Set while it waits in the fair queue (the leader's, or the leader's a standby forwarded it
-    # to): resolved None when admitted, or with the Rejected that refused it.
-    admission: asyncio.Future | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def max_tokens(self) -> int:
-        return self.request.max_tokens
-
-    @property
-    def stop(self) -> list[str]:
-        return self.request.stop  # OpenAI stop strings (the API cuts the text at the first)
-
-    @property
-    def chat(self) -> m.ChatForward | None:
-        return self.request.chat
-
-    @property
-    def sampling(self) -> m.Sampling | None:
-        return self.request.sampling  # how its tokens are drawn (None: greedy)
-
-    @property
-    def tenant(self) -> str:
-        return self.request.tenant  # ("": the default tenant)
-
-    def mark_dispatched(self) -> None:
-        """Its batch went (module docstring of services/api.py: a stream's response starts at
-        its dispatch or its first item, whichever comes first): wake its client's reader."""
-        self.dispatched = True
-        self.queue.wake()
-
-    @property
-    def is_forward(self) -> bool:
-        """Ours, scheduled by another router: forwarded to a leader (or handed over to a new one
-        when we stopped leading). A local request has `admit` set and no leader; a remote one is a standby's."""
-        return not self.remote and (bool(self.leader_id) or self.admit is None)
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 class RouterState:
@@ -250,19 +139,19 @@ class RouterState:
     connections in at start()."""
 
     def __init__(self, settings: RouterSettings, boot_id: str, scheduler: Scheduler | Recorder) -> None:
+        # Set here, never rebound: identity, the core, the records, the batches, signals.
         self.settings = settings
         self.router_id = settings.router_id
         self.boot_id = boot_id
+        self.pool = settings.scheduling_pool  # the one pool this router leads ("": all)
         self.metrics = RouterMetrics()
         self.scheduler: Scheduler | Recorder = scheduler
         self.records = RequestRecords(RECENT_RECORDS_MAX)
-        self.snapshot_requested_ns: dict[str, int] = {}  # worker id -> when we last asked for a KV snapshot
         self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)
-        self.handles: dict[str, RequestHandle] = {}  # request id -> handle, until the client is answered
-        self.batch_pending: dict[str, set[str]] = {}  # batch id -> member request ids without terminal event
-        self.request_batch: dict[str, str] = {}  # request id -> batch id
-        self.epoch = 0  # fencing epoch: a Redis counter bumped at every router start (see start())
-        self.wakeup = asyncio.Event()
+        self.batches = Batches()
+        self.wakeup = asyncio.Event()  # the batch loop has something to look at
+        self.fenced = asyncio.Event()  # set when fenced_by_epoch exceeds our epoch: leadership steps down
+        # router (RouterService.start / stop): the connections, and whether we run
         self.nc = None
         self.js = None
         self.acked: AckedPublisher | None = None  # terminal events and the journal: re-sent until the stream acks
@@ -271,34 +160,33 @@ class RouterState:
         self.events_sub = None  # the durable pull consumer of worker events (fold)
         self.started_ns = 0
         self.running = False
-        self.bus_state = "disconnected"
-        self.view_ready_after_ms: float | None = None  # start -> first complete worker view
-        self.num_dispatched: dict[str, int] = {}  # worker id -> requests dispatched to it
-        self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
-        self.reported_drained: set[str] = set()  # draining workers whose "drained" event went out
-        self.seen_draining: set[str] = set()  # workers that reported draining themselves (told to stop), until ready again
-        self.release_buffer: list[str] = []  # ledger fields to release after the current event batch
-        self.liveness_grace_cycles = 0  # liveness cycles to skip (after our own bus outage)
-        self.bus_silent_since_ns = 0  # our NATS server stopped answering pings then (0: it answers)
+        # intake: request id -> handle, until the client is answered (finish_router, forget)
+        self.handles: dict[str, RequestHandle] = {}
+        # leadership
         self.is_leader = False  # holds the Redis lease: schedules and dispatches
+        self.epoch = 0  # fencing epoch: a Redis counter bumped at every router start (see start())
         # time.monotonic() until which our lease surely holds (its TTL, counted from before the
         # renewal was sent). Past it, unrenewed (Redis unreachable), we dispatch nothing: a
         # standby that reaches Redis may hold the lease by then.
         self.lease_valid_until = 0.0
-        self.dispatch_paused = False  # leader whose lease outran its renewal: dispatching nothing
         # Stopping while leading (leadership.hand_off): the lease was given up, never renewed or
         # taken again; nothing more is dispatched (what is queued goes to the new leader).
         self.handing_off = False
+        # liveness
+        self.bus_state = "disconnected"
+        self.bus_silent_since_ns = 0  # our NATS server stopped answering pings then (0: it answers)
+        # fold: what the workers' events said
+        self.view_ready_after_ms: float | None = None  # start -> first complete worker view
+        self.num_finished: dict[str, int] = {}  # worker id -> requests finished on it
+        self.seen_draining: set[str] = set()  # workers that reported draining themselves (told to stop), until ready again
         self.max_worker_epoch = 0  # the highest epoch any worker reports accepting (status)
         self.fenced_by_epoch = 0  # the highest of those from workers we dispatched to
-        self.fenced = asyncio.Event()  # set when that exceeds ours: leadership steps down
-        self.lease_value = f"{self.router_id}:{self.boot_id}"
-        self.submit_sub = None
-        self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
-        self.redis_run_id: str | None = None
-        self.pool = settings.scheduling_pool  # the one pool this router leads ("": all)
         self.worker_models: dict[str, str] = {}  # worker id -> its model, every pool's (note_worker_model)
         self.adapter_models: dict[str, str] = {}  # LoRA adapter -> its parent model
+        # dispatch
+        self.num_dispatched: dict[str, int] = {}  # worker id -> requests dispatched to it
+        # upkeep
+        self.ledger_dirty = False  # Redis missed writes (outage/restart): rebuild it from the mirror
 
     # ---------------------------------------------------------------- pools (scheduling_pool)
     def note_worker_model(self, worker_id: str, model: str, adapters: list[str]) -> None:
@@ -371,7 +259,8 @@ class RouterState:
             if self.is_leader and pool == self.pool:
                 return None
 
-    def finish_router(self, handle: RequestHandle | None, outcome: str, code: str | None, message: str) -> None:
+    def finish_router(self, handle: RequestHandle | None, outcome: str, code: str | None, message: str,
+                      finish_reason: str | None = None) -> None:
         """Give the client its terminal outcome (once)."""
         if handle is None:
             return
@@ -382,6 +271,28 @@ class RouterState:
         self.handles.pop(handle.request_id, None)
         if handle.grace_task is not None:
             handle.grace_task.cancel()
-        handle.queue.put_nowait(Terminal(outcome, code, message))
+        handle.queue.put_nowait(Terminal(outcome, code, message, finish_reason))
         if handle.admission is not None and not handle.admission.done():  # it ended while in a fair queue
             handle.admission.set_result(Rejected(code or outcome, message))
+
+    def forget(self, handle: RequestHandle) -> None:
+        """A request another router now answers for (a standby's, handed over to a new leader
+        that its standby follows): no terminal outcome of ours."""
+        handle.done = True
+        self.handles.pop(handle.request_id, None)
+
+
+# The part (a module of services/shell/) that writes each RouterState field; the leaf actions
+# above aside, no other part does (tests/unit/services/shell/test_state.py). The fields set
+# once in __init__ and never rebound are not listed; `wakeup` and `fenced` are SIGNALS.
+OWNERS = {
+    **dict.fromkeys(("nc", "js", "acked", "redis", "ledger", "events_sub", "started_ns", "running"), "router"),
+    "handles": "intake",
+    **dict.fromkeys(("is_leader", "epoch", "lease_valid_until", "handing_off"), "leadership"),
+    **dict.fromkeys(("bus_state", "bus_silent_since_ns"), "liveness"),
+    **dict.fromkeys(("view_ready_after_ms", "num_finished", "seen_draining", "max_worker_epoch", "fenced_by_epoch",
+                     "worker_models", "adapter_models"), "fold"),
+    "num_dispatched": "dispatch",
+    "ledger_dirty": "upkeep",
+}
+SIGNALS = {"wakeup": "dispatch", "fenced": "leadership"}  # any part sets; the waiter (owner) clears

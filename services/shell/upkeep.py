@@ -22,19 +22,15 @@ log = logging.getLogger("flexlb.router")
 class Upkeep:
     def __init__(self, state: RouterState) -> None:
         self.s = state
+        self.redis_run_id: str | None = None  # the Redis server's run id when we last saw it (a restart changes it)
 
     def fields_to_release(self, request_id: str) -> list[str]:
         """The request's ledger fields: its KV reservation, and its batch's prefill entry once
         every member of that batch has ended."""
         fields = [kv_field(request_id)]
-        batch_id = self.s.request_batch.pop(request_id, None)
+        batch_id = self.s.batches.member_ended(request_id)
         if batch_id is not None:
-            pending = self.s.batch_pending.get(batch_id)
-            if pending is not None:
-                pending.discard(request_id)
-                if not pending:
-                    del self.s.batch_pending[batch_id]
-                    fields.append(prefill_field(batch_id))
+            fields.append(prefill_field(batch_id))
         return fields
 
     async def release_request(self, request_id: str) -> None:
@@ -81,10 +77,10 @@ class Upkeep:
         except Exception as exc:  # still away
             self.ledger_failed("probe", exc)
             return
-        if self.s.redis_run_id is not None and run_id != self.s.redis_run_id:
+        if self.redis_run_id is not None and run_id != self.redis_run_id:
             log.warning("redis restarted (run id changed): rebuilding the ledger")
             self.s.ledger_dirty = True
-        self.s.redis_run_id = run_id
+        self.redis_run_id = run_id
         if self.s.ledger_dirty:
             await self.resync_ledger()
 

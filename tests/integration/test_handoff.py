@@ -25,10 +25,11 @@ from schemas.subjects import epoch_subject, router_events_subject, submit_subjec
 from services.core.records import AdmitRequest
 from services.core.scheduler import Scheduler
 from services.settings import RouterSettings
+from services.shell.handle import RequestHandle, Terminal
 from services.shell.intake import Intake
 from services.shell.leadership import HANDOFF_GRACE_S, Leadership
 from services.shell.router import HANDOFF_BUDGET_S, redis_client
-from services.shell.state import NOT_LEADER_MESSAGE, RequestHandle, RouterState, Terminal
+from services.shell.state import NOT_LEADER_MESSAGE, RouterState
 
 OLD, NEW, OTHER = "old-leader", "new-leader", "another-router"
 _clusters = itertools.count()
@@ -267,7 +268,7 @@ async def test_a_router_taking_a_handed_off_lease_announces_its_epoch_after_the_
     leadership.fence_after = 0.0  # (HANDOFF_FENCE_DELAY_S later: the liveness cycle announces it)
     await leadership.announce_epoch()
     assert (await fences.settled())[-1].epoch == s.epoch
-    await s.submit_sub.unsubscribe()
+    await leadership.submit_sub.unsubscribe()
 
 
 def test_the_hand_off_mark_outlives_the_stop_budget():

@@ -15,7 +15,7 @@ from schemas import messages as m
 from schemas.openai_bodies import CompletionShape
 from services.api import RETRY_AFTER_CODES, CompletionsFront, error_headers
 from services.settings import RouterSettings
-from services.shell.state import RequestHandle, Terminal
+from services.shell.handle import RequestHandle, Terminal
 
 
 class RecordingService:

@@ -1,14 +1,18 @@
-"""The router shell's small shared pieces: a request's Inbox and the ids intake makes."""
+"""The router shell's small shared pieces: a request's Inbox, the ids intake makes, the batches
+in flight, and RouterState's one owner per field."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import re
 
 import pytest
 
+from services.shell.handle import Inbox
 from services.shell.intake import Intake
-from services.shell.state import Inbox
+from services.shell.state import OWNERS, SIGNALS, Batches
+from tests import REPO
 
 
 def test_an_inbox_hands_items_over_in_order_and_wakes_its_reader():
@@ -77,3 +81,99 @@ def test_request_ids_are_unique_and_shaped_like_before():
     ids = [a.new_request_id() for _ in range(1000)] + [b.new_request_id() for _ in range(1000)]
     assert len(set(ids)) == len(ids)  # two routers (or boots) draw different prefixes
     assert all(re.fullmatch(r"cmpl-[0-9a-f]{24}", i) for i in ids)
+
+
+# ------------------------------------------------------------------ RouterState: one owner per field
+STATE_NAMES = {"s", "st", "state"}  # what the parts call the RouterState they hold (`self.s`, `s = self.s`)
+MUTATORS = {"add", "discard", "pop", "popitem", "clear", "append", "extend", "update", "setdefault", "remove", "insert"}
+
+
+def _state_fields() -> tuple[set[str], set[str]]:
+    """RouterState's fields (what its __init__ sets), and which of them are containers."""
+    tree = ast.parse((REPO / "services/shell/state.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RouterState")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    fields, containers = set(), set()
+    for node in ast.walk(init):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    fields.add(t.attr)
+                    v = node.value
+                    if isinstance(v, (ast.Dict, ast.Set, ast.List)) or (
+                            isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in ("set", "dict", "list")):
+                        containers.add(t.attr)
+    return fields, containers
+
+
+def _state_writes(source: str, fields: set[str], containers: set[str]) -> list[tuple[str, int, str]]:
+    """(field, line, how) of every write of a RouterState field in `source`: an assignment, a
+    deletion, an item assigned or deleted, a container's mutating call, a signal's clear()."""
+    def field_of(e):
+        while isinstance(e, ast.Subscript):
+            e = e.value
+        held = isinstance(e, ast.Attribute) and (
+            (isinstance(e.value, ast.Name) and e.value.id in STATE_NAMES)
+            or (isinstance(e.value, ast.Attribute) and e.value.attr in STATE_NAMES))
+        return e.attr if held and e.attr in fields else None
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for one in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if (f := field_of(one)) is not None:
+                    out.append((f, node.lineno, "assigned"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = field_of(node.func.value)
+            if f is not None and ((f in containers and node.func.attr in MUTATORS) or (f in SIGNALS and node.func.attr == "clear")):
+                out.append((f, node.lineno, node.func.attr))
+    return out
+
+
+def test_each_router_state_field_is_written_by_its_owner_only():
+    fields, containers = _state_fields()
+    assert set(OWNERS) <= fields and set(SIGNALS) <= fields
+    writers: dict[str, set[str]] = {}
+    wrong = []
+    for path in sorted((REPO / "services").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith("services/core/") or rel == "services/shell/state.py":
+            continue  # the pure core holds no RouterState (test_layering); state.py's leaf actions are shared
+        part = path.stem if rel.startswith("services/shell/") else rel
+        for f, line, how in _state_writes(path.read_text(), fields, containers):
+            writers.setdefault(f, set()).add(part)
+            owner = OWNERS.get(f) or SIGNALS.get(f)
+            if owner != part:
+                wrong.append(f"{rel}:{line}: {f} {how} (its owner: {owner or 'none, set once in __init__'})")
+    assert not wrong, "\n".join(wrong)
+    # every owner does write its fields (a stale entry would hide a field nobody writes any more)
+    assert {f for f in OWNERS if OWNERS[f] not in writers.get(f, set())} <= {"worker_models", "adapter_models"}
+
+
+def test_the_owner_check_finds_a_write_from_another_part():
+    fields, containers = _state_fields()
+    source = ("def f(self, h):\n"
+              "    self.s.is_leader = True\n"
+              "    s = self.s\n"
+              "    s.handles.pop(h.request_id, None)\n"
+              "    del s.num_dispatched['w0']\n"
+              "    self.s.fenced.clear()\n"
+              "    self.s.wakeup.set()\n"
+              "    self.s.redis.set('k', 1)\n")
+    assert [(f, how) for f, _, how in _state_writes(source, fields, containers)] == [
+        ("is_leader", "assigned"), ("num_dispatched", "assigned"), ("handles", "pop"), ("fenced", "clear")]
+
+
+def test_batches_count_a_batchs_members_out_and_name_it_at_its_last():
+    b = Batches()
+    b.open("b1", ["r1", "r2"])
+    b.open("b2", ["r3"])
+    assert len(b) == 2
+    assert b.member_ended("r1") is None
+    assert b.member_ended("r1") is None  # once only
+    assert b.member_ended("r2") == "b1"
+    b.close("b2", ["r3"])
+    assert b.member_ended("r3") is None and len(b) == 0
+    assert b.member_ended("unknown") is None
