@@ -394,24 +394,42 @@ class ChatForward(msgspec.Struct, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One request inside a DispatchBatch command."""
+class ForEngine(msgspec.Struct, frozen=True, kw_only=True):
+    """What of a client's request travels to the engine that runs it. A Request has it, and so
+    does each BatchRequest of a dispatch, which copies it whole (engine_part): a field added
+    here is set by the API and read by the worker, with nothing between naming it."""
 
-    request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
-    decode_worker_id: str  # == the prefill worker in pd_fusion mode
-    token_subject: str  # core-NATS subject the router listens on for this request's tokens
-    deadline_ns: int = 0  # 0: none
     sampling: Sampling | None = None  # None: greedy
-    # The router takes this request's tokens coalesced with other requests' (TokensBatch) on
-    # this subject; "" (a router before it, or a request a standby forwarded): one
-    # TokensGenerated per chunk on token_subject.
-    token_batch_subject: str = ""
     # OpenAI `stop` strings: the router ends the request at the first one in its output text
     # (and cuts the text there); an engine server is given them too, so it stops early.
     stop: list[str] = []
     chat: ChatForward | None = None  # a chat completion (ChatForward); None: a completion
+    # The client's W3C trace context (`traceparent`, version 00, checked by the API; "": none):
+    # the openai agent sends it to its engine server, whose spans then join the client's trace.
+    traceparent: str = ""
+
+
+ENGINE_FIELDS = ForEngine.__struct_fields__
+
+
+def engine_part(request: ForEngine) -> dict[str, Any]:
+    """`request`'s ForEngine fields, by name (to build a BatchRequest from a Request)."""
+    return {f: getattr(request, f) for f in ENGINE_FIELDS}
+
+
+class BatchRequest(ForEngine, frozen=True, kw_only=True):
+    """One request inside a DispatchBatch command."""
+
+    request_id: str
+    decode_worker_id: str  # == the prefill worker in pd_fusion mode
+    token_subject: str  # core-NATS subject the router listens on for this request's tokens
+    deadline_ns: int = 0  # 0: none
+    # The router takes this request's tokens coalesced with other requests' (TokensBatch) on
+    # this subject; "" (a router before it, or a request a standby forwarded): one
+    # TokensGenerated per chunk on token_subject.
+    token_batch_subject: str = ""
     # The LoRA adapter to run it with ("" : the base model). The request named it as its
     # `model`; the worker serves it if it can (an engine that cannot fails it `adapter_not_found`).
     lora_adapter: str = ""
@@ -460,22 +478,18 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     batch_id: str = ""
 
 
-class Request(msgspec.Struct, frozen=True, kw_only=True):
+class Request(ForEngine, frozen=True, kw_only=True):
     """One client request as the API parsed it (services/api.py): made once there and passed
     whole, to the admission of the leader (a standby forwards it inside `SubmitRequest`, which
     is a Request), into the request's handle, and from there into its dispatch. A new field of
-    a request goes here, where the API sets it, and where it is read: nothing between names it."""
+    a request goes here (or in ForEngine, if the engine needs it), where the API sets it, and
+    where it is read: nothing between names it."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
     priority: int | None = None
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     timeout_s: float | None = None  # None: the router's request_timeout_s
-    sampling: Sampling | None = None
-    stop: list[str] = []  # as BatchRequest.stop
-    chat: ChatForward | None = None  # as BatchRequest.chat
     model: str = ""  # the model the client named ("": none, the default pool)
     tenant: str = ""  # who sent it ("": the default tenant): its share in the leader's fair queue
     priority_class: str = ""  # critical | standard | sheddable ("": by priority)

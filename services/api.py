@@ -178,6 +178,23 @@ def _header_ms(raw: str | None, name: str) -> float | None:
     return value
 
 
+TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^\x00-\x1f\x7f]*)?")
+TRACEPARENT_MAX_CHARS = 512  # a later version may append fields; nothing longer is a trace context
+
+
+def traceparent_of(raw: str | None) -> str:
+    """The client's W3C `traceparent`, as version 00 (a later version's first four fields, as
+    the W3C Trace Context spec asks of a party that knows 00 only); "" without one. A malformed
+    one is refused (invalid_request, 400), not dropped, so a client learns its tracing is broken."""
+    if raw is None:
+        return ""
+    match = TRACEPARENT.fullmatch(raw) if len(raw) <= TRACEPARENT_MAX_CHARS else None
+    if match is None or match[1] == "ff" or (match[1] == "00" and match[5]) or set(match[2]) == {"0"} or set(match[3]) == {"0"}:
+        raise HttpError("invalid_request", "header traceparent is not a W3C trace context "
+                                               "(version-trace_id-parent_id-flags, lowercase hex, ids not all zero)")
+    return f"00-{match[2]}-{match[3]}-{match[4]}"
+
+
 def _bad_worker_id(worker_id: str) -> Response | None:
     try:
         validate_token("worker_id", worker_id)
@@ -379,7 +396,7 @@ class CompletionsFront:
 
     async def completions(self, scope, receive, send, chat: bool = False) -> None:
         service, settings = self.service, self.settings
-        request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = None
+        request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = traceparent_raw = None
         tenant_header = self.tenant_header
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -396,6 +413,8 @@ class CompletionsFront:
                 api_key = value.decode("latin-1")
             elif name == b"x-flexlb-priority-class":
                 class_raw = value.decode("latin-1")
+            elif name == b"traceparent":
+                traceparent_raw = value.decode("latin-1")
         try:
             body = await read_body(receive, settings.max_body_bytes, length)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
@@ -409,6 +428,7 @@ class CompletionsFront:
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
             tenant = tenant_of(settings, api_key, tenant_raw)
             priority_class = req.priority_class or priority_class_header(class_raw)
+            traceparent = traceparent_of(traceparent_raw)
         except (HttpError, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
@@ -420,7 +440,7 @@ class CompletionsFront:
         outcome = await service.submit(m.Request(
             request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=req.priority,
             slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=req.timeout_s, sampling=sampling, stop=stop,
-            chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class))
+            chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, traceparent=traceparent))
         if not isinstance(outcome, Rejected) and outcome.admission is not None:  # waiting in the fair queue
             outcome = await self.await_admission(outcome, receive)
             if outcome is None:

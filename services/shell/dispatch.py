@@ -157,11 +157,9 @@ class Dispatcher:
             handle: RequestHandle = item.payload
             handle.batch_id = batch.batch_id
             requests.append(m.BatchRequest(
-                request_id=item.request_id, prompt_token_ids=handle.prompt_token_ids, max_tokens=item.max_tokens,
-                decode_worker_id=item.decode_worker_id,
+                **m.engine_part(handle.request), request_id=item.request_id, decode_worker_id=item.decode_worker_id,
                 token_subject=handle.token_subject or token_subject(self.s.router_id, item.request_id),
-                deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9), sampling=handle.sampling,
-                stop=handle.stop, chat=handle.chat, lora_adapter=item.lora_adapter,
+                deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9), lora_adapter=item.lora_adapter,
                 # Our own clients' tokens may come coalesced (TokensBatch, relay.py); a standby's
                 # (token_subject set) one chunk a message, which every router version reads.
                 token_batch_subject="" if handle.token_subject else token_batch_subject(self.s.router_id),

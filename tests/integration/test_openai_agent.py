@@ -113,6 +113,24 @@ def test_a_cancel_reaches_the_server(spawn, flexlb_up):
     assert metric(url, "flexlb_sim_output_tokens_total") < 3000
 
 
+def test_a_clients_traceparent_reaches_the_engine_server(spawn, flexlb_up):
+    """One Request value from the API to the engine: the header becomes Request.traceparent,
+    the dispatch carries it, the agent sends it to its server (which counts POSTs with one)."""
+    url, _ = sim_server(spawn)
+    _, state = flexlb_up("--engine", "openai", "--engine-url", url)
+    router = state["router_url"]
+    ready_fleet(router, 1)
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    for headers in ({"traceparent": traceparent}, {}, {"traceparent": traceparent}):
+        resp = httpx.post(router + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, headers=headers, timeout=60)
+        assert resp.status_code == 200, resp.text
+    bad = httpx.post(router + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                     headers={"traceparent": "00-x-y-01"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+    assert metric(url, "flexlb_sim_requests_finished_total") == 3
+    assert metric(url, "flexlb_sim_traced_requests_total") == 2
+
+
 def test_vllm_kv_events_drive_the_exact_prefix_index(spawn, flexlb_up):
     pub, replay = free_port(), free_port()
     url, _ = sim_server(spawn, "--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{replay}")

@@ -132,6 +132,23 @@ async def test_the_request_carries_the_body_and_the_request_id_and_keep_alive_re
     assert b"X-Request-Id: r1\r\n" in first
 
 
+async def test_a_requests_trace_context_goes_to_the_server_as_its_traceparent_header():
+    async def answer(writer, request, n):
+        writer.write(HEAD_OK + chunked(sse(b"{}", b"[DONE]")))
+        return True
+
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    script = Script(answer)
+    async with script as url:
+        client = UpstreamClient(url, 4)
+        await client.stream("/v1/completions", b"{}", "r1", lambda data: None, 5.0, traceparent)
+        await client.stream("/v1/completions", b"{}", "r2", lambda data: None, 5.0)
+        with pytest.raises(ValueError, match="traceparent"):  # never another header's bytes
+            await client.stream("/v1/completions", b"{}", "r3", lambda data: None, 5.0, traceparent + "\r\nx-a: b")
+    assert f"\r\ntraceparent: {traceparent}\r\n".encode() in script.requests[0]
+    assert b"traceparent" not in script.requests[1].lower() and len(script.requests) == 2
+
+
 async def test_done_without_the_end_of_the_body_returns_at_once_and_the_connection_is_not_reused():
     async def answer(writer, request, n):
         writer.write(HEAD_OK + b"%x\r\n" % len(sse(b"a", b"[DONE]")) + sse(b"a", b"[DONE]") + b"\r\n")

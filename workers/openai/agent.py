@@ -580,7 +580,8 @@ class OpenAIAgent(WorkerAgent):
         relay = (SGLangRelay if self.protocol == "sglang" else StreamRelay)(self, batch, r, meta)
         path, body = self._request(r)
         try:
-            await self.upstream.stream(path, _encode_json(body), rid, relay.on_data, self.cfg.upstream_stall_timeout_s)
+            await self.upstream.stream(path, _encode_json(body), rid, relay.on_data, self.cfg.upstream_stall_timeout_s,
+                                       r.traceparent)
             if relay.finish is None:
                 raise UpstreamFailure("upstream_error",
                                       f"the stream ended after {relay.index} tokens without a finish reason")

@@ -40,6 +40,7 @@ Imports: `schemas` only.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl as ssl_module
 from typing import Callable
 from urllib.parse import urlsplit
@@ -299,6 +300,8 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+TRACEPARENT_00 = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
 class UpstreamClient:
     """Keep-alive connections to one server, for streamed POSTs (module docstring)."""
 
@@ -337,10 +340,15 @@ class UpstreamClient:
         return None
 
     async def stream(self, path: str, body: bytes, request_id: str, on_data: Callable[[bytes], None],
-                     stall_timeout_s: float) -> None:
+                     stall_timeout_s: float, traceparent: str = "") -> None:
+        """`traceparent`: the client's W3C trace context (checked by the router's API), sent as
+        that header so the server's spans join the client's trace; "": none sent."""
+        if traceparent and not TRACEPARENT_00.fullmatch(traceparent):
+            raise ValueError("a traceparent of version 00 only (the router's API checks it): never another header's bytes")
+        trace = f"traceparent: {traceparent}\r\n" if traceparent else ""
         request = (f"POST {self.path_prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
                    f"Content-Type: application/json\r\nAccept: text/event-stream\r\nX-Request-Id: {request_id}\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+                   f"{trace}Content-Length: {len(body)}\r\n\r\n").encode() + body
         await self._exchange(request, on_data, stall_timeout_s)
 
     async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:

@@ -221,6 +221,8 @@ class SimHttpApp:
         if handler is None:
             await self._not_found(scope, send)
             return
+        if scope["method"] == "POST" and any(key == b"traceparent" for key, _ in scope["headers"]):
+            self.front.num_traced_requests += 1  # (a real server's spans would join the client's trace)
         try:
             await handler(scope, receive, send)
         except HttpError as exc:

@@ -158,17 +158,37 @@ def test_text_decoded_chunk_by_chunk_equals_the_whole_decoded_once(ids, cuts):
     assert out == decode_tokens(ids)
 
 
+def full_request() -> m.Request:
+    """A Request with every field off its default (a field added without a value here fails
+    test_a_request_travels_whole_in_a_forward)."""
+    return m.Request(request_id="r1", prompt_token_ids=[1, 2], max_tokens=5, priority=90, slo_ttft_ms=500.0,
+                     slo_tpot_ms=50.0, timeout_s=9.0, sampling=m.Sampling(temperature=0.5), stop=["\n"],
+                     chat=m.ChatForward(messages=[{"role": "user", "content": "hi"}]), model="m", tenant="acme",
+                     priority_class="critical", traceparent=TRACEPARENT)
+
+
 def test_a_request_travels_whole_in_a_forward():
     """A field of Request reaches the leader without anything between naming it: SubmitRequest
-    is a Request, and `of` copies every field (this test sets each one off its default, so a
-    field added without a value here fails it)."""
-    req = m.Request(request_id="r1", prompt_token_ids=[1, 2], max_tokens=5, priority=90, slo_ttft_ms=500.0,
-                    slo_tpot_ms=50.0, timeout_s=9.0, sampling=m.Sampling(temperature=0.5), stop=["\n"],
-                    chat=m.ChatForward(messages=[{"role": "user", "content": "hi"}]), model="m", tenant="acme",
-                    priority_class="critical")
+    is a Request, and `of` copies every field."""
+    req = full_request()
     defaults = m.Request(request_id="", prompt_token_ids=[], max_tokens=0)
     assert all(getattr(req, f) != getattr(defaults, f) for f in m.REQUEST_FIELDS)
     cmd = m.SubmitRequest.of(req, "router-1", "flexlb.tok.router-1.r1")
     back = m.decode(m.encode(m.EnvelopeFactory("p", "b").wrap(cmd, 1))).payload
     assert isinstance(back, m.Request) and back.router_id == "router-1"
     assert {f: getattr(back, f) for f in m.REQUEST_FIELDS} == {f: getattr(req, f) for f in m.REQUEST_FIELDS}
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_what_the_engine_needs_travels_whole_into_the_dispatch():
+    """A BatchRequest is built from the Request's ForEngine part whole (engine_part, as
+    services/shell/dispatch.py does), so a field the engine reads needs nothing between."""
+    req = full_request()
+    assert set(m.ENGINE_FIELDS) <= set(m.REQUEST_FIELDS) and set(m.ENGINE_FIELDS) <= set(m.BatchRequest.__struct_fields__)
+    br = m.BatchRequest(**m.engine_part(req), request_id="r1", decode_worker_id="w1", token_subject="flexlb.tok.rt.r1")
+    cmd = m.DispatchBatch(batch_id="b1", router_id="rt", worker_id="w1", epoch=1, requests=[br])
+    back = m.decode(m.encode(m.EnvelopeFactory("p", "b").wrap(cmd, 1))).payload.requests[0]
+    assert {f: getattr(back, f) for f in m.ENGINE_FIELDS} == {f: getattr(req, f) for f in m.ENGINE_FIELDS}
+    assert back.traceparent == TRACEPARENT

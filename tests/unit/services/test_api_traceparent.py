@@ -1,0 +1,88 @@
+"""The client's W3C trace context (issue 39's first piece, and issue 35's example of a new
+Request field): the API checks a `traceparent` header and sets Request.traceparent; the
+dispatch carries it (tests/unit/schemas/test_schemas.py), the openai agent sends it on
+(tests/integration/test_upstream_http.py, and end to end tests/integration/test_openai_agent.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from schemas import messages as m
+from schemas.http import HttpError
+from schemas.tokens import ByteTokenizer
+from services.api import CompletionsFront, traceparent_of
+from services.core.scheduler import Rejected
+from services.settings import RouterSettings
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+GOOD = f"00-{TRACE}-{PARENT}-01"
+
+
+def test_a_version_00_trace_context_is_kept_and_a_later_version_is_read_as_00():
+    assert traceparent_of(None) == ""
+    assert traceparent_of(GOOD) == GOOD
+    assert traceparent_of(f"cc-{TRACE}-{PARENT}-00-what-comes-later") == f"00-{TRACE}-{PARENT}-00"
+
+
+@pytest.mark.parametrize("raw", [
+    "", "garbage", GOOD.upper(), GOOD + "-x", f"ff-{TRACE}-{PARENT}-01", f"00-{'0' * 32}-{PARENT}-01",
+    f"00-{TRACE}-{'0' * 16}-01", f"00-{TRACE[:-1]}-{PARENT}-01", GOOD + "\r\nx-injected: 1",
+    f"cc-{TRACE}-{PARENT}-00-" + "x" * 600,
+])
+def test_a_malformed_trace_context_is_refused_with_a_code_and_not_echoed(raw):
+    with pytest.raises(HttpError) as info:
+        traceparent_of(raw)
+    assert info.value.code == "invalid_request" and "traceparent" in info.value.message
+    assert raw[:20] not in info.value.message or raw == ""
+
+
+class SubmitRecorder:
+    """What the completions path asks of the router: submit (refused here, so no stream
+    follows), reject, request ids."""
+
+    def __init__(self) -> None:
+        self.settings = RouterSettings()
+        self.submitted: list[m.Request] = []
+        self.rejected: list[str] = []
+
+    def new_request_id(self) -> str:
+        return f"r{len(self.submitted) + len(self.rejected)}"
+
+    async def submit(self, request: m.Request) -> Rejected:
+        self.submitted.append(request)
+        return Rejected("no_worker", "none here")
+
+    async def reject(self, request_id: str, code: str, message: str) -> None:
+        self.rejected.append(code)
+
+
+def post(front: CompletionsFront, headers: list[tuple[bytes, bytes]]) -> list[dict]:
+    body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST",
+             "headers": [(b"content-length", str(len(body)).encode()), *headers]}
+    asyncio.run(front.completions(scope, receive, send))
+    return sent
+
+
+def test_the_header_becomes_the_requests_traceparent_and_a_bad_one_is_a_400():
+    service = SubmitRecorder()
+    front = CompletionsFront(service, ByteTokenizer(), app=None)
+    post(front, [(b"traceparent", GOOD.encode())])
+    post(front, [])
+    assert [r.traceparent for r in service.submitted] == [GOOD, ""]
+    sent = post(front, [(b"traceparent", b"00-nothex")])
+    assert sent[0]["status"] == 400 and service.rejected == ["invalid_request"]
+    assert b"traceparent" in sent[1]["body"] and len(service.submitted) == 2
