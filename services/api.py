@@ -530,7 +530,6 @@ class CompletionsFront:
                             if item is _GONE:
                                 return  # finally: cancel the work
                             if isinstance(item, m.TokensGenerated):
-                                handle.num_buffered -= 1
                                 text, reason, stopped = cursor.take(item)
                                 if stopped:
                                     await service.cancel(handle, "stop string")  # nothing if it already ended
@@ -578,7 +577,6 @@ class CompletionsFront:
                     item = await handle.queue.get()
                     if not isinstance(item, m.TokensGenerated):
                         break
-                    handle.num_buffered -= 1
                     text, reason, stopped = cursor.take(item)
                     parts.append(text)
                     if stopped:

@@ -126,7 +126,7 @@ class Dispatcher:
         decision is an event and a line of its record, as an admission's are."""
         item = mv.item
         handle: RequestHandle = item.payload
-        handle.prefill_worker_id, handle.decode_worker_id = item.prefill_worker_id, item.decode_worker_id
+        handle.place(item.prefill_worker_id, item.decode_worker_id)
         self.s.metrics.hold_moves.inc()
         self.s.records.note(item.request_id, time.time_ns(), "moved", from_worker_id=mv.from_worker_id,
                             worker_id=item.prefill_worker_id, reason=mv.decision.pick.reason)
@@ -155,7 +155,7 @@ class Dispatcher:
         ]
         for item in batch.items:
             handle: RequestHandle = item.payload
-            handle.batch_id = batch.batch_id
+            handle.batched(batch.batch_id)
             requests.append(m.BatchRequest(
                 **m.engine_part(handle.request), request_id=item.request_id, decode_worker_id=item.decode_worker_id,
                 token_subject=handle.token_subject or token_subject(self.s.router_id, item.request_id),

@@ -284,7 +284,7 @@ class Fold:
                 self.s.finish_router(handle, "finished", None, "")
             elif handle.next_index < ev.num_output_tokens:
                 # Tokens travel on core NATS and may still be in flight: give them a grace period.
-                handle.grace_task = asyncio.get_running_loop().create_task(self.relay.grace(handle, ev.num_output_tokens))
+                handle.start_grace(asyncio.get_running_loop().create_task(self.relay.grace(handle, ev.num_output_tokens)))
             return
         message = getattr(ev, "message", "") or getattr(ev, "reason", "")
         if isinstance(ev, m.RequestTimedOut):

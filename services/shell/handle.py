@@ -95,35 +95,42 @@ class Inbox:
 
 @dataclass
 class RequestHandle:
+    """One live request at this router. Its state has one owner: the handle itself, which the
+    parts tell what happened (admitted, placed, batched, rerouted, taken by a leader, handed
+    over, ended); only the relay writes the stream's progress (STREAM_FIELDS), token by token.
+    tests/unit/services/shell/test_shell_state.py fails on any other write from outside."""
+
+    # What it is, set when it is made and never changed
     request: m.Request  # what the client asked, whole (schemas/messages.py): its fields are read through it
     arrival_ns: int
-    queue: Inbox = field(default_factory=Inbox)  # TokensGenerated | Terminal
-    next_index: int = 0  # index of the next output token we expect
-    num_buffered: int = 0  # token chunks queued and not yet read by the client
-    prefill_worker_id: str = ""
-    decode_worker_id: str = ""
-    batch_id: str = ""
-    done: bool = False  # the client has been given its terminal outcome
-    first_token_ns: int = 0
-    grace_task: asyncio.Task | None = None
-    admit: AdmitRequest | None = None  # what it was admitted with, for a re-route
-    num_reroutes: int = 0
     timeout_s: float = 600.0  # its deadline, from arrival
     token_subject: str = ""  # where its tokens go (this router's, or a forwarding standby's)
     remote: bool = False  # forwarded by a standby: no local client reads this handle
     forwarded_by: str = ""  # remote: the router that forwarded it (its client's), SubmitRequest.router_id
+    queue: Inbox = field(default_factory=Inbox)  # TokensGenerated | Terminal, to its one client reader
+    # Its stream's progress (the relay's)
+    next_index: int = 0  # index of the next output token we expect
+    first_token_ns: int = 0
+    ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index
+    resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
+    # Where it runs and how it ends (the handle's own, through the methods below)
+    admit: AdmitRequest | None = None  # what it was admitted with here, for a re-route
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    batch_id: str = ""
+    num_reroutes: int = 0
+    slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
+    slo_tpot_ms: float = 0.0
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
     leader_pool: str = ""  # the pool whose leader that is ("": the cluster's one leader)
     # A batch holding it was dispatched (the acked publish: Dispatcher.dispatch), here or, forwarded,
     # by its leader (its batch.dispatched event): its client's stream may start (mark_dispatched).
     dispatched: bool = False
-    ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index (relay)
-    resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
-    slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
-    slo_tpot_ms: float = 0.0
     # Set while it waits in the fair queue (the leader's, or the leader's a standby forwarded it
     # to): resolved None when admitted, or with the Rejected that refused it.
     admission: asyncio.Future | None = None
+    grace_task: asyncio.Task | None = None  # its finish grace (relay.grace), once the worker said it finished
+    done: bool = False  # the client has been given its terminal outcome
 
     @property
     def request_id(self) -> str:
@@ -164,3 +171,73 @@ class RequestHandle:
         """Ours, scheduled by another router: forwarded to a leader (or handed over to a new one
         when we stopped leading). A local request has `admit` set and no leader; a remote one is a standby's."""
         return not self.remote and (bool(self.leader_id) or self.admit is None)
+
+    # ---------------------------------------------------------------- what happened to it
+    def admit_here(self, admit: AdmitRequest) -> None:
+        """Admitted by this router, which leads: no other leader holds it."""
+        self.leader_id = self.leader_pool = ""
+        self.admit = admit
+
+    def place(self, prefill_worker_id: str, decode_worker_id: str, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> None:
+        """Its workers (and, when admitted, its targets; None: unchanged)."""
+        self.prefill_worker_id, self.decode_worker_id = prefill_worker_id, decode_worker_id
+        if slo_ttft_ms is not None:
+            self.slo_ttft_ms = slo_ttft_ms
+        if slo_tpot_ms is not None:
+            self.slo_tpot_ms = slo_tpot_ms
+
+    def batched(self, batch_id: str) -> None:
+        self.batch_id = batch_id
+
+    def rerouted(self, prefill_worker_id: str, decode_worker_id: str, counts: bool) -> None:
+        """Re-admitted elsewhere, out of its batch (`counts`: toward its re-route limit)."""
+        self.num_reroutes += 1 if counts else 0
+        self.place(prefill_worker_id, decode_worker_id)
+        self.batch_id = ""
+
+    def streamed_by(self, worker_id: str) -> None:
+        """Forwarded, and its tokens beat the leader's reply that names its workers: the worker
+        streaming them is its decode worker."""
+        self.decode_worker_id = worker_id
+
+    def wait_for_admission(self) -> None:
+        """It waits in a fair queue: its client awaits `admission` (one handed back keeps the
+        one its client already awaits)."""
+        if self.admission is None or self.admission.done():
+            self.admission = asyncio.get_running_loop().create_future()
+
+    def admission_over(self, outcome: Any) -> None:
+        """Out of the fair queue: admitted (None) or refused (the Rejected); no-op if not waiting."""
+        if self.admission is not None and not self.admission.done():
+            self.admission.set_result(outcome)
+
+    def taken(self, reply: m.SubmitReply) -> None:
+        """A leader took it (we forwarded it, or handed it over): admitted with its workers, or
+        queued in that leader's fair queue (the workers come with its request.admitted event)."""
+        if reply.code == "queued":
+            if self.leader_id == reply.router_id:  # its request.admitted came first: not queued any more
+                return
+            self.wait_for_admission()
+            self.place("", "")  # (an old leader's picks, if handed over)
+        else:  # (the relay may have set the decode worker already, from tokens that beat the reply here)
+            self.place(reply.prefill_worker_id, reply.decode_worker_id, reply.slo_ttft_ms, reply.slo_tpot_ms)
+            self.admission_over(None)  # handed over from a queue: admitted
+        self.leader_id = reply.router_id
+
+    def handed_over(self, pool: str) -> None:
+        """We stopped leading `pool` and handed it to the new leader, not yet dispatched by it
+        (one we dispatched and then re-routed was by us): until its batch.dispatched, it waits
+        at a leader."""
+        self.leader_pool = pool
+        self.dispatched = False
+
+    def start_grace(self, task: asyncio.Task) -> None:
+        self.grace_task = task
+
+    def end(self) -> None:
+        """Its client has its terminal outcome, or another router answers for it now."""
+        self.done = True
+
+
+STREAM_FIELDS = ("next_index", "first_token_ns", "ahead", "resend_task")  # written by the relay (services/shell/relay.py)

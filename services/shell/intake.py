@@ -12,7 +12,6 @@ Calls: the core, the bus. Called by: the HTTP API, leadership (the submit subscr
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import secrets
@@ -71,14 +70,13 @@ class Intake:
         handle = mine or RequestHandle(
             request, now, timeout_s=self._timeout_s(request), token_subject=token_subject_override,
             remote=bool(token_subject_override), forwarded_by=forwarded_by)
-        handle.leader_id, handle.leader_pool = "", ""
         prompt = request.prompt_token_ids
         hashes = tuple(block_hashes(prompt, self.s.scheduler.block_size_tokens()))
-        handle.admit = AdmitRequest(
+        handle.admit_here(AdmitRequest(
             request_id=request_id, num_prompt_tokens=len(prompt), max_tokens=request.max_tokens, block_hashes=hashes,
             priority=request.priority, slo_ttft_ms=request.slo_ttft_ms, slo_tpot_ms=request.slo_tpot_ms, payload=handle,
             model=request.model, tenant=request.tenant, priority_class=request.priority_class,
-        )
+        ))
         try:
             decision = (self.s.scheduler.offer(handle.admit, now) if self.s.settings.fair_queue
                         else self.s.scheduler.admit(handle.admit, now))
@@ -123,9 +121,8 @@ class Intake:
                 "predicted_cached_tokens": decision.request.num_cached_tokens,
                 "model": pool,
             }
-        handle.prefill_worker_id = decision.request.prefill_worker_id
-        handle.decode_worker_id = decision.request.decode_worker_id
-        handle.slo_ttft_ms, handle.slo_tpot_ms = decision.slo_ttft_ms or 0.0, decision.slo_tpot_ms or 0.0
+        handle.place(decision.request.prefill_worker_id, decision.request.decode_worker_id,
+                     decision.slo_ttft_ms or 0.0, decision.slo_tpot_ms or 0.0)
         self.s.handles[request_id] = handle
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
         if decision.best_effort:
@@ -153,8 +150,7 @@ class Intake:
         rid = handle.request_id
         self.s.records.note(rid, now, "queued", tenant=q.tenant, priority_class=q.priority_class,
                             num_queued_in_class=q.num_queued_in_class)
-        if handle.admission is None or handle.admission.done():  # (one handed back keeps the one its client awaits)
-            handle.admission = asyncio.get_running_loop().create_future()
+        handle.wait_for_admission()
         self.s.handles[rid] = handle
         self.s.metrics.fair_requests.labels(q.priority_class, "queued").inc()
         self.s.metrics.tenant_requests.labels(q.tenant, "queued").inc()
@@ -174,9 +170,8 @@ class Intake:
         handle = self.s.handles.pop(r.request_id, None)
         rej = await self.reject(r.request_id, r.code, r.reason, r.retry_after_ms)
         if handle is not None:
-            handle.done = True
-            if handle.admission is not None and not handle.admission.done():
-                handle.admission.set_result(rej)
+            handle.end()
+            handle.admission_over(rej)
 
     def take_waiting(self) -> list[RequestHandle]:
         """Every request in the fair queue, taken out (leadership lost, or the router stops):
@@ -213,9 +208,8 @@ class Intake:
             out = await self._admission(handle, r.outcome, now, rec)
             if isinstance(out, Rejected):
                 self.s.handles.pop(rid, None)
-                handle.done = True
-            if handle.admission is not None and not handle.admission.done():
-                handle.admission.set_result(out if isinstance(out, Rejected) else None)
+                handle.end()
+            handle.admission_over(out if isinstance(out, Rejected) else None)
         self._count_waiting()
 
     def _timeout_s(self, request: m.Request) -> float:
@@ -243,25 +237,9 @@ class Intake:
         if not reply.admitted:
             self.s.handles.pop(request_id, None)
             return Rejected(reply.code, reply.message)
-        self.took(handle, reply)
+        handle.taken(reply)
         self.s.metrics.forwarded.inc()
         return handle
-
-    def took(self, handle: RequestHandle, reply: m.SubmitReply) -> None:
-        """A leader took a request we forwarded (or that was handed over to it: leadership.py): admitted
-        (its workers), or queued in its fair queue (the workers come with its request.admitted event)."""
-        if reply.code == "queued":
-            if handle.leader_id == reply.router_id:  # its request.admitted came first: not queued any more
-                return
-            if handle.admission is None or handle.admission.done():
-                handle.admission = asyncio.get_running_loop().create_future()
-            handle.prefill_worker_id = handle.decode_worker_id = ""  # (an old leader's picks, if handed over)
-        else:  # (Relay may have set the decode worker already, from tokens that beat the reply here.)
-            handle.prefill_worker_id, handle.decode_worker_id = reply.prefill_worker_id, reply.decode_worker_id
-            handle.slo_ttft_ms, handle.slo_tpot_ms = reply.slo_ttft_ms, reply.slo_tpot_ms
-            if handle.admission is not None and not handle.admission.done():  # handed over from a queue: admitted
-                handle.admission.set_result(None)
-        handle.leader_id = reply.router_id
 
     async def on_submit(self, msg) -> None:
         """Leader: a standby forwarded a request, or the leader before us hands one over."""
@@ -318,10 +296,10 @@ class Intake:
         queued = handle.admission is not None and not handle.admission.done()  # in its leader's fair queue
         if isinstance(ev, m.SubmitReply):  # our leader stopped and handed it over: the new leader's answer
             if ev.admitted and handle.leader_id == env.producer and ev.router_id != self.s.router_id:
-                self.took(handle, ev)
+                handle.taken(ev)
         elif isinstance(ev, m.RequestAdmitted):  # out of a fair queue, by the leader it was handed to, or before the reply
             if queued or (handle.leader_id != ev.router_id and not handle.dispatched):
-                self.took(handle, m.SubmitReply(
+                handle.taken(m.SubmitReply(
                     request_id=ev.request_id, router_id=ev.router_id, admitted=True, prefill_worker_id=ev.prefill_worker_id,
                     decode_worker_id=ev.decode_worker_id, slo_ttft_ms=ev.slo_ttft_ms or 0.0, slo_tpot_ms=ev.slo_tpot_ms or 0.0))
         elif isinstance(ev, m.RequestRejected):  # refused while in its leader's fair queue
@@ -354,7 +332,7 @@ class Intake:
             self.s.finish_router(handle, "cancelled", "cancelled", reason)
             await self.s.emit(m.RequestCancelled(request_id=handle.request_id, worker_id=self.s.router_id, reason=reason))
             return
-        handle.done = True
+        handle.end()
         self.s.handles.pop(handle.request_id, None)
         for worker in {handle.prefill_worker_id, handle.decode_worker_id}:
             if worker:

@@ -375,11 +375,8 @@ class Leadership:
             self.s.forget(handle)
             await self.s.emit(reply)
         else:  # our client's: its tokens come to us, its stream goes on
-            handle.leader_pool = self.s.pool
-            # Not dispatched by that leader yet (one we dispatched and then re-routed was by us):
-            # until its batch.dispatched, it waits at a leader (waits_at_a_leader).
-            handle.dispatched = False
-            self.intake.took(handle, reply)
+            handle.handed_over(self.s.pool)  # (waits_at_a_leader until its batch.dispatched)
+            handle.taken(reply)
         return None
 
     async def announce_epoch(self) -> None:

@@ -94,12 +94,9 @@ class Recovery:
         self.s.scheduler.on_terminal(rid)
         old = (handle.prefill_worker_id, handle.decode_worker_id)
         if (handle.num_reroutes < MAX_REROUTES or not counts) and handle.admit is not None:
-            handle.num_reroutes += 1 if counts else 0
             decision = self.s.scheduler.admit(handle.admit, time.time_ns())
             if isinstance(decision, Admitted):
-                handle.prefill_worker_id = decision.request.prefill_worker_id
-                handle.decode_worker_id = decision.request.decode_worker_id
-                handle.batch_id = ""
+                handle.rerouted(decision.request.prefill_worker_id, decision.request.decode_worker_id, counts)
                 for d in decision.decisions:
                     await self.s.emit(decision_event(rid, self.s.router_id, d))
                 self.s.records.note(rid, time.time_ns(), "rerouted", reason=why, from_workers=list(old),

@@ -54,7 +54,7 @@ class Relay:
         if handle is not None and not handle.decode_worker_id and not handle.done:
             # Forwarded, and the leader's reply (which names the workers) is still on its way:
             # an instant engine can stream before it arrives. The worker streaming is its worker.
-            handle.decode_worker_id = chunk.worker_id
+            handle.streamed_by(chunk.worker_id)
         if handle is None or handle.done or chunk.worker_id != handle.decode_worker_id:
             # Not ours, finished, or from a worker the request was taken away from (re-routed).
             self.s.metrics.orphan_tokens.inc()
@@ -99,7 +99,7 @@ class Relay:
                                                       f"the worker's resend did not fill it within {RESEND_WAIT_S} s")
 
     def accept(self, handle: RequestHandle, chunk: m.TokensGenerated) -> None:
-        if handle.num_buffered >= self.s.settings.token_buffer_max:
+        if handle.queue.qsize() >= self.s.settings.token_buffer_max:  # (what its client has not read yet)
             self.s.metrics.stream_overflow.inc()
             self.fail_client(handle, "stream_overflow", f"token buffer of {self.s.settings.token_buffer_max} chunks is full")
             return
@@ -108,7 +108,6 @@ class Relay:
             self.s.metrics.ttft.observe((handle.first_token_ns - handle.arrival_ns) / 1e9)
             self.s.records.note(handle.request_id, handle.first_token_ns, "first_token", worker_id=chunk.worker_id)
         handle.next_index += chunk.num_chunk_tokens
-        handle.num_buffered += 1
         handle.queue.put_nowait(chunk)
         if chunk.finish_reason is not None:
             self.observe_finished(handle, time.time_ns())

@@ -267,18 +267,17 @@ class RouterState:
         if handle.done:
             self.metrics.duplicate_terminal.inc()
             return
-        handle.done = True
+        handle.end()
         self.handles.pop(handle.request_id, None)
         if handle.grace_task is not None:
             handle.grace_task.cancel()
         handle.queue.put_nowait(Terminal(outcome, code, message, finish_reason))
-        if handle.admission is not None and not handle.admission.done():  # it ended while in a fair queue
-            handle.admission.set_result(Rejected(code or outcome, message))
+        handle.admission_over(Rejected(code or outcome, message))  # (it ended while in a fair queue)
 
     def forget(self, handle: RequestHandle) -> None:
         """A request another router now answers for (a standby's, handed over to a new leader
         that its standby follows): no terminal outcome of ours."""
-        handle.done = True
+        handle.end()
         self.handles.pop(handle.request_id, None)
 
 

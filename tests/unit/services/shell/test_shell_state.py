@@ -1,5 +1,5 @@
 """The router shell's small shared pieces: a request's Inbox, the ids intake makes, the batches
-in flight, and RouterState's one owner per field."""
+in flight, RouterState's one owner per field, and a handle that keeps its own state."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from services.shell.handle import Inbox
+from schemas import messages as m
+from services.shell.handle import STREAM_FIELDS, Inbox, RequestHandle
 from services.shell.intake import Intake
 from services.shell.state import OWNERS, SIGNALS, Batches
 from tests import REPO
@@ -177,3 +178,69 @@ def test_batches_count_a_batchs_members_out_and_name_it_at_its_last():
     b.close("b2", ["r3"])
     assert b.member_ended("r3") is None and len(b) == 0
     assert b.member_ended("unknown") is None
+
+
+# ------------------------------------------------------------------ a request's handle: its own state
+def _handle_writes(source: str) -> list[tuple[str, int]]:
+    """(field, line) of every assignment to a RequestHandle field of something other than
+    `self` in `source`, and of every mutating call on one of its containers."""
+    names = set(RequestHandle.__dataclass_fields__)
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for one in t.elts if isinstance(t, ast.Tuple) else [t]:
+                while isinstance(one, ast.Subscript):
+                    one = one.value
+                if isinstance(one, ast.Attribute) and one.attr in names and not (
+                        isinstance(one.value, ast.Name) and one.value.id == "self"):
+                    out.append((one.attr, node.lineno))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            held = node.func.value
+            if isinstance(held, ast.Attribute) and held.attr == "ahead":
+                out.append(("ahead", node.lineno))
+    return out
+
+
+def test_a_handles_state_is_written_by_the_handle_and_its_stream_by_the_relay_only():
+    wrong = []
+    for path in [*sorted((REPO / "services" / "shell").glob("*.py")), REPO / "services" / "api.py"]:
+        if path.name == "handle.py":
+            continue
+        for f, line in _handle_writes(path.read_text()):
+            if not (f in STREAM_FIELDS and path.name == "relay.py"):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {f}")
+    assert not wrong, "\n".join(wrong)
+    assert _handle_writes("def f(h):\n    h.decode_worker_id = 'w1'\n    h.ahead.pop(3)\n    self.done = True\n") == [
+        ("decode_worker_id", 2), ("ahead", 3)]
+
+
+def test_a_handle_told_what_happened_keeps_its_placement_and_its_admission():
+    async def run():
+        h = RequestHandle(m.Request(request_id="r1", prompt_token_ids=[1], max_tokens=2), 0)
+        h.place("p1", "d1", 500.0, 50.0)
+        h.batched("b1")
+        h.rerouted("p2", "d2", counts=True)
+        assert (h.prefill_worker_id, h.decode_worker_id, h.batch_id, h.num_reroutes, h.slo_ttft_ms) == ("p2", "d2", "", 1, 500.0)
+        h.rerouted("p3", "d3", counts=False)  # a batch that never went: not counted
+        assert h.num_reroutes == 1
+        h.wait_for_admission()
+        waiting = h.admission
+        h.wait_for_admission()  # one already awaited is kept
+        assert h.admission is waiting
+        h.taken(m.SubmitReply(request_id="r1", router_id="lead", admitted=True, code="queued"))
+        assert (h.leader_id, h.prefill_worker_id) == ("lead", "") and not waiting.done()
+        h.taken(m.SubmitReply(request_id="r1", router_id="lead2", admitted=True, prefill_worker_id="p4",
+                              decode_worker_id="d4", slo_ttft_ms=700.0, slo_tpot_ms=70.0))
+        assert waiting.done() and waiting.result() is None
+        assert (h.leader_id, h.decode_worker_id, h.slo_ttft_ms, h.slo_tpot_ms) == ("lead2", "d4", 700.0, 70.0)
+        h.dispatched = True
+        h.handed_over("pool-a")
+        assert (h.leader_pool, h.dispatched) == ("pool-a", False)
+        h.admit_here(None)
+        assert (h.leader_id, h.leader_pool) == ("", "")
+        h.admission_over("ignored: not waiting")
+        assert waiting.result() is None
+
+    asyncio.run(run())
