@@ -107,6 +107,13 @@ def _state_fields() -> tuple[set[str], set[str]]:
     return fields, containers
 
 
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    """What `node` assigns or deletes: each target, a tuple's elements one by one."""
+    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    return [one for t in targets for one in (t.elts if isinstance(t, ast.Tuple) else [t])]
+
+
 def _state_writes(source: str, fields: set[str], containers: set[str]) -> list[tuple[str, int, str]]:
     """(field, line, how) of every write of a RouterState field in `source`: an assignment, a
     deletion, an item assigned or deleted, a container's mutating call, a signal's clear()."""
@@ -120,12 +127,9 @@ def _state_writes(source: str, fields: set[str], containers: set[str]) -> list[t
 
     out = []
     for node in ast.walk(ast.parse(source)):
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        for t in targets:
-            for one in t.elts if isinstance(t, ast.Tuple) else [t]:
-                if (f := field_of(one)) is not None:
-                    out.append((f, node.lineno, "assigned"))
+        for one in _assigned(node):
+            if (f := field_of(one)) is not None:
+                out.append((f, node.lineno, "assigned"))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             f = field_of(node.func.value)
             if f is not None and ((f in containers and node.func.attr in MUTATORS) or (f in SIGNALS and node.func.attr == "clear")):
@@ -187,15 +191,12 @@ def _handle_writes(source: str) -> list[tuple[str, int]]:
     names = set(RequestHandle.__dataclass_fields__)
     out = []
     for node in ast.walk(ast.parse(source)):
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        for t in targets:
-            for one in t.elts if isinstance(t, ast.Tuple) else [t]:
-                while isinstance(one, ast.Subscript):
-                    one = one.value
-                if isinstance(one, ast.Attribute) and one.attr in names and not (
-                        isinstance(one.value, ast.Name) and one.value.id == "self"):
-                    out.append((one.attr, node.lineno))
+        for one in _assigned(node):
+            while isinstance(one, ast.Subscript):
+                one = one.value
+            if isinstance(one, ast.Attribute) and one.attr in names and not (
+                    isinstance(one.value, ast.Name) and one.value.id == "self"):
+                out.append((one.attr, node.lineno))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
             held = node.func.value
             if isinstance(held, ast.Attribute) and held.attr == "ahead":
