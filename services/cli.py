@@ -277,10 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--profile", help="engine timing profile JSON (default: the sim workers' default)")
     wi.add_argument("--json", action="store_true", help="print {recorded, rerun} as JSON")
     wi.add_argument("--plot", help="draw both TTFT CDFs to this PNG (needs matplotlib: pip install 'flexlb[plot]')")
-    wi.add_argument("--refusal", choices=["as-recorded", "off"], default="as-recorded",
+    wi.add_argument("--refusal", choices=["as-recorded", "off", "marginal"], default="as-recorded",
                     help="off: re-run with every SLO refusal off (admitted best effort, the TPOT hold gives way) and "
                          "say how many of the recorded run's slo_unattainable refusals would have met their SLO, and how "
-                         "many requests that meet it with refusals on would then miss it (net change in met requests)")
+                         "many requests that meet it with refusals on would then miss it (net change in met requests); "
+                         "marginal: judge each refusal of the re-run alone, serving that one request and no other "
+                         "(a re-run per refusal): how many would have met their SLO at no cost to the others")
     wi.add_argument("--engine-scheduler", choices=["vllm", "sglang"], default="vllm",
                     help="the re-run engines' step scheduler (a recording does not carry it; default vllm)")
 
@@ -678,10 +680,12 @@ def run_whatif(args: argparse.Namespace) -> int:
         rec = whatif.load_recording(args.file, progress=sys.stderr.isatty())
         rec.workers = [dataclasses.replace(w, scheduler=args.engine_scheduler) for w in rec.workers]
         config = whatif.with_overrides(rec.config, args.prefill_policy, args.decode_policy, args.batcher)
-        over = None
+        over = marginal = None
         if args.refusal == "off":
             over = whatif.over_refusal(dataclasses.replace(rec, config=config), args.workers, args.profile)
             config = whatif.refusal_off(config)
+        elif args.refusal == "marginal":
+            marginal = whatif.marginal_over_refusal(dataclasses.replace(rec, config=config), args.workers, args.profile)
         recorded = whatif.recorded_metrics(rec)
         rerun, cdf = whatif.simulate(rec, config, args.workers, profile_path=args.profile, with_ttfts=True,
                                      progress=sys.stderr.isatty())
@@ -692,13 +696,19 @@ def run_whatif(args: argparse.Namespace) -> int:
         f" x{args.workers}" if args.workers else "") + (" refusal off" if over is not None else "")
     if args.json:
         print(json.dumps({"recorded": recorded, "rerun": rerun, "config": label}
-                         | ({"over_refusal": over} if over is not None else {}), indent=2))
+                         | ({"over_refusal": over} if over is not None else {})
+                         | ({"marginal_over_refusal": marginal} if marginal is not None else {}), indent=2))
     else:
         whatif.print_side_by_side(recorded, rerun, label)
         if over is not None:
             print(f"over-refusal: {over['would_meet']} of the {over['refused']} requests refused slo_unattainable would "
                   f"have met their SLO with refusal off ({over['over_refusal_rate']:.2%} of {over['requests']} requests); "
                   f"{over['others_lost']} requests that meet it with refusals on would miss it: net {over['net']:+d} met")
+        if marginal is not None:
+            print(f"each refusal alone: of the {marginal['refused']} requests the re-run refuses slo_unattainable, "
+                  f"{marginal['at_no_cost']} would have met their SLO served, at no cost to the others "
+                  f"({marginal['marginal_over_refusal_rate']:.2%} of {marginal['requests']} requests), "
+                  f"{marginal['at_a_cost']} at a cost to others, {marginal['would_miss']} would have missed it anyway")
     if args.plot:
         try:
             whatif.plot_cdfs(whatif.recorded_ttfts(rec), cdf, label, args.plot)

@@ -490,6 +490,47 @@ def over_refusal(rec: Recording, num_workers: int | None = None, profile_path: s
             "refusal_on_attainment": on["slo_attainment"], **refusal_cost(kept, outcomes)}
 
 
+def marginal_over_refusal(rec: Recording, num_workers: int | None = None, profile_path: str | None = None,
+                          agent: str = "sim") -> dict[str, Any]:
+    """Each refusal judged alone: could a worker have served that one request? The arrivals are
+    re-run with the recorded configuration; then, for each request that run refuses
+    slo_unattainable, once more with that one request served best effort (never refused, its
+    deadline not strict: AdmitRequest.best_effort) and every other as configured. It was a
+    request lost (`at_no_cost`) when it then meets its SLO and no fewer of the others meet
+    theirs; `at_a_cost` when it meets and others then miss (the refusal protected them);
+    `would_miss` when it misses anyway. Unlike `over_refusal` (every refusal off at once,
+    where the refused requests' load is served together), this asks of one refusal what the
+    router asked at the time. A re-run per refusal: seconds each in virtual time. One more
+    request moves every later decision of a re-run, so the others' count moves a little
+    either way by chance; `others_delta` lists it per refusal."""
+    import dataclasses
+
+    def run(arrivals: list[Arrival]) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        _simulate(dataclasses.replace(rec, arrivals=arrivals), rec.config, num_workers, 200.0, 500.0, profile_path,
+                  False, lambda: None, agent, outcomes)
+        return outcomes
+
+    on = run(rec.arrivals)
+    met_on = sum(1 for o in on.values() if o.attained)
+    refused = [r for r, o in on.items() if o.code == "slo_unattainable"]
+    at_no_cost: list[str] = []
+    at_a_cost: list[str] = []
+    deltas: list[int] = []
+    for rid in refused:
+        one = run([Arrival(a.t_ns, dataclasses.replace(a.request, best_effort=True)) if a.request.request_id == rid else a
+                   for a in rec.arrivals])
+        delta = sum(1 for r, o in one.items() if r != rid and o.attained) - met_on
+        deltas.append(delta)
+        if one[rid].attained:
+            (at_no_cost if delta >= 0 else at_a_cost).append(rid)
+    n = len(rec.arrivals)
+    return {"requests": n, "refused": len(refused), "at_no_cost": len(at_no_cost), "at_a_cost": len(at_a_cost),
+            "would_miss": len(refused) - len(at_no_cost) - len(at_a_cost),
+            "marginal_over_refusal_rate": round(len(at_no_cost) / n, 4) if n else 0.0,
+            "at_no_cost_ids": at_no_cost[:50], "others_delta": deltas, "attainment": round(met_on / n, 4) if n else 0.0}
+
+
 def refusal_cost(on: dict[str, Outcome], off: dict[str, Outcome]) -> dict[str, int]:
     """Between two re-runs of the same arrivals, refusals on and off (request id -> Outcome):
     `others_lost`, the requests that meet their SLO with refusals on and miss it with them off,

@@ -113,16 +113,20 @@ def _event_in(d: dict[str, Any]):
 
 
 def _request_out(req: AdmitRequest) -> dict[str, Any]:
-    return {"request_id": req.request_id, "num_prompt_tokens": req.num_prompt_tokens, "max_tokens": req.max_tokens,
-            "block_hashes": list(req.block_hashes), "priority": req.priority, "slo_ttft_ms": req.slo_ttft_ms,
-            "slo_tpot_ms": req.slo_tpot_ms, "model": req.model, "tenant": req.tenant, "priority_class": req.priority_class}
+    out = {"request_id": req.request_id, "num_prompt_tokens": req.num_prompt_tokens, "max_tokens": req.max_tokens,
+           "block_hashes": list(req.block_hashes), "priority": req.priority, "slo_ttft_ms": req.slo_ttft_ms,
+           "slo_tpot_ms": req.slo_tpot_ms, "model": req.model, "tenant": req.tenant, "priority_class": req.priority_class}
+    if req.best_effort:
+        out["best_effort"] = True
+    return out
 
 
 def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
     return AdmitRequest(request_id=d["request_id"], num_prompt_tokens=d["num_prompt_tokens"], max_tokens=d["max_tokens"],
                         block_hashes=tuple(d["block_hashes"]), priority=d["priority"], slo_ttft_ms=d["slo_ttft_ms"],
                         slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""),  # (no model: recorded before pools)
-                        tenant=d.get("tenant", ""), priority_class=d.get("priority_class", ""))
+                        tenant=d.get("tenant", ""), priority_class=d.get("priority_class", ""),
+                        best_effort=d.get("best_effort", False))
 
 
 # ------------------------------------------------------------------ the operations

@@ -55,6 +55,9 @@ class AdmitRequest:
     # ("": from `priority`; else critical | standard | sheddable).
     tenant: str = ""
     priority_class: str = ""
+    # Served late rather than refused: never slo_unattainable, its TTFT deadline not strict
+    # (what-if's "serve this one" replays, services/whatif.py marginal_over_refusal).
+    best_effort: bool = False
 
 
 class RouteDecision:

@@ -176,6 +176,7 @@ class Scheduler:
         self.give_way_prefill_ratio: float = hold.give_way_prefill_ratio  # (_resolve_held)
         self.give_way_cheap_tpot_ratio: float = hold.give_way_cheap_tpot_ratio
         self.stall_hold: float = hold.stall_hold  # (load: its stall limits)
+        self.give_way_absorbed: float = hold.give_way_absorbed  # (_resolve_held)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -676,7 +677,7 @@ class Scheduler:
         predicted_ttft = chosen.ttft_ms
         best_effort = best_ttft > slo_ttft
         mode = cfg.slo.mode
-        if best_effort and (mode == "reject" or (mode == "reject-explicit" and req.slo_ttft_ms is not None) or (
+        if best_effort and not req.best_effort and (mode == "reject" or (mode == "reject-explicit" and req.slo_ttft_ms is not None) or (
                 mode == "shed" and (req.slo_ttft_ms is not None or min(c.prefill_ms for c in cands) <= slo_ttft))):
             return Rejected(
                 "slo_unattainable",
@@ -688,7 +689,7 @@ class Scheduler:
         decoder = chosen.worker
         if decisions[0].stage == "decode":
             decoder = self.view.workers.get(decisions[0].pick.worker_id, decoder)
-        if mode == "shed" and cfg.slo.tpot_guard > 0 and decoder.recent_step_ms > slo_tpot * cfg.slo.tpot_guard:
+        if mode == "shed" and cfg.slo.tpot_guard > 0 and decoder.recent_step_ms > slo_tpot * cfg.slo.tpot_guard and not req.best_effort:
             return Rejected(
                 "slo_unattainable",
                 f"worker {decoder.worker_id} steps take {decoder.recent_step_ms:.0f} ms, above {cfg.slo.tpot_guard:g} x "
@@ -713,7 +714,7 @@ class Scheduler:
             request_id=req.request_id, num_prompt_tokens=n, num_cached_tokens=chosen.num_cached_tokens,
             kv_tokens=n, max_tokens=req.max_tokens, enqueued_ns=now_ns,
             deadline_ns=now_ns + int(slo_ttft * 1e6), tpot_target_ms=slo_tpot,
-            strict_deadline=mode == "reject" or (mode != "best-effort" and req.slo_ttft_ms is not None),
+            strict_deadline=not req.best_effort and (mode == "reject" or (mode != "best-effort" and req.slo_ttft_ms is not None)),
             prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload, lora_adapter=adapter,
             block_hashes=req.block_hashes, model=model,
@@ -879,6 +880,10 @@ class Scheduler:
         if (self.give_way_prefill_ratio > 0 and prefill_ms <= self.give_way_prefill_ratio * target
                 and here_tpot <= self.give_way_cheap_tpot_ratio * target):  # cheap
             return self._give_way(item)
+        if self.give_way_absorbed > 0 and here_tpot <= target:  # absorbed: its stall costs no one their target
+            stall_ms = self.give_way_absorbed * (here.wait_ms + prefill_ms)
+            if all(tolerance >= stall_ms for tolerance, _ in self._stall_limits(src, here_tpot, now_ns)):
+                return self._give_way(item)
         best_tpot, best_ttft, best_id = min(options)
         waited_ms = (now_ns - item.enqueued_ns) / 1e6
         slo_ttft = waited_ms + left_ms

@@ -73,11 +73,14 @@ async def test_record_export_replay_identical_then_a_tampered_status_diverges_at
     mid = sorted(e.payload.now_ns for e in envs if isinstance(e.payload, m.CoreRecorded) and e.payload.now_ns)
     at = flexlb("replay", path, "--at", str(mid[len(mid) // 2] / 1e9), "--show", "workers")
     assert at.returncode == 0 and '"liveness": "ready"' in at.stdout, at.stdout + at.stderr
-    for extra in ([], ["--prefill-policy", "round-robin"]):
+    for extra in ([], ["--prefill-policy", "round-robin"], ["--refusal", "marginal"]):
         res = flexlb("whatif", path, "--json", *extra)
         assert res.returncode == 0, res.stderr
         out = json.loads(res.stdout)
         assert out["recorded"]["ttft_ms"]["n"] == 120 and out["rerun"]["ttft_ms"]["n"] == 120, out
+    marginal = out["marginal_over_refusal"]  # (a light run: whatever it refuses is judged one by one)
+    assert marginal["requests"] == 120 and len(marginal["others_delta"]) == marginal["refused"]
+    assert marginal["at_no_cost"] + marginal["at_a_cost"] + marginal["would_miss"] == marginal["refused"]
 
     # Alter one status report in the middle of the journal: the latest report, before a
     # mid-run admission, of the worker that admission picked now says "stopping" — so the

@@ -136,3 +136,37 @@ def test_over_refusal_weighs_what_serving_the_refused_costs_the_others():
     assert heavy["refusal_on_attainment"] == on["slo_attainment"] and heavy["rerun_attainment"] == off["slo_attainment"]
     assert 0 <= heavy["others_lost"] <= on["num_attained"]
     assert heavy["others_lost"] >= on["num_attained"] - off["num_attained"]  # at least the net loss, if any
+
+
+def test_marginal_over_refusal_serves_each_refused_request_alone_and_weighs_the_others():
+    """Each refusal judged alone (the question the router asked at the time): the run's
+    arrivals re-run with that one request best effort. Checked here by re-running each by hand."""
+    from services.whatif import _simulate, marginal_over_refusal
+
+    rec = recording(n=16)
+    rec.arrivals = [Arrival(10**12 + (a.t_ns - 10**12) // 6, dataclasses.replace(
+        a.request, max_tokens=a.request.max_tokens * 8, slo_ttft_ms=800.0, slo_tpot_ms=40.0)) for a in rec.arrivals]
+    rec.config = SchedulerConfig(batcher="slo-budget", batcher_params={"tpot_headroom": 0.9}).validate()
+
+    def run(arrivals) -> dict:
+        outcomes: dict = {}
+        _simulate(dataclasses.replace(rec, arrivals=arrivals), rec.config, None, 200.0, 500.0, None, False, lambda: None,
+                  "sim", outcomes)
+        return outcomes
+
+    on = run(rec.arrivals)
+    refused = [r for r, o in on.items() if o.code == "slo_unattainable"]
+    out = marginal_over_refusal(rec)
+    assert out["refused"] == len(refused) > 0 and len(out["others_delta"]) == len(refused)
+    assert out["at_no_cost"] + out["at_a_cost"] + out["would_miss"] == len(refused)
+    met_on = sum(o.attained for o in on.values())
+    for rid, delta in zip(refused, out["others_delta"]):
+        one = run([Arrival(a.t_ns, dataclasses.replace(a.request, best_effort=True)) if a.request.request_id == rid else a
+                   for a in rec.arrivals])
+        assert one[rid].code != "slo_unattainable"  # served, late or not
+        assert delta == sum(o.attained for r, o in one.items() if r != rid) - met_on
+        assert (rid in out["at_no_cost_ids"]) == (one[rid].attained and delta >= 0)
+    assert out["marginal_over_refusal_rate"] == round(out["at_no_cost"] / 16, 4)
+    # a light load refuses nothing: nothing to judge
+    light = marginal_over_refusal(refused_recording(slo_ttft_ms=2000.0))
+    assert light["refused"] == 0 and light["marginal_over_refusal_rate"] == 0.0

@@ -85,6 +85,17 @@ def test_an_unattainable_slo_is_admitted_as_best_effort_in_best_effort_mode():
     assert not b.best_effort and b.slo_ttft_ms == 150.0  # <=256 tokens, priority 50
 
 
+def test_a_request_marked_best_effort_is_served_late_rather_than_refused_in_any_mode():
+    """AdmitRequest.best_effort (what-if's "serve this one" re-runs): admitted where its twin is
+    refused, its deadline not strict; it keeps its own targets."""
+    for mode in ("reject", "reject-explicit", "shed"):
+        s = make_scheduler(slo=SloParams(mode=mode))
+        assert isinstance(s.admit(req("r", n=100, slo_ttft_ms=1.0), 0), Rejected)
+        a = s.admit(req("q", n=100, slo_ttft_ms=1.0, best_effort=True), 0)
+        assert isinstance(a, Admitted) and a.best_effort and a.slo_ttft_ms == 1.0
+        assert not a.request.strict_deadline
+
+
 def test_duplicate_inflight_request_id_is_rejected_and_terminal_forgets_it():
     s = make_scheduler()
     assert isinstance(s.admit(req("r"), 0), Admitted)
