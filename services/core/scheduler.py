@@ -37,8 +37,10 @@ else served on its worker if its calibrated TPOT there is within `tpot_refuse_ra
 target and its recently finished requests got TPOT within `give_way_tpot_ratio` x it (the batcher's own
 defaults 0: never, not checked; the router ships 1.2 and 0.9, services/settings.py), or if it is
 cheap there (`give_way_prefill_ratio`, `give_way_cheap_tpot_ratio`: its prefill a short stall for
-the running decodes, its own TPOT within its target), else refused slo_unattainable with the
-best worker's predicted TTFT and TPOT (the journal keeps them).
+the running decodes, its own TPOT within its target), or if its stall is absorbed there
+(`give_way_absorbed`: its TPOT within its target and its stall within what every request
+decoding there can absorb), else refused slo_unattainable with the best worker's predicted
+TTFT and TPOT (the journal keeps them).
 The TPOT the hold and that test read is each worker's decode step calibrated by what its
 finished requests actually got (`on_terminal(..., tpot_ms)`; decode_model.py).
 `next_due_ns(now_ns)` says when to tick next (None: on the next event).
@@ -847,7 +849,11 @@ class Scheduler:
            `give_way_cheap_tpot_ratio` x its target, the hold gives way whatever the worker's
            recent TPOT: it can meet its targets and takes little from the others (0: off;
            the router ships 1.5 and 0.95);
-        4. else it is refused slo_unattainable, naming the best worker's predictions (the
+        4. else, if its TPOT on its own worker is within its target and `give_way_absorbed` x
+           its stall there (the worker's wait + its prefill) is within what every request
+           decoding there can absorb at that TPOT (`_stall_limits`), the hold gives way: it
+           costs no one their target (0: off);
+        5. else it is refused slo_unattainable, naming the best worker's predictions (the
            lowest TPOT among those that can still start it in time, its own included).
         `tpot_refuse_ratio` 0 (the batcher's default): no giving way; the router ships 1.2. It
         gives way only while the TPOT the worker's finished requests recently got is within

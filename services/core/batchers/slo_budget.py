@@ -90,6 +90,10 @@ Parameters (`SloBudgetParams`, defaults):
                                  within this x its TPOT target (the stall it puts on the worker's
                                  running decodes, in their tokens) ... (0: off)
   give_way_cheap_tpot_ratio 0.0  ... and its TPOT predicted there within this x its target (0: none is)
+  give_way_absorbed       0.0    a held head that would be refused is served on its worker when its
+                                 TPOT predicted there is within its target and this x its stall
+                                 (the worker's wait + its prefill) is within what every request
+                                 decoding there can absorb at that TPOT (0: off)
   stall_hold              0.0    the stall hold: the factor on the stall a batch puts on its worker's
                                  decoding requests (0 = off)
   stall_hold_headroom     1.0    ... only while the worker's TPOT with the head is within this x its
