@@ -172,9 +172,9 @@ def _header_ms(raw: str | None, name: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise HttpError("invalid_request", f"header {name} must be a number of ms, got {raw!r}") from None
+        raise HttpError("invalid_request", f"header {name} must be a number of ms, got {raw[:40]!r}") from None
     if not (value > 0 and value < 1e9):
-        raise HttpError("invalid_request", f"header {name} must be positive, got {raw!r}")
+        raise HttpError("invalid_request", f"header {name} must be positive, got {raw[:40]!r}")
     return value
 
 

@@ -1,7 +1,9 @@
-"""The client's W3C trace context (issue 39's first piece, and issue 35's example of a new
-Request field): the API checks a `traceparent` header and sets Request.traceparent; the
-dispatch carries it (tests/unit/schemas/test_schemas.py), the openai agent sends it on
-(tests/integration/test_upstream_http.py, and end to end tests/integration/test_openai_agent.py)."""
+"""Request headers on the completions path, hostile bytes included. The client's W3C trace
+context (issue 39's first piece, and issue 35's example of a new Request field): the API
+checks a `traceparent` header and sets Request.traceparent; the dispatch carries it
+(tests/unit/schemas/test_schemas.py), the openai agent sends it on
+(tests/integration/test_upstream_http.py, and end to end tests/integration/test_openai_agent.py).
+A bad header is a 400 naming the header, and echoes at most 40 characters of its value."""
 
 from __future__ import annotations
 
@@ -86,3 +88,14 @@ def test_the_header_becomes_the_requests_traceparent_and_a_bad_one_is_a_400():
     sent = post(front, [(b"traceparent", b"00-nothex")])
     assert sent[0]["status"] == 400 and service.rejected == ["invalid_request"]
     assert b"traceparent" in sent[1]["body"] and len(service.submitted) == 2
+
+
+@pytest.mark.parametrize("header", [b"x-flexlb-slo-ttft-ms", b"x-flexlb-slo-tpot-ms", b"x-flexlb-priority-class"])
+@pytest.mark.parametrize("value", [b"x" * 5000, b"-" + b"9" * 5000])
+def test_a_bad_header_is_a_400_naming_it_that_echoes_at_most_40_characters_of_it(header, value):
+    service = SubmitRecorder()
+    sent = post(CompletionsFront(service, ByteTokenizer(), app=None), [(header, value)])
+    body = json.loads(sent[1]["body"])
+    assert sent[0]["status"] == 400 and body["error"]["code"] == "invalid_request" and not service.submitted
+    assert header.decode() in body["error"]["message"]
+    assert value[:40].decode() in body["error"]["message"] and value[:41].decode() not in body["error"]["message"]
