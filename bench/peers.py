@@ -600,6 +600,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the processes' logs and each FlexLB run's journal (`flexlb whatif` reads it; the folder is printed)")
+    p.add_argument("--marginal-over-refusal", action="store_true",
+                   help="also judge each FlexLB refusal alone (flexlb whatif --refusal marginal): would it have met its SLO "
+                        "served, at no cost to the others? A virtual re-run per refusal: seconds each")
     p.add_argument("--out", help="JSON report (default bench/results/peers_<trace>.json)")
     args = p.parse_args(argv)
     if args.rows is None:
@@ -683,8 +686,11 @@ def over_refusal_note(engines: dict[str, Any]) -> str:
         return ""
     net = (f"; with refusal off {over['others_lost']} that met would miss, net {over['net']:+d} met"
            if "net" in over else "")
+    alone = over.get("marginal")
+    each = (f"; each alone: {alone['at_no_cost']} would have met at no cost to the others "
+            f"({alone['marginal_over_refusal_rate']:.2%}), {alone['at_a_cost']} at a cost" if alone else "")
     return (f"; refused {over['refused']} slo_unattainable, {over['would_meet']} would have met their SLO "
-            f"(over-refusal {over['over_refusal_rate']:.2%} of requests{net})")
+            f"(over-refusal {over['over_refusal_rate']:.2%} of requests{net}){each}")
 
 
 def chat_field(params: ChatParams | None, seed: int) -> dict[str, Any] | None:

@@ -272,6 +272,11 @@ class FlexlbFleet(Fleet):
         n = out["requests"] - warm
         out["requests"] = n
         out["over_refusal_rate"] = round(out["would_meet"] / n, 4) if n else 0.0
+        if self.args.marginal_over_refusal:  # each refusal alone (a virtual re-run per refusal)
+            alone = whatif.marginal_over_refusal(rec, agent="openai" if self.config.kind == "flexlb-openai" else "sim")
+            alone["requests"] = n
+            alone["marginal_over_refusal_rate"] = round(alone["at_no_cost"] / n, 4) if n else 0.0
+            out["marginal"] = alone
         return out
 
 

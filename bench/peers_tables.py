@@ -224,13 +224,15 @@ def matrix_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[st
 def refusals(engines: dict[str, Any]) -> str:
     """A FlexLB run's slo_unattainable refusals and how many of them would have met their SLO
     with refusal off (services/whatif.py over_refusal), as "N (M = x %)", and, where the run has
-    it, the net change in requests meeting their SLO with refusal off ("; net -K"); "-" for the
-    peers."""
+    it, the net change in requests meeting their SLO with refusal off ("; net -K") and, judged one
+    by one (--marginal-over-refusal), how many would have met at no cost ("; alone F free");
+    "-" for the peers."""
     over = engines.get("flexlb_over_refusal") or engines.get("over_refusal")
     if not over:
         return "-"
     net = f"; net {over['net']:+d}" if "net" in over else ""
-    return f"{over['refused']} ({over['would_meet']} = {over['over_refusal_rate']:.1%}{net})"
+    alone = f"; alone {over['marginal']['at_no_cost']} free" if over.get("marginal") else ""
+    return f"{over['refused']} ({over['would_meet']} = {over['over_refusal_rate']:.1%}{net}{alone})"
 
 
 def runs_table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

@@ -263,3 +263,18 @@ def test_a_chat_family_reports_rows_are_rebuilt_from_its_trace_name_and_stored_p
     other = "chat" if name == "long-conv" else "long-conv"
     others, _ = workload_capacity(load_workload(other, 0, 80, 32000, seed=3), costs, limits, 4, serve_fraction=0.9)
     assert others.rate_req_per_s != expected.rate_req_per_s
+
+
+def test_a_flexlb_runs_refusals_read_with_and_without_their_judgement_alone():
+    from bench.peers import over_refusal_note
+    from bench.peers_tables import refusals
+
+    over = {"requests": 300, "refused": 21, "would_meet": 16, "over_refusal_rate": 0.0533, "others_lost": 36, "net": -15}
+    assert refusals({"over_refusal": over}) == "21 (16 = 5.3%; net -15)"
+    assert refusals({}) == "-"
+    assert over_refusal_note({"over_refusal": over}).endswith("net -15 met)")
+    over["marginal"] = {"at_no_cost": 7, "at_a_cost": 11, "would_miss": 3, "marginal_over_refusal_rate": 0.0233}
+    assert refusals({"over_refusal": over}) == "21 (16 = 5.3%; net -15; alone 7 free)"
+    assert over_refusal_note({"over_refusal": over}).endswith(
+        "; each alone: 7 would have met at no cost to the others (2.33%), 11 at a cost")
+    assert parse_args(["--marginal-over-refusal"]).marginal_over_refusal and not parse_args([]).marginal_over_refusal
