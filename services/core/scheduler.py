@@ -37,10 +37,8 @@ else served on its worker if its calibrated TPOT there is within `tpot_refuse_ra
 target and its recently finished requests got TPOT within `give_way_tpot_ratio` x it (the batcher's own
 defaults 0: never, not checked; the router ships 1.2 and 0.9, services/settings.py), or if it is
 cheap there (`give_way_prefill_ratio`, `give_way_cheap_tpot_ratio`: its prefill a short stall for
-the running decodes, its own TPOT within its target), or if its stall is absorbed there
-(`give_way_absorbed`: its TPOT within its target and its stall within what every request
-decoding there can absorb), else refused slo_unattainable with the best worker's predicted
-TTFT and TPOT (the journal keeps them).
+the running decodes, its own TPOT within its target), else refused slo_unattainable with the
+best worker's predicted TTFT and TPOT (the journal keeps them).
 The TPOT the hold and that test read is each worker's decode step calibrated by what its
 finished requests actually got (`on_terminal(..., tpot_ms)`; decode_model.py).
 `next_due_ns(now_ns)` says when to tick next (None: on the next event).
@@ -178,7 +176,6 @@ class Scheduler:
         self.give_way_prefill_ratio: float = hold.give_way_prefill_ratio  # (_resolve_held)
         self.give_way_cheap_tpot_ratio: float = hold.give_way_cheap_tpot_ratio
         self.stall_hold: float = hold.stall_hold  # (load: its stall limits)
-        self.give_way_absorbed: float = hold.give_way_absorbed  # (_resolve_held)
         self.view = WorkerView(config.model_name)
         self.index = PrefixIndex()
         self.approx_index = ApproximatePrefixIndex(ttl_ms=config.approx_index_ttl_ms)
@@ -849,11 +846,7 @@ class Scheduler:
            `give_way_cheap_tpot_ratio` x its target, the hold gives way whatever the worker's
            recent TPOT: it can meet its targets and takes little from the others (0: off;
            the router ships 1.5 and 0.95);
-        4. else, if its TPOT on its own worker is within its target and `give_way_absorbed` x
-           its stall there (the worker's wait + its prefill) is within what every request
-           decoding there can absorb at that TPOT (`_stall_limits`), the hold gives way: it
-           costs no one their target (0: off);
-        5. else it is refused slo_unattainable, naming the best worker's predictions (the
+        4. else it is refused slo_unattainable, naming the best worker's predictions (the
            lowest TPOT among those that can still start it in time, its own included).
         `tpot_refuse_ratio` 0 (the batcher's default): no giving way; the router ships 1.2. It
         gives way only while the TPOT the worker's finished requests recently got is within
@@ -886,10 +879,6 @@ class Scheduler:
         if (self.give_way_prefill_ratio > 0 and prefill_ms <= self.give_way_prefill_ratio * target
                 and here_tpot <= self.give_way_cheap_tpot_ratio * target):  # cheap
             return self._give_way(item)
-        if self.give_way_absorbed > 0 and here_tpot <= target:  # absorbed: its stall costs no one their target
-            stall_ms = self.give_way_absorbed * (here.wait_ms + prefill_ms)
-            if all(tolerance >= stall_ms for tolerance, _ in self._stall_limits(src, here_tpot, now_ns)):
-                return self._give_way(item)
         best_tpot, best_ttft, best_id = min(options)
         waited_ms = (now_ns - item.enqueued_ns) / 1e6
         slo_ttft = waited_ms + left_ms

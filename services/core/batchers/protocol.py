@@ -105,7 +105,6 @@ class HoldParams(NamedTuple):
     give_way_prefill_ratio: float = 0.0
     give_way_cheap_tpot_ratio: float = 0.0
     stall_hold: float = 0.0
-    give_way_absorbed: float = 0.0
 
 
 class WorkerLoad(NamedTuple):

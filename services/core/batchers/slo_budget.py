@@ -90,10 +90,6 @@ Parameters (`SloBudgetParams`, defaults):
                                  within this x its TPOT target (the stall it puts on the worker's
                                  running decodes, in their tokens) ... (0: off)
   give_way_cheap_tpot_ratio 0.0  ... and its TPOT predicted there within this x its target (0: none is)
-  give_way_absorbed       0.0    a held head that would be refused is served on its worker when its
-                                 TPOT predicted there is within its target and this x its stall
-                                 (the worker's wait + its prefill) is within what every request
-                                 decoding there can absorb at that TPOT (0: off)
   stall_hold              0.0    the stall hold: the factor on the stall a batch puts on its worker's
                                  decoding requests (0 = off)
   stall_hold_headroom     1.0    ... only while the worker's TPOT with the head is within this x its
@@ -147,11 +143,6 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # within `give_way_cheap_tpot_ratio` x its target.
     give_way_prefill_ratio: float = 0.0
     give_way_cheap_tpot_ratio: float = 0.0
-    # A head that would be refused is served on its worker when its predicted TPOT there is within
-    # its target and this x its stall (the worker's wait + its prefill) is within what every
-    # request decoding there can absorb at that TPOT (the stall hold's limits): it costs no one
-    # their target (0: off).
-    give_way_absorbed: float = 0.0
     # Stall hold: a batch waits (within its guard) while the stall it would put on the worker's
     # decoding requests exceeds this x what one of them can absorb, until those finish (0 = off).
     stall_hold: float = 0.0
@@ -160,8 +151,7 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     def hold(self) -> HoldParams:
         return HoldParams(self.tpot_headroom, self.guard_ms, self.tpot_refuse_ratio, self.give_way_tpot_ratio,
-                          self.give_way_prefill_ratio, self.give_way_cheap_tpot_ratio, self.stall_hold,
-                          self.give_way_absorbed)
+                          self.give_way_prefill_ratio, self.give_way_cheap_tpot_ratio, self.stall_hold)
 
     def validate(self) -> Self:
         require(self.batch_size_max >= 1, "slo-budget", "batch_size_max", self.batch_size_max, ">= 1")
@@ -175,8 +165,6 @@ class SloBudgetParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "give_way_prefill_ratio", self.give_way_prefill_ratio, "a finite number >= 0 (0 = off)")
         require(math.isfinite(self.give_way_cheap_tpot_ratio) and self.give_way_cheap_tpot_ratio >= 0.0, "slo-budget",
                 "give_way_cheap_tpot_ratio", self.give_way_cheap_tpot_ratio, "a finite number >= 0 (0: none is served)")
-        require(math.isfinite(self.give_way_absorbed) and self.give_way_absorbed >= 0.0, "slo-budget",
-                "give_way_absorbed", self.give_way_absorbed, "a finite number >= 0 (0 = off)")
         require(math.isfinite(self.stall_hold) and self.stall_hold >= 0.0, "slo-budget",
                 "stall_hold", self.stall_hold, "a finite number >= 0 (0 = off)")
         require(math.isfinite(self.stall_hold_headroom) and 0.0 < self.stall_hold_headroom <= 1.0, "slo-budget",

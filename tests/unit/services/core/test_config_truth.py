@@ -196,7 +196,7 @@ def tpot_hold_routing(param: dict) -> str:
     return s.admit(AdmitRequest("x", 3200, 10, hashes, slo_tpot_ms=50.0), 0).request.prefill_worker_id
 
 
-def tpot_refuse_ratio(param: dict, finished_tpot_ms: float | None = None, step_ms: float = 97.0) -> str:
+def tpot_refuse_ratio(param: dict, finished_tpot_ms: float | None = None) -> str:
     """Held on w0 (its prefix cached there) whose TPOT with it is ~97 ms against a 100 ms
     target and a 0.9 hold; w1 slower. At its emergency point nobody can take it without
     holding it: refused with the ratio at 0, served on w0 at 1.1."""
@@ -204,7 +204,7 @@ def tpot_refuse_ratio(param: dict, finished_tpot_ms: float | None = None, step_m
     for t in range(400):
         for w in ("w0", "w1"):
             s.on_worker_event(status(w, num_running_requests=60, num_free_kv_blocks=9_000,
-                                     recent_step_ms=step_ms if w == "w0" else 160.0, max_seq_len_tokens=40960), t * 1_000_000)
+                                     recent_step_ms=97.0 if w == "w0" else 160.0, max_seq_len_tokens=40960), t * 1_000_000)
     if finished_tpot_ms is not None:  # a request finished on w0 with this TPOT
         s.decode_model("w0").observe_tpot(97.0, finished_tpot_ms)
     hashes = cached_prompt(s, "w0", 1, 624)
@@ -235,16 +235,6 @@ def give_way_cheap_tpot_ratio(param: dict) -> str:
     """As `give_way_prefill_ratio` at 10 (cheap): served on w0 only when its predicted TPOT
     there (~97 ms) is within the ratio x 100 ms (1.1), refused at 0."""
     return give_way_tpot_ratio({"give_way_tpot_ratio": 0.9, "give_way_prefill_ratio": 10.0, **param})
-
-
-def give_way_absorbed(param: dict) -> str:
-    """As `give_way_tpot_ratio` at 0.9 (the gate closed: refused), w0 stepping at 94 ms (its TPOT
-    with the request ~98 ms, within its 100 ms target) and no request of ours decoding there
-    (nothing whose TPOT target its stall could cost): served on w0 with the factor at 1,
-    refused at 0 (tests/unit/services/core/test_hold_resolution.py: a decoding request that
-    cannot absorb the stall keeps it refused)."""
-    return tpot_refuse_ratio({"tpot_refuse_ratio": 1.1, "give_way_tpot_ratio": 0.9, **param}, finished_tpot_ms=97.0,
-                             step_ms=94.0)
 
 
 def tpot_filter(param: dict) -> str:
@@ -557,7 +547,6 @@ ROWS = [
     Row(SloBudgetParams, "give_way_tpot_ratio", 0.9, give_way_tpot_ratio, ("w0", "slo_unattainable")),
     Row(SloBudgetParams, "give_way_prefill_ratio", 10.0, give_way_prefill_ratio, ("slo_unattainable", "w0")),
     Row(SloBudgetParams, "give_way_cheap_tpot_ratio", 1.1, give_way_cheap_tpot_ratio, ("slo_unattainable", "w0")),
-    Row(SloBudgetParams, "give_way_absorbed", 1.0, give_way_absorbed, ("slo_unattainable", "w0")),
     Row(SloBudgetParams, "stall_hold", 1.0, sb_stall_hold, (batch("target", "a"), NOTHING)),
     Row(SloBudgetParams, "stall_hold_headroom", 0.3, sb_stall_hold_headroom, (NOTHING, batch("target", "a"))),
 ]

@@ -9,8 +9,6 @@ prefix in its cache (so the policy picks it), ticks walk time to the emergency p
 
 from __future__ import annotations
 
-import pytest
-
 from schemas.messages import KvBlocksStored, WorkerStatusReported
 from services.core.decode_model import DecodeModelParams
 from services.core.scheduler import AdmitRequest, Admitted, Scheduler, SchedulerConfig
@@ -224,32 +222,3 @@ def test_the_journal_replays_a_move_a_refusal_and_a_giving_way_identically():
         assert decided, "the hold resolved nothing"
         report = replay(records)
         assert report.first_divergence is None and report.matched == report.decisions > 0
-
-
-def absorbed_outcome(decoding_tokens: int, absorbed: float) -> str:
-    """"a" (3,000-token prompt, `decoding_tokens` of output) is decoding on w0 with its first
-    token, then w0, the one worker, runs 60 requests at ~94 ms a step: "r" is held there
-    (tpot_refuse_ratio off: no giving way for its TPOT alone). At r's emergency
-    point its TPOT on w0 (~96 ms) is within its target: served when its stall (its ~280 ms
-    prefill) is within what "a" can absorb at that TPOT ((100 - 96) x (tokens - 1) ms), else
-    refused."""
-    s = make({"w0": (0, 0.0)}, refuse_ratio=0.0, give_way_absorbed=absorbed)
-    t = 400 * MS
-    assert isinstance(s.admit(AdmitRequest(request_id="a", num_prompt_tokens=3000, max_tokens=decoding_tokens,
-                                           slo_ttft_ms=2000.0, slo_tpot_ms=100.0), t), Admitted)
-    [(t_sent, batch)], _, _ = run_ticks(s, t, t + 1000 * MS)
-    s.on_batch_started("w0", batch.batch_id, t_sent)
-    s.on_prefill_completed("w0", batch.batch_id, 300.0, 0)
-    for k in range(400):  # w0 is busy now
-        s.on_worker_event(status("w0", 60, 94.0), t_sent + (400 + k) * MS)
-    t0 = t_sent + 800 * MS
-    assert s.load("w0", t0).stall_limits == () and s.stall_hold == 0.0  # (the stall hold is off here)
-    assert [lim for lim, _ in s._stall_limits("w0", 97.0, t0)] == [pytest.approx(3.0 * (decoding_tokens - 1))]
-    admit(s, t0)
-    return held_outcome(s, t0)
-
-
-def test_a_held_request_whose_stall_every_decoding_request_absorbs_is_served_not_refused():
-    assert absorbed_outcome(decoding_tokens=400, absorbed=1.0) == "served"  # a can absorb ~1,200 ms
-    assert absorbed_outcome(decoding_tokens=400, absorbed=0.0) == "refused"  # the rule off
-    assert absorbed_outcome(decoding_tokens=40, absorbed=1.0) == "refused"  # ~117 ms: it would cost a its target
