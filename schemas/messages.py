@@ -161,6 +161,32 @@ class WorkerDrainChanged(_Event, tag="worker.drain_changed"):
     num_requests_moved: int = 0  # removed with force: requests re-routed or failed
 
 
+class WorkerBreakerChanged(_Event, tag="worker.breaker_changed"):
+    """A worker's circuit breaker moved (closed -> open -> half_open -> closed or open again):
+    consecutive request failures opened it, a probe request half-opened it, the probe's outcome
+    closed or re-opened it (services/core/breaker.py)."""
+
+    worker_id: str
+    router_id: str
+    from_state: str  # "closed" | "open" | "half_open"
+    to_state: str
+    reason: str = ""  # bounded (the router cuts it to 200 characters)
+    open_ms: float = 0.0  # its back-off now: how long it stays open before the next probe
+    num_failures: int = 0  # consecutive counted failures
+
+
+class RequestRetried(_Event, tag="request.retried"):
+    """A request a worker failed before any of its tokens reached the client was routed again,
+    excluding the workers that failed it (the router's --retry-limit)."""
+
+    request_id: str
+    router_id: str
+    from_worker_id: str
+    to_worker_id: str
+    code: str  # the failure that caused it
+    attempt: int = 1  # 1 for the first retry
+
+
 class LedgerEntryEvicted(_Event, tag="ledger.entry_evicted"):
     """A reservation was removed from the ledger without a terminal event: nobody confirmed
     it within its TTL ("ttl"), or the worker stopped reporting a request it had reported
@@ -572,6 +598,8 @@ Payload = Union[
     WorkerStatusReported,
     WorkerLivenessChanged,
     WorkerDrainChanged,
+    WorkerBreakerChanged,
+    RequestRetried,
     LedgerEntryEvicted,
     RequestAdmitted,
     RouteDecided,

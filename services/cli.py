@@ -82,6 +82,13 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--chat-template", help="a Jinja chat template file (.jinja, or .json with chat_template) for "
                    "/v1/chat/completions; default: the --tokenizer directory's, else a built-in one for the byte tokenizer")
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
+    p.add_argument("--retry-limit", type=int, help="times a request failed by a worker before its first token is routed "
+                                                   "again, excluding that worker (default 2; 0: off)")
+    p.add_argument("--breaker-failures", type=int, help="consecutive server failures that open a worker's circuit "
+                                                        "breaker (default 5; 0: off)")
+    p.add_argument("--breaker-open-s", type=float, help="seconds an opened breaker waits before one probe request "
+                                                        "(default 1; doubled at each re-opening)")
+    p.add_argument("--breaker-max-open-s", type=float, help="cap of the breaker's doubling wait (default 30)")
     p.add_argument("--fair-queue", help="true (default) | false: under overload hold work beyond what the engines run "
                                         "at the router, released by priority class and tenants' fair share")
     p.add_argument("--fair-engine-buffer", type=int,
@@ -234,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--incremental-streaming-output", action="store_true",
                      help="/generate streams each chunk's output_ids and text, not the whole output so far (SGLang's "
                           "flag of that name)")
+    sim.add_argument("--fail-generations", action="store_true",
+                     help="fault injection: answer every generation 500 at once while /health and /metrics stay "
+                          "fine (a bad GPU, a wedged engine); counted in flexlb_sim_failed_generations_total")
     _add_worker_flags(sim)
     sim.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
@@ -547,7 +557,7 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
         chat_templates = ChatTemplates.builtin()
     serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer,
           bare_openai=args.bare_openai, incremental_streaming_output=args.incremental_streaming_output,
-          chat_templates=chat_templates)
+          chat_templates=chat_templates, fail_generations=args.fail_generations)
     return 0
 
 

@@ -9,6 +9,7 @@ silently ignored. The same loader serves the router (`RouterSettings`) and the w
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, Mapping
 
@@ -162,6 +163,16 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ledger_ttl_s: int = 300  # an unconfirmed ledger entry is evicted after this long
     ledger_sweep_s: float = 60.0  # how often the TTL sweep runs
     request_timeout_s: float = 600.0  # the client waits at most this long for a terminal outcome
+    # A request a worker fails before any of its tokens reached the client (a 5xx, a refused
+    # connection, the worker gone before prefill) is routed again, excluding the workers that
+    # failed it, at most this many times (0: fails at once).
+    retry_limit: int = 2
+    # Circuit breakers (services/core/breaker.py): this many consecutive server failures of a
+    # worker's requests open its breaker (0: off); it stays open breaker_open_s, doubled at each
+    # re-opening up to breaker_max_open_s, then one probe request half-opens it.
+    breaker_failures: int = 5
+    breaker_open_s: float = 1.0
+    breaker_max_open_s: float = 30.0
     seed: int = 0  # the router's RNG seed (decisions are reproducible)
     journal: bool = True  # record every call into the scheduling core (FLEXLB_JOURNAL; `flexlb replay`)
     events_max_age_s: float = 24 * 3600  # retention of the event log (FLEXLB_EVENTS) ...
@@ -238,6 +249,12 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self._apply_scheduling_config()
         if not self.http_keep_alive_s > 0:
             raise SettingsError(f"setting http_keep_alive_s must be > 0, got {self.http_keep_alive_s!r}")
+        if self.retry_limit < 0 or self.breaker_failures < 0:
+            raise SettingsError(f"settings retry_limit and breaker_failures must be >= 0 (0: off), got "
+                                f"{self.retry_limit!r} and {self.breaker_failures!r}")
+        if not 0 < self.breaker_open_s <= self.breaker_max_open_s < math.inf:
+            raise SettingsError(f"setting breaker_open_s must be > 0 and <= breaker_max_open_s (finite), got "
+                                f"{self.breaker_open_s!r} and {self.breaker_max_open_s!r}")
         if not self.drain_timeout_s >= 0:
             raise SettingsError(f"setting drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s!r}")
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
@@ -315,6 +332,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             setattr(self, f"{stage}_policy_params", section)
 
     def scheduler_config(self):
+        from services.core.breaker import BreakerParams
         from services.core.predictor import PredictorParams, PrefillCoefficients
         from services.core.scheduler import SchedulerConfig
         from services.core.slo import SloParams
@@ -334,6 +352,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),
             slo=SloParams(mode=self.slo_mode, tpot_guard=self.slo_tpot_guard), prefix_index=self.prefix_index, seed=self.seed,
             model_name=self.model_name, fairness=self.fair_admission_config(),
+            breaker=BreakerParams(failures_to_open=self.breaker_failures, open_ms=self.breaker_open_s * 1000.0,
+                                  max_open_ms=self.breaker_max_open_s * 1000.0),
         )
 
     def fair_admission_config(self):

@@ -377,6 +377,7 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--decode-policy-params", json.dumps(settings.decode_policy_params),
                             "--batcher", settings.batcher, "--batcher-params", json.dumps(settings.batcher_params_effective()),
                             "--prefix-index", prefix_index, "--slo-mode", settings.slo_mode,
+                            "--slo-tpot-guard", str(settings.slo_tpot_guard),
                             "--prefill-coefficients", json.dumps(settings.prefill_coefficients),
                             "--predictor-learning", str(settings.predictor_learning).lower(),
                             "--max-prompt-tokens", str(settings.max_prompt_tokens), "--seed", str(settings.seed),
@@ -388,6 +389,9 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--tenant-weights", json.dumps(settings.tenant_weights),
                             "--tenant-header", settings.tenant_header,
                             "--tenant-api-keys", json.dumps(settings.tenant_api_keys),
+                            "--retry-limit", str(settings.retry_limit), "--breaker-failures", str(settings.breaker_failures),
+                            "--breaker-open-s", str(settings.breaker_open_s),
+                            "--breaker-max-open-s", str(settings.breaker_max_open_s),
                             # up stops its routers first, then its workers: a router relays its open
                             # streams 1 s (not 30) unless told otherwise
                             "--drain-timeout-s", str(1.0 if args.drain_timeout_s is None else args.drain_timeout_s)]

@@ -118,6 +118,8 @@ def _request_out(req: AdmitRequest) -> dict[str, Any]:
            "slo_tpot_ms": req.slo_tpot_ms, "model": req.model, "tenant": req.tenant, "priority_class": req.priority_class}
     if req.best_effort:
         out["best_effort"] = True
+    if req.excluded_workers:
+        out["excluded_workers"] = list(req.excluded_workers)
     return out
 
 
@@ -126,7 +128,7 @@ def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
                         block_hashes=tuple(d["block_hashes"]), priority=d["priority"], slo_ttft_ms=d["slo_ttft_ms"],
                         slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""),  # (no model: recorded before pools)
                         tenant=d.get("tenant", ""), priority_class=d.get("priority_class", ""),
-                        best_effort=d.get("best_effort", False))
+                        best_effort=d.get("best_effort", False), excluded_workers=tuple(d.get("excluded_workers", ())))
 
 
 # ------------------------------------------------------------------ the operations
@@ -172,6 +174,9 @@ OPS: dict[str, Op] = {
     "drain_queues": Op(lambda s, now, a: (r := s.drain_queues(), {"items": [i.request_id for i in r]})),
     "set_drain_flags": Op(lambda s, now, a: (s.set_drain_flags(set(a["worker_ids"])), {})),
     "mark_dead": Op(lambda s, now, a: (s.mark_dead(a["worker_id"]), {})),
+    "on_outcome": Op(lambda s, now, a: (
+        r := s.on_outcome(a["request_id"], a["worker_id"], a["ok"], a["code"], a["message"], now),
+        {"breaker": [r.from_state, r.to_state] if r is not None else None}), lambda out: out["breaker"] is not None),
     "take_settled": Op(lambda s, now, a: (r := s.take_settled(), {"settled": [list(x) for x in r]})),
 }
 
@@ -198,7 +203,7 @@ class Recorder:
     # Not here, on purpose: `batcher` and `load` (they create a worker's batcher, whose order in
     # `batchers` is the order tick polls them) and `rollback_ids` (recorded as `rollback`).
     READS = frozenset({
-        "block_size_tokens", "decode_model", "engine_load", "holds_work", "next_due_ns", "pool_room", "predictor",
+        "block_size_tokens", "breakers", "decode_model", "engine_load", "holds_work", "next_due_ns", "pool_room", "predictor",
         "batchers", "config", "fair", "id_prefix", "index", "inflight", "ledger", "poll_errors", "queued", "settled",
         "view",
     })
@@ -249,6 +254,10 @@ class Recorder:
     def on_prefill_completed(self, worker_id: str, batch_id: str, measured_ms: float, num_cached_tokens: int):
         return self._call("on_prefill_completed", 0, {"worker_id": worker_id, "batch_id": batch_id,
                                                       "measured_ms": measured_ms, "num_cached_tokens": num_cached_tokens})
+
+    def on_outcome(self, request_id: str, worker_id: str, ok: bool, code: str, message: str, now_ns: int):
+        return self._call("on_outcome", now_ns, {"request_id": request_id, "worker_id": worker_id, "ok": ok, "code": code,
+                                                 "message": message})
 
     def on_terminal(self, request_id: str, num_output_tokens: int | None = None, tpot_ms: float | None = None) -> bool:
         args: dict[str, Any] = {"request_id": request_id}

@@ -58,6 +58,8 @@ class AdmitRequest:
     # Served late rather than refused: never slo_unattainable, its TTFT deadline not strict
     # (what-if's "serve this one" replays, services/whatif.py marginal_over_refusal).
     best_effort: bool = False
+    # Workers it may not go to (a retry: those that failed it before its first token).
+    excluded_workers: tuple[str, ...] = ()
 
 
 class RouteDecision:

@@ -71,6 +71,7 @@ from schemas.messages import (
 from services.core.admission import FairAdmission, FairAdmissionConfig, Released
 from services.core.batchers import DEFAULT_BATCHER, Batcher, Closed, WorkerLoad, build_batcher, parse_params
 from services.core.batchers.base import tpot_added_ms
+from services.core.breaker import BreakerChange, BreakerParams, Breakers
 from services.core.decode_model import DecodeCoefficients, DecodeModel, DecodeModelParams
 from services.core.fairness import Cancelled, Queued, Refused
 from services.core.inflight import DecodeReservation, InflightBatch, InflightLedger, WorkerInflight
@@ -136,6 +137,9 @@ class SchedulerConfig:
     # The fair queue under overload (services/core/admission.py): `offer` and `release` use
     # it; `admit` alone (replays of journals recorded before it, what-if) never does.
     fairness: FairAdmissionConfig = field(default_factory=FairAdmissionConfig)
+    # Per-worker circuit breakers (services/core/breaker.py). (A journal recorded before them
+    # replays with the defaults: it has no on_outcome call, so every breaker stays closed.)
+    breaker: BreakerParams = field(default_factory=BreakerParams)
 
     def validate(self) -> "SchedulerConfig":
         if self.prefix_index not in ("exact", "approximate"):
@@ -148,6 +152,7 @@ class SchedulerConfig:
         build_policy("decode", self.decode_policy, self.decode_policy_params)
         build_batcher(self.batcher, self.batcher_params, lambda items: 0.0)
         self.slo.validate()
+        self.breaker.validate()
         return self
 
 
@@ -197,6 +202,7 @@ class Scheduler:
         self.settled: list[tuple[str, str]] = []  # see take_settled
         self.poll_errors: list[str] = []  # batcher polls that raised, for the shell to log and count
         self.fair = FairAdmission(config.fairness)  # the queue that holds work under overload (admission.py)
+        self.breakers = Breakers(config.breaker)  # per-worker circuit breakers (breaker.py; on_outcome)
         self.lora_params = LoraParams()
         # worker id -> (the LoRA adapters the router routed there, least recently used first, when
         # it last did): its guess, ahead of the worker's reports for LORA_GUESS_NS (_lora_decide)
@@ -318,12 +324,26 @@ class Scheduler:
                 model.observe_tpot(predicted[1], tpot_ms / (info.time_scale if info is not None else 1.0))
         if self.fair.dispatched:
             self.fair.settle(request_id, num_output_tokens)
+        if self.breakers.num_not_closed:
+            self.breakers.ended(request_id)  # (a probe whose worker reported no outcome)
         self.ledger.release(request_id)
         self.queued.pop(request_id, None)
         if request_id in self.inflight:
             self.inflight.discard(request_id)
             return True
         return False
+
+    def on_outcome(self, request_id: str, worker_id: str, ok: bool, code: str, message: str, now_ns: int) -> BreakerChange | None:
+        """What a worker reported of a request it ran (finished: `ok`; else failed with `code`),
+        for its circuit breaker (breaker.py); call it before `on_terminal`. Returns the
+        transition, if any (also kept in `breakers.changes`)."""
+        info = self.view.workers.get(worker_id)
+        others_closed = True
+        if not ok and info is not None:
+            r = self.view.routable(info.model)
+            others_closed = any(w.worker_id != worker_id and w.role == info.role and self.breakers.is_closed(w.worker_id)
+                                for w in (*r.colocated, *r.prefill, *r.decode))
+        return self.breakers.outcome(worker_id, request_id, ok, code, message, now_ns, others_closed)
 
     # ---------------------------------------------------------------- helpers
     def predictor(self, worker_id: str) -> PrefillPredictor:
@@ -631,6 +651,13 @@ class Scheduler:
         if routable.num_live and not fitting:
             return Rejected("too_large", f"{n}+{req.max_tokens} tokens exceed every live worker's max sequence length "
                                          f"or prefill batch capacity")
+        if req.excluded_workers or self.breakers.num_not_closed:  # (breaker.py; a retry's failed workers)
+            colocated, prefill_workers, decode_workers = (
+                [w for w in ws if w.worker_id not in req.excluded_workers and self.breakers.admits(w.worker_id, now_ns)]
+                for ws in (colocated, prefill_workers, decode_workers))
+            if not colocated and not (prefill_workers and decode_workers):
+                return Rejected("no_worker", "every worker that could serve it has its circuit breaker open"
+                                + (f" or failed it before (tried {len(req.excluded_workers)})" if req.excluded_workers else ""))
         priority = cfg.slo.default_priority if req.priority is None else req.priority
         slo_ttft, slo_tpot = slo_targets(cfg.slo, n, priority, req.slo_ttft_ms, req.slo_tpot_ms)
         decisions: list[RouteDecision] = []
@@ -724,6 +751,9 @@ class Scheduler:
             self.lora_loaded[w.worker_id] = (touch(loaded, adapter, max(w.max_loras, 1))[0], now_ns)
         self.queued[req.request_id] = (p.pick.worker_id, self.batcher(p.pick.worker_id).add(item))
         self.inflight.add(req.request_id)
+        if self.breakers.num_not_closed:  # a worker whose probe was due: this request is its probe
+            for wid in {p.pick.worker_id, decode_worker_id}:
+                self.breakers.placed(wid, req.request_id, now_ns)
         return Admitted(item, decisions, predicted_ttft, slo_ttft, slo_tpot, priority, best_effort)
 
     # ---------------------------------------------------------------- the fair queue
@@ -865,7 +895,7 @@ class Scheduler:
             total = item.num_prompt_tokens + item.max_tokens
             others = [w for w in self.view.routable(item.model).colocated
                       if w.worker_id != src and not 0 < w.max_seq_len_tokens < total
-                      and not 0 < w.max_batch_tokens < item.num_prompt_tokens]
+                      and not 0 < w.max_batch_tokens < item.num_prompt_tokens and self.breakers.is_closed(w.worker_id)]
             req = AdmitRequest(request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
                                max_tokens=item.max_tokens, block_hashes=item.block_hashes)
             budget = left_ms - self.hold_guard_ms

@@ -131,6 +131,8 @@ class Admin:
                 "num_running_requests": w.num_running_requests, "num_queued_batches": w.num_queued_batches,
                 "num_queued_at_router": len(self.s.scheduler.batchers[w.worker_id]) if w.worker_id in self.s.scheduler.batchers else 0,
                 "num_restarts": w.num_restarts,
+                # its circuit breaker (services/core/breaker.py): state, consecutive failures, last error
+                "breaker": self.s.scheduler.breakers.get_view(w.worker_id, now),
                 **self.decode_model_view(w.worker_id, w.role),
             })
         return out

@@ -19,6 +19,7 @@ from schemas import messages as m
 from schemas.subjects import ALL_STATUS, STATUS_STREAM, kv_snapshot_request_subject
 from services.core.admission import DEFAULT_TENANT
 from services.shell.ledger import kv_field, prefill_field
+from services.shell.recovery import MAX_REASON_CHARS
 from services.shell.state import RouterState
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ class Fold:
                 except Exception:  # one bad event must not stop the loop; it is redelivered
                     self.s.metrics.consumer_errors.labels("events").inc()
                     log.exception("handling event on %s failed", msg.subject)
+            if self.s.scheduler.breakers.changes:
+                await self.recovery.report_breakers()
             fields, self.release_buffer = self.release_buffer, []
             # Redis known away (a call failed since the last rebuild): do not wait on it here;
             # the mirror has applied them and the leader rebuilds Redis from it when it answers.
@@ -245,6 +248,11 @@ class Fold:
             log.warning("ignoring %s of %s from %s (re-routed away)", type(ev).__name__, request_id, ev.worker_id)
             return
         self.release_buffer.extend(self.upkeep.fields_to_release(request_id))
+        if isinstance(ev, (m.RequestFinished, m.RequestFailed)) and ev.worker_id in self.s.scheduler.view.workers:
+            # (its circuit breaker: breaker.py; the event's time, so a replay re-makes each transition)
+            self.s.scheduler.on_outcome(request_id, ev.worker_id, isinstance(ev, m.RequestFinished),
+                                        getattr(ev, "code", ""), getattr(ev, "message", "")[:MAX_REASON_CHARS],
+                                        min(time_ns, time.time_ns()) if time_ns else time.time_ns())
         if isinstance(ev, m.RequestFinished):
             self.s.num_finished[ev.worker_id] = self.s.num_finished.get(ev.worker_id, 0) + 1
             rec = self.s.records.records.get(request_id)  # (its client may have its answer already: no handle)
@@ -287,6 +295,13 @@ class Fold:
                 handle.start_grace(asyncio.get_running_loop().create_task(self.relay.grace(handle, ev.num_output_tokens)))
             return
         message = getattr(ev, "message", "") or getattr(ev, "reason", "")
+        if isinstance(ev, m.RequestFailed) and ev.worker_id in (handle.prefill_worker_id, handle.decode_worker_id):
+            kv = kv_field(request_id)  # released now, not with the fetch: its retry reserves the same field
+            if kv in self.release_buffer:
+                self.release_buffer.remove(kv)
+                await self.upkeep.release_fields([kv])
+            if await self.recovery.retry(handle, ev.worker_id, code, message):
+                return
         if isinstance(ev, m.RequestTimedOut):
             message = f"past its deadline ({ev.phase}) on worker {ev.worker_id}"
         self.s.finish_router(handle, outcome, code or outcome, message)

@@ -119,6 +119,7 @@ class RequestHandle:
     decode_worker_id: str = ""
     batch_id: str = ""
     num_reroutes: int = 0
+    num_retries: int = 0  # routed again after a worker failed it before its first token (Recovery.retry)
     slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
     slo_tpot_ms: float = 0.0
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
@@ -193,6 +194,14 @@ class RequestHandle:
     def rerouted(self, prefill_worker_id: str, decode_worker_id: str, counts: bool) -> None:
         """Re-admitted elsewhere, out of its batch (`counts`: toward its re-route limit)."""
         self.num_reroutes += 1 if counts else 0
+        self.place(prefill_worker_id, decode_worker_id)
+        self.batch_id = ""
+
+    def retried(self, admit: AdmitRequest, prefill_worker_id: str, decode_worker_id: str) -> None:
+        """A worker failed it before its first token: re-admitted with `admit` (the workers that
+        failed it excluded), out of its batch."""
+        self.admit = admit
+        self.num_retries += 1
         self.place(prefill_worker_id, decode_worker_id)
         self.batch_id = ""
 

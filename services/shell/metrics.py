@@ -35,6 +35,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter("flexlb_prefill_prompt_tokens_total", "Prompt tokens prefilled by workers", registry=r)
         self.cached_tokens = Counter("flexlb_prefill_cached_tokens_total", "Prompt tokens served from workers' prefix caches", registry=r)
         self.kv_events = Counter("flexlb_kv_events_total", "KV-cache events by how the prefix index took them", ["status"], registry=r)
+        self.retries = Counter("flexlb_retries_total", "Requests a worker failed before their first token, routed again "
+                               "excluding that worker, by the failure's code", ["code"], registry=r)
+        self.worker_breaker = Gauge("flexlb_worker_breaker_state", "The worker's circuit breaker: 0 closed, 1 half-open "
+                                    "(a probe request out), 2 open (no new requests)", ["worker"], registry=r)
+        self.breaker_transitions = Counter("flexlb_worker_breaker_transitions_total", "Circuit breaker transitions, by the "
+                                           "state entered", ["to"], registry=r)
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
         self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total",
                                       "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart",

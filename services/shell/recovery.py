@@ -1,13 +1,24 @@
-"""Recovery: what happens to requests when a worker dies or is removed.
+"""Recovery: what happens to requests when a worker dies, is removed, or fails them.
 
 Owns: a dead worker's recovery (its queued commands purged,
 its not-started batches re-routed once, its started requests failed retryable), re-routes,
-router-side failures, and withdrawing a request from workers. Calls: the core, the bus,
-upkeep. Called by: liveness, fold, dispatch, admin.
+retries (a request a worker failed before any of its tokens reached the client is routed
+again, excluding the workers that failed it, up to `retry_limit` times: `retry`), reporting
+the circuit breakers' transitions (events, metrics, log), router-side failures, and
+withdrawing a request from workers. Calls: the core, the bus, upkeep. Called by: liveness,
+fold, dispatch, admin.
+
+A retry keeps the request's TTFT deadline (its target less the time already spent) and is
+admitted best effort: never refused for its SLO, since its client is already waiting. Codes
+retried (`RETRY_CODES`): the server's failures and refusals (upstream_error, upstream_refused,
+worker_failed, dispatch_failed, not_ready, internal); never what the client caused, a
+deadline, or a cancel. Never once a token was relayed: then the tokens the client has would
+be generated twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -25,6 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("flexlb.router")
 
 MAX_REROUTES = 1  # a request whose worker died is re-routed at most this many times
+RETRY_CODES = frozenset({"upstream_error", "upstream_refused", "worker_failed", "dispatch_failed", "not_ready", "internal"})
+MAX_REASON_CHARS = 200  # a breaker transition's reason, as logged and in its event
 
 
 class Recovery:
@@ -107,6 +120,50 @@ class Recovery:
             why = f"{why}; re-route rejected: {decision.code}: {decision.message}"
         await self.fail_from_router(handle, fail_code, why, already_forgotten=True)
         return 0
+
+    async def retry(self, handle: RequestHandle | None, worker_id: str, code: str, message: str) -> bool:
+        """A worker failed the request before any of its tokens reached the client: route it
+        again excluding the workers that failed it (module docstring). True if re-admitted;
+        False: the caller fails it as reported (no retry left, or none possible)."""
+        s = self.s
+        if (handle is None or handle.done or handle.remote or handle.admit is None or handle.next_index > 0
+                or code not in RETRY_CODES or handle.num_retries >= s.settings.retry_limit):
+            return False
+        now = time.time_ns()
+        spent_ms = (now - handle.arrival_ns) / 1e6
+        if spent_ms >= handle.timeout_s * 1000:
+            return False
+        rid = handle.request_id
+        excluded = tuple(sorted({*handle.admit.excluded_workers, worker_id}))
+        admit = dataclasses.replace(handle.admit, excluded_workers=excluded, best_effort=True, slo_ttft_ms=(
+            max(1.0, handle.slo_ttft_ms - spent_ms) if handle.slo_ttft_ms > 0 else handle.admit.slo_ttft_ms))
+        s.scheduler.on_terminal(rid)  # (already forgotten by the failure's fold: a no-op then)
+        decision = s.scheduler.admit(admit, now)
+        if not isinstance(decision, Admitted):
+            s.records.note(rid, now, "retry_rejected", code=decision.code, message=decision.message[:MAX_REASON_CHARS])
+            return False
+        handle.retried(admit, decision.request.prefill_worker_id, decision.request.decode_worker_id)
+        for d in decision.decisions:
+            await s.emit(decision_event(rid, s.router_id, d))
+        s.records.note(rid, now, "retried", code=code, from_worker=worker_id, attempt=handle.num_retries,
+                       prefill_worker_id=handle.prefill_worker_id, decode_worker_id=handle.decode_worker_id)
+        s.metrics.retries.labels(code).inc()
+        await s.emit(m.RequestRetried(request_id=rid, router_id=s.router_id, from_worker_id=worker_id,
+                                      to_worker_id=handle.prefill_worker_id, code=code, attempt=handle.num_retries))
+        s.wakeup.set()
+        return True
+
+    async def report_breakers(self) -> None:
+        """The circuit breakers' transitions since the last call: an event, a metric and a log
+        line each (the gauge is read at scrape time)."""
+        for c in self.s.scheduler.breakers.take_changes():
+            reason = c.reason[:MAX_REASON_CHARS]
+            self.s.metrics.breaker_transitions.labels(c.to_state).inc()
+            (log.warning if c.to_state == "open" else log.info)(
+                "worker %s circuit breaker %s -> %s: %s", c.worker_id, c.from_state, c.to_state, reason)
+            await self.s.emit(m.WorkerBreakerChanged(worker_id=c.worker_id, router_id=self.s.router_id,
+                                                     from_state=c.from_state, to_state=c.to_state, reason=reason,
+                                                     open_ms=c.open_ms, num_failures=c.num_failures))
 
     async def fail_from_router(self, handle: RequestHandle, code: str, message: str, already_forgotten: bool = False) -> None:
         rid = handle.request_id

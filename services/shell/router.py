@@ -78,6 +78,7 @@ from schemas.subjects import (
     router_events_consumer,
     token_batch_subject,
 )
+from services.core.breaker import STATE_VALUES
 from services.core.journal import Recorder
 from services.core.scheduler import Rejected, Scheduler
 from services.settings import RouterSettings, sentinel_addresses
@@ -187,7 +188,8 @@ class RouterService:
     def refresh_gauges(self) -> None:
         """Gauges read from the view at scrape time (a worker gone from the view leaves them)."""
         mx, view = self.s.metrics, self.admin.workers_view()
-        for g in (mx.worker_live, mx.worker_kv_used, mx.worker_queued, mx.worker_held, mx.worker_tpot, mx.decode_model_error):
+        for g in (mx.worker_live, mx.worker_kv_used, mx.worker_queued, mx.worker_held, mx.worker_tpot, mx.decode_model_error,
+                  mx.worker_breaker):
             g.clear()
         for w in view:
             mx.worker_live.labels(w["id"]).set(1 if w["live"] else 0)
@@ -195,6 +197,7 @@ class RouterService:
             mx.worker_kv_used.labels(w["id"]).set(round(used, 4))
             mx.worker_queued.labels(w["id"]).set(w["num_queued_at_router"])
             mx.worker_held.labels(w["id"]).set(w["num_held"])
+            mx.worker_breaker.labels(w["id"]).set(STATE_VALUES[w["breaker"]["state"]])
             if "decode_model" in w:
                 mx.worker_tpot.labels(w["id"]).set(w["predicted_tpot_ms"] or 0.0)
                 mx.decode_model_error.labels(w["id"]).set(w["decode_model"]["mean_abs_pct_error"])

@@ -34,13 +34,15 @@ class Upkeep:
         return fields
 
     async def release_request(self, request_id: str) -> None:
-        fields = self.fields_to_release(request_id)
+        await self.release_fields(self.fields_to_release(request_id))
+
+    async def release_fields(self, fields: list[str]) -> None:
         if self.s.ledger_dirty:
             return  # Redis known away: the rebuild from the mirror leaves these out
         try:
             await self.s.ledger.release(fields)
         except Exception as exc:  # Redis away: the TTL sweep evicts them
-            log.error("ledger release of %s failed: %s", request_id, exc)
+            log.error("ledger release of %s failed: %s", fields, exc)
 
     async def sweep_loop(self) -> None:
         """Evict ledger entries nobody confirmed within `ledger_ttl_s` (a lost terminal event,

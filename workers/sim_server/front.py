@@ -19,6 +19,7 @@ then (that step may still carry its tokens).
   `vllm:generation_tokens_total`, `vllm:num_preemptions_total` (when the engine reports
   preemptions). Ours: `flexlb_sim_requests_total` (accepted into the engine, health checks
   excluded), `flexlb_sim_traced_requests_total` (POSTs with a W3C `traceparent` header),
+  `flexlb_sim_failed_generations_total` (generations failed by `--fail-generations`),
   `flexlb_sim_requests_finished_total`, `flexlb_sim_requests_cancelled_total`,
   `flexlb_sim_requests_failed_total{code}`, `flexlb_sim_prompt_tokens_total` /
   `flexlb_sim_cached_tokens_total` (finished requests), `flexlb_sim_output_tokens_total`
@@ -124,6 +125,7 @@ class SimFront:
         self.num_requests = 0  # accepted into the engine, health checks excluded
         self.num_chat_requests = 0  # of those, through /v1/chat/completions
         self.num_traced_requests = 0  # POSTs that carried a W3C traceparent header
+        self.num_failed_generations = 0  # generations answered 500 by fault injection (--fail-generations)
         self.num_health_generations = 0
         self.num_finished = 0
         self.num_cancelled = 0
@@ -367,6 +369,8 @@ class SimFront:
                [("", self.num_chat_requests)])
         metric("flexlb_sim_traced_requests_total", "counter", "POSTs that carried a W3C traceparent header.",
                [("", self.num_traced_requests)])
+        metric("flexlb_sim_failed_generations_total", "counter", "Generations answered 500 by fault injection "
+               "(--fail-generations).", [("", self.num_failed_generations)])
         metric("flexlb_sim_requests_finished_total", "counter", "Requests that generated all their tokens.",
                [("", self.num_finished)])
         metric("flexlb_sim_requests_cancelled_total", "counter", "Requests cancelled by a client disconnect.",

@@ -165,6 +165,7 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a larger request body is refused (413)
 HEALTH_PROMPT = "health"  # 6 tokens: under a block (16 by default), so never in the prefix cache
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 _CLIENT_GONE = Delta([])  # put on a stream by the disconnect watcher
 _ABORTED = Delta([])  # put on a stream by POST /abort_request
 
@@ -173,8 +174,11 @@ class SimHttpApp:
     """The ASGI application: routes, lifespan (starts and stops the step loop), disconnects."""
 
     def __init__(self, front: SimFront, bare_openai: bool = False, incremental_streaming_output: bool = False,
-                 chat_templates: ChatTemplates | None = None) -> None:
+                 chat_templates: ChatTemplates | None = None, fail_generations: bool = False) -> None:
         self.front = front
+        # Fault injection (--fail-generations): every generation answered 500 at once, while
+        # /health, /metrics and the rest answer as usual (a bad GPU, a wedged engine process).
+        self.fail_generations = fail_generations
         # /v1/chat/completions renders messages with these (None: chat is refused, 400).
         self.chat_templates = chat_templates
         # Looks like an OpenAI-compatible server with no Prometheus /metrics and no token ids
@@ -220,6 +224,11 @@ class SimHttpApp:
         handler = self.routes.get((scope["method"], scope["path"]))
         if handler is None:
             await self._not_found(scope, send)
+            return
+        if self.fail_generations and scope["path"] in GENERATION_PATHS:
+            self.front.num_failed_generations += 1
+            await send_error(send, "internal", f"sim-server {self.front.cfg.worker_id} fails every generation "
+                                               "(--fail-generations)")
             return
         if scope["method"] == "POST" and any(key == b"traceparent" for key, _ in scope["headers"]):
             self.front.num_traced_requests += 1  # (a real server's spans would join the client's trace)
@@ -514,12 +523,14 @@ class SimHttpApp:
 
 def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info",
           tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER, bare_openai: bool = False,
-          incremental_streaming_output: bool = False, chat_templates: ChatTemplates | None = None) -> None:
+          incremental_streaming_output: bool = False, chat_templates: ChatTemplates | None = None,
+          fail_generations: bool = False) -> None:
     """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
     import uvicorn
 
     app = SimHttpApp(SimFront(cfg, model_name, tokenizer), bare_openai=bare_openai,
-                     incremental_streaming_output=incremental_streaming_output, chat_templates=chat_templates)
+                     incremental_streaming_output=incremental_streaming_output, chat_templates=chat_templates,
+                     fail_generations=fail_generations)
     uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
     # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",

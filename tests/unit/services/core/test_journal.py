@@ -10,6 +10,7 @@ import pytest
 
 from schemas import messages as m
 from schemas.messages import KvBlocksStored, WorkerStatusReported
+from services.core.breaker import BreakerParams
 from services.core.journal import Recorder, replay, split_journals
 from services.core.scheduler import AdmitRequest, Scheduler, SchedulerConfig
 
@@ -23,9 +24,12 @@ def status(worker_id: str, running=(), free=10_000, boot="b0") -> WorkerStatusRe
                                 running_request_ids=list(running))
 
 
-def record_run(seed: int = 7, policy: str = "cost-based", kill: str | None = None, drain: str | None = None) -> list[bytes]:
+def record_run(seed: int = 7, policy: str = "cost-based", kill: str | None = None, drain: str | None = None,
+               failing: str | None = None) -> list[bytes]:
     """A seeded run of the pure core on a fake clock: 4 workers, shared prefixes, batches,
-    completions, liveness cycles; optionally a worker that stops reporting and a drain."""
+    completions, liveness cycles; optionally a worker that stops reporting, a drain, and a
+    worker that fails every request it runs (its breaker opens and probes; each failure is
+    retried elsewhere, excluding it)."""
     envelopes = m.EnvelopeFactory("router-t", "boot1")
     out: list[bytes] = []
 
@@ -34,7 +38,8 @@ def record_run(seed: int = 7, policy: str = "cost-based", kill: str | None = Non
                                                           out=result), now_ns)))
 
     cfg = SchedulerConfig(prefill_policy=policy, decode_policy="kv-aware", batcher="fixed-window",
-                          batcher_params={"wait_ms": 10, "batch_size_max": 4}, seed=seed)
+                          batcher_params={"wait_ms": 10, "batch_size_max": 4}, seed=seed,
+                          breaker=BreakerParams(open_ms=50.0))
     s = Recorder(Scheduler(cfg, id_prefix="router-t-boot1"), sink)
     rng = random.Random(seed)
     workers = [f"w{i}" for i in range(4)]
@@ -59,7 +64,15 @@ def record_run(seed: int = 7, policy: str = "cost-based", kill: str | None = Non
             worker, *rids = inflight.pop(batch_id)
             s.on_prefill_completed(worker, batch_id, measured_ms=rng.uniform(20, 200), num_cached_tokens=0)
             for rid in rids:
-                if rng.random() < 0.7:
+                if worker == failing:
+                    s.on_outcome(rid, worker, False, "upstream_error", "HTTP 500", now)
+                    s.on_terminal(rid)
+                    running[worker].discard(rid)
+                    s.admit(AdmitRequest(request_id=rid, num_prompt_tokens=21, max_tokens=5, best_effort=True,
+                                         excluded_workers=(worker,)), now)
+                elif rng.random() < 0.7:
+                    if failing:
+                        s.on_outcome(rid, worker, True, "", "", now)
                     s.on_terminal(rid)
                     running[worker].discard(rid)
         if step % 25 == 0:
@@ -77,9 +90,10 @@ def decoded(raw: list[bytes]) -> list[m.Envelope]:
     return [m.decode(b) for b in raw]
 
 
-@pytest.mark.parametrize("kill,drain", [(None, None), ("w2", "w3")], ids=["plain", "worker-killed-and-one-drained"])
-def test_a_recorded_run_replays_to_identical_decisions(kill, drain):
-    envs = decoded(record_run(kill=kill, drain=drain))
+@pytest.mark.parametrize("kill,drain,failing", [(None, None, None), ("w2", "w3", None), (None, None, "w1")],
+                         ids=["plain", "worker-killed-and-one-drained", "a-worker-failing-everything"])
+def test_a_recorded_run_replays_to_identical_decisions(kill, drain, failing):
+    envs = decoded(record_run(kill=kill, drain=drain, failing=failing))
     journals = split_journals(envs)
     assert list(journals) == [("router-t", "boot1")]
     report = replay(journals[("router-t", "boot1")])
@@ -89,6 +103,11 @@ def test_a_recorded_run_replays_to_identical_decisions(kill, drain):
     if kill:  # the liveness decisions were replayed too
         dead = [e for e in envs if e.payload.op == "sync" and e.payload.out["dead"]]
         assert dead and dead[0].payload.out["dead"] == [kill]
+    if failing:  # its breaker opened, probed and re-opened, and replay re-made each transition
+        moves = [tuple(e.payload.out["breaker"]) for e in envs if e.payload.op == "on_outcome" and e.payload.out["breaker"]]
+        assert ("closed", "open") in moves and ("half_open", "open") in moves
+        retries = [e for e in envs if e.payload.op == "admit" and e.payload.args["request"].get("excluded_workers")]
+        assert retries and all(e.payload.out["prefill"] != failing for e in retries if e.payload.out["ok"])
 
 
 def test_a_tampered_status_record_diverges_at_or_after_it_never_before():
