@@ -35,6 +35,8 @@ _CODES = [
     ErrorCode("dispatch_failed", 502, True),
     ErrorCode("worker_failed", 502, True),
     ErrorCode("stream_overflow", 502, True),
+    # Its worker died or failed it mid-stream more times than the router's --migration-limit.
+    ErrorCode("migration_limit_exceeded", 502, True),
     # An OpenAI-compatible engine server (workers/openai/agent.py) refused the request (429,
     # 503: busy or not up) / failed it or broke its stream (a 5xx, a cut connection, a stall).
     ErrorCode("upstream_refused", 503, True),

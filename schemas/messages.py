@@ -146,7 +146,8 @@ class WorkerLivenessChanged(_Event, tag="worker.liveness_changed"):
     liveness: str  # "dead" | "stopped" (silent after reporting "stopping") | "expired" | "removed" (by an operator, with force)
     num_missed_syncs: int = 0
     num_rerouted: int = 0  # requests not yet started there, re-routed
-    num_failed: int = 0  # requests started there, failed with worker_failed
+    num_failed: int = 0  # requests started there that could not go on: failed (worker_failed, migration_limit_exceeded)
+    num_migrated: int = 0  # requests started there that went on elsewhere: migrated, or retried before their first token
     num_purged_commands: int = 0  # dispatch commands removed from its work queue
 
 
@@ -185,6 +186,20 @@ class RequestRetried(_Event, tag="request.retried"):
     to_worker_id: str
     code: str  # the failure that caused it
     attempt: int = 1  # 1 for the first retry
+
+
+class RequestMigrated(_Event, tag="request.migrated"):
+    """A request whose worker died or failed it mid-stream goes on elsewhere as a continuation:
+    its prompt plus the `num_tokens_carried` output tokens its client already has, the rest of
+    its max_tokens, from that output index (the router's --migration-limit)."""
+
+    request_id: str
+    router_id: str
+    from_worker_id: str
+    to_worker_id: str
+    num_tokens_carried: int
+    reason: str = ""  # bounded (200 characters)
+    attempt: int = 1  # 1 for the first migration
 
 
 class LedgerEntryEvicted(_Event, tag="ledger.entry_evicted"):
@@ -435,6 +450,13 @@ class ForEngine(msgspec.Struct, frozen=True, kw_only=True):
     # The client's W3C trace context (`traceparent`, version 00, checked by the API; "": none):
     # the openai agent sends it to its engine server, whose spans then join the client's trace.
     traceparent: str = ""
+    # The index in the request's output of the first token this dispatch generates (0: from the
+    # start). A migrated request's continuation (its worker died mid-stream) has its prompt end
+    # with the output its client already has, and draws each new token as that output index
+    # (the sim engine's token, the torch sampler's seed), so a greedy or seeded request goes on
+    # exactly as it would have; its tokens' start_index and its num_output_tokens count from
+    # the request's first output token.
+    output_offset: int = 0
 
 
 ENGINE_FIELDS = ForEngine.__struct_fields__
@@ -482,6 +504,7 @@ class StartDecode(_Event, tag="cmd.start_decode"):
     max_tokens: int
     token_subject: str
     first_token_id: int  # produced by the prefill
+    output_offset: int = 0  # a continuation's (ForEngine.output_offset): the first token's index in the output
     num_cached_tokens: int = 0
     deadline_ns: int = 0
     sampling: Sampling | None = None
@@ -600,6 +623,7 @@ Payload = Union[
     WorkerDrainChanged,
     WorkerBreakerChanged,
     RequestRetried,
+    RequestMigrated,
     LedgerEntryEvicted,
     RequestAdmitted,
     RouteDecided,

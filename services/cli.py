@@ -84,6 +84,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
     p.add_argument("--seed", type=int, help="seed of the router's decisions (default 0)")
     p.add_argument("--retry-limit", type=int, help="times a request failed by a worker before its first token is routed "
                                                    "again, excluding that worker (default 2; 0: off)")
+    p.add_argument("--migration-limit", type=int, help="times a request whose worker dies or fails it mid-stream goes on "
+                                                       "elsewhere as a continuation (default 3; 0: it fails)")
     p.add_argument("--breaker-failures", type=int, help="consecutive server failures that open a worker's circuit "
                                                         "breaker (default 5; 0: off)")
     p.add_argument("--breaker-open-s", type=float, help="seconds an opened breaker waits before one probe request "

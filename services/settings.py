@@ -167,6 +167,12 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # connection, the worker gone before prefill) is routed again, excluding the workers that
     # failed it, at most this many times (0: fails at once).
     retry_limit: int = 2
+    # A request whose worker dies or fails it after its first token reached the client goes on
+    # elsewhere as a continuation (its prompt plus the tokens sent), at most this many times
+    # (0: it fails, worker_failed / upstream_error, as before; past the limit:
+    # migration_limit_exceeded). Needs the token ids of what was sent (an engine server that
+    # streams text without ids: it fails as before).
+    migration_limit: int = 3
     # Circuit breakers (services/core/breaker.py): this many consecutive server failures of a
     # worker's requests open its breaker (0: off); it stays open breaker_open_s, doubled at each
     # re-opening up to breaker_max_open_s, then one probe request half-opens it.
@@ -249,9 +255,9 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self._apply_scheduling_config()
         if not self.http_keep_alive_s > 0:
             raise SettingsError(f"setting http_keep_alive_s must be > 0, got {self.http_keep_alive_s!r}")
-        if self.retry_limit < 0 or self.breaker_failures < 0:
-            raise SettingsError(f"settings retry_limit and breaker_failures must be >= 0 (0: off), got "
-                                f"{self.retry_limit!r} and {self.breaker_failures!r}")
+        if self.retry_limit < 0 or self.breaker_failures < 0 or self.migration_limit < 0:
+            raise SettingsError(f"settings retry_limit, migration_limit and breaker_failures must be >= 0 (0: off), got "
+                                f"{self.retry_limit!r}, {self.migration_limit!r} and {self.breaker_failures!r}")
         if not 0 < self.breaker_open_s <= self.breaker_max_open_s < math.inf:
             raise SettingsError(f"setting breaker_open_s must be > 0 and <= breaker_max_open_s (finite), got "
                                 f"{self.breaker_open_s!r} and {self.breaker_max_open_s!r}")

@@ -389,7 +389,8 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--tenant-weights", json.dumps(settings.tenant_weights),
                             "--tenant-header", settings.tenant_header,
                             "--tenant-api-keys", json.dumps(settings.tenant_api_keys),
-                            "--retry-limit", str(settings.retry_limit), "--breaker-failures", str(settings.breaker_failures),
+                            "--retry-limit", str(settings.retry_limit),
+                            "--migration-limit", str(settings.migration_limit), "--breaker-failures", str(settings.breaker_failures),
                             "--breaker-open-s", str(settings.breaker_open_s),
                             "--breaker-max-open-s", str(settings.breaker_max_open_s),
                             # up stops its routers first, then its workers: a router relays its open

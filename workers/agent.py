@@ -101,11 +101,11 @@ WAIT_LOG_INTERVAL_S = 10.0  # while start-up waits for NATS, one "waiting for NA
 
 
 def engine_request(request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                   sampling: m.Sampling | None, lora_adapter: str = "") -> EngineRequest:
+                   sampling: m.Sampling | None, lora_adapter: str = "", output_offset: int = 0) -> EngineRequest:
     s = sampling or m.Sampling()
     return EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
                          temperature=s.temperature, top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos,
-                         lora_adapter=lora_adapter)
+                         lora_adapter=lora_adapter, output_offset=output_offset)
 
 
 @runtime_checkable
@@ -155,6 +155,7 @@ class ReqMeta:
     sampling: m.Sampling | None = None  # passed on in a PD hand-off
     batch_id: str = ""  # the command it came in (a re-route may bring the request back in another)
     token_batch_subject: str = ""  # its router takes its tokens coalesced there (TokensBatch); "": one message a chunk
+    output_offset: int = 0  # a continuation's first output index (ForEngine.output_offset): added to its indices and counts
     # Its text so far: a UTF-8 character whose bytes span two steps is sent whole, once.
     text: TextDecoder = field(default_factory=TextDecoder)
 
@@ -224,7 +225,8 @@ class WorkerAgent:
 
     def submit_batch(self, batch_id: str, requests: list[m.BatchRequest]) -> None:
         self.engine.submit_batch(EngineBatch(batch_id=batch_id, requests=[
-            engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling, r.lora_adapter) for r in requests
+            engine_request(r.request_id, r.prompt_token_ids, r.max_tokens, r.sampling, r.lora_adapter, r.output_offset)
+            for r in requests
         ]))
 
     def _is_withdrawn(self, request_id: str, batch_id: str) -> bool:
@@ -631,7 +633,7 @@ class WorkerAgent:
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns,
                                                   r.sampling, batch_id=cmd.batch_id,
-                                                  token_batch_subject=r.token_batch_subject)
+                                                  token_batch_subject=r.token_batch_subject, output_offset=r.output_offset)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
             self.submit_batch(cmd.batch_id, requests)
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
@@ -639,7 +641,8 @@ class WorkerAgent:
             if key in self.seen_batches or self._is_withdrawn(cmd.request_id, cmd.batch_id):
                 return
             self.seen_batches[key] = None
-            request = engine_request(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.sampling)
+            request = engine_request(cmd.request_id, cmd.prompt_token_ids, cmd.max_tokens, cmd.sampling,
+                                     output_offset=cmd.output_offset)
             kv = None
             if cmd.kv_object:
                 try:
@@ -653,7 +656,7 @@ class WorkerAgent:
             self._superseded(cmd.request_id)
             self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns,
                                                 cmd.sampling, batch_id=cmd.batch_id,
-                                                token_batch_subject=cmd.token_batch_subject)
+                                                token_batch_subject=cmd.token_batch_subject, output_offset=cmd.output_offset)
             self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
                                       kv=kv)
         else:
@@ -801,7 +804,7 @@ class WorkerAgent:
             ids = [t.token_id for t in toks]
             fin = finished.get(request_id)
             self.queue_tokens(meta, m.TokensGenerated(
-                request_id=request_id, worker_id=wid, start_index=toks[0].index, token_ids=ids,
+                request_id=request_id, worker_id=wid, start_index=meta.output_offset + toks[0].index, token_ids=ids,
                 text=meta.text.decode(ids, final=fin is not None), finish_reason=fin.finish_reason if fin else None,
                 num_cached_tokens=fin.num_cached_tokens if fin else None,
             ))
@@ -831,7 +834,7 @@ class WorkerAgent:
                     batch_id=h.batch_id, prompt_token_ids=meta.prompt_token_ids, max_tokens=meta.max_tokens,
                     token_subject=meta.token_subject, first_token_id=h.first_token_id, num_cached_tokens=h.num_cached_tokens,
                     deadline_ns=meta.deadline_ns, sampling=meta.sampling, kv_object=kv_object,
-                    token_batch_subject=meta.token_batch_subject,
+                    token_batch_subject=meta.token_batch_subject, output_offset=meta.output_offset,
                 )
                 await publish_until_acked(self.js, decode_subject(meta.decode_worker_id), self._env(cmd),
                                           f"{h.batch_id}:{h.request_id}")
@@ -843,12 +846,13 @@ class WorkerAgent:
                 ))
         for f in step.finished:
             first_ns = self.first_token_ns.get(f.request_id, 0)
-            if self._forget(f.request_id) is None:
+            meta = self._forget(f.request_id)
+            if meta is None:
                 continue
             self.num_requests_finished += 1
             await self._event(m.RequestFinished(
                 request_id=f.request_id, worker_id=wid, finish_reason=f.finish_reason, num_prompt_tokens=f.num_prompt_tokens,
-                num_output_tokens=f.num_output_tokens, num_cached_tokens=f.num_cached_tokens,
+                num_output_tokens=meta.output_offset + f.num_output_tokens, num_cached_tokens=f.num_cached_tokens,
                 first_token_ns=first_ns,
             ))
         for f in step.failed:

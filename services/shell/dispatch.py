@@ -157,7 +157,7 @@ class Dispatcher:
             handle: RequestHandle = item.payload
             handle.batched(batch.batch_id)
             requests.append(m.BatchRequest(
-                **m.engine_part(handle.request), request_id=item.request_id, decode_worker_id=item.decode_worker_id,
+                **m.engine_part(handle.for_engine), request_id=item.request_id, decode_worker_id=item.decode_worker_id,
                 token_subject=handle.token_subject or token_subject(self.s.router_id, item.request_id),
                 deadline_ns=handle.arrival_ns + int(handle.timeout_s * 1e9), lora_adapter=item.lora_adapter,
                 # Our own clients' tokens may come coalesced (TokensBatch, relay.py); a standby's

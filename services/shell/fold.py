@@ -19,7 +19,7 @@ from schemas import messages as m
 from schemas.subjects import ALL_STATUS, STATUS_STREAM, kv_snapshot_request_subject
 from services.core.admission import DEFAULT_TENANT
 from services.shell.ledger import kv_field, prefill_field
-from services.shell.recovery import MAX_REASON_CHARS
+from services.shell.recovery import MAX_REASON_CHARS, RETRY_CODES
 from services.shell.state import RouterState
 
 if TYPE_CHECKING:
@@ -270,8 +270,10 @@ class Fold:
         tpot_ms = None
         if isinstance(ev, m.RequestFinished):
             produced = ev.num_output_tokens
-            if produced > 1 and ev.first_token_ns and time_ns > ev.first_token_ns:  # (both the worker's clock)
-                tpot_ms = round((time_ns - ev.first_token_ns) / 1e6 / (produced - 1), 3)
+            cont = live_handle.continuation if live_handle is not None else None
+            own = produced - (cont.output_offset if cont is not None else 0)  # (a continuation's, on this worker)
+            if own > 1 and ev.first_token_ns and time_ns > ev.first_token_ns:  # (both the worker's clock)
+                tpot_ms = round((time_ns - ev.first_token_ns) / 1e6 / (own - 1), 3)
         else:
             produced = live_handle.next_index if live_handle is not None and not live_handle.remote else None
         ours = self.s.scheduler.on_terminal(request_id, produced, tpot_ms)
@@ -300,8 +302,10 @@ class Fold:
             if kv in self.release_buffer:
                 self.release_buffer.remove(kv)
                 await self.upkeep.release_fields([kv])
-            if await self.recovery.retry(handle, ev.worker_id, code, message):
+            if code in RETRY_CODES and await self.recovery.go_on(handle, ev.worker_id, code, message):
                 return
+            if code in RETRY_CODES:
+                code, message = self.recovery.failure(handle, code, message)
         if isinstance(ev, m.RequestTimedOut):
             message = f"past its deadline ({ev.phase}) on worker {ev.worker_id}"
         self.s.finish_router(handle, outcome, code or outcome, message)

@@ -110,6 +110,8 @@ class RequestHandle:
     queue: Inbox = field(default_factory=Inbox)  # TokensGenerated | Terminal, to its one client reader
     # Its stream's progress (the relay's)
     next_index: int = 0  # index of the next output token we expect
+    output_ids: list[int] = field(default_factory=list)  # the token ids accepted so far (a migration's continuation)
+    ids_known: bool = True  # every chunk accepted had its token ids (an engine server may stream text only)
     first_token_ns: int = 0
     ahead: dict[int, Any] = field(default_factory=dict)  # chunks past a gap, by start index
     resend_task: asyncio.Task | None = None  # the gap's deadline while a resend is awaited
@@ -120,6 +122,10 @@ class RequestHandle:
     batch_id: str = ""
     num_reroutes: int = 0
     num_retries: int = 0  # routed again after a worker failed it before its first token (Recovery.retry)
+    num_migrations: int = 0  # gone on elsewhere after its worker died or failed it mid-stream (Recovery.migrate)
+    # What its engine runs, when that is not `request`: a migrated request's continuation (its
+    # prompt plus the output sent, the rest of max_tokens, from that output index).
+    continuation: m.Request | None = None
     slo_ttft_ms: float = 0.0  # the targets it was admitted with (0: unknown); flexlb_slo_requests_total
     slo_tpot_ms: float = 0.0
     leader_id: str = ""  # standby: the leader that admitted it (we forwarded it there)
@@ -152,6 +158,11 @@ class RequestHandle:
     @property
     def chat(self) -> m.ChatForward | None:
         return self.request.chat
+
+    @property
+    def for_engine(self) -> m.Request:
+        """What its engine runs: the request, or a migrated request's continuation."""
+        return self.continuation if self.continuation is not None else self.request
 
     @property
     def sampling(self) -> m.Sampling | None:
@@ -205,6 +216,14 @@ class RequestHandle:
         self.place(prefill_worker_id, decode_worker_id)
         self.batch_id = ""
 
+    def migrated(self, admit: AdmitRequest, continuation: m.Request, prefill_worker_id: str, decode_worker_id: str) -> None:
+        """Its worker died or failed it mid-stream: re-admitted (`admit`) as `continuation`."""
+        self.admit = admit
+        self.continuation = continuation
+        self.num_migrations += 1
+        self.place(prefill_worker_id, decode_worker_id)
+        self.batch_id = ""
+
     def streamed_by(self, worker_id: str) -> None:
         """Forwarded, and its tokens beat the leader's reply that names its workers: the worker
         streaming them is its decode worker."""
@@ -249,4 +268,4 @@ class RequestHandle:
         self.done = True
 
 
-STREAM_FIELDS = ("next_index", "first_token_ns", "ahead", "resend_task")  # written by the relay (services/shell/relay.py)
+STREAM_FIELDS = ("next_index", "output_ids", "ids_known", "first_token_ns", "ahead", "resend_task")  # written by the relay (services/shell/relay.py)

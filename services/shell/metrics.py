@@ -41,6 +41,8 @@ class RouterMetrics:
                                     "(a probe request out), 2 open (no new requests)", ["worker"], registry=r)
         self.breaker_transitions = Counter("flexlb_worker_breaker_transitions_total", "Circuit breaker transitions, by the "
                                            "state entered", ["to"], registry=r)
+        self.migrations = Counter("flexlb_migrations_total", "Requests whose worker died or failed them mid-stream, gone on "
+                                  "elsewhere as a continuation", registry=r)
         self.reroutes = Counter("flexlb_reroutes_total", "Requests re-routed because their worker died before starting them", registry=r)
         self.ledger_resyncs = Counter("flexlb_ledger_resyncs_total",
                                       "Rebuilds of the Redis ledger from the router's memory after a Redis outage or restart",

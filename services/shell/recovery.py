@@ -14,6 +14,18 @@ retried (`RETRY_CODES`): the server's failures and refusals (upstream_error, ups
 worker_failed, dispatch_failed, not_ready, internal); never what the client caused, a
 deadline, or a cancel. Never once a token was relayed: then the tokens the client has would
 be generated twice.
+
+Migration (`migrate`): a request whose worker dies, is removed, or fails it after some of its
+tokens reached the client goes on elsewhere as a continuation: its prompt plus the token ids
+already relayed, the rest of its max_tokens, from that output index (schemas ForEngine
+output_offset, so the engine draws the same tokens a greedy or seeded request would have). It
+is admitted like any request (the cost-based policy sees which worker holds its prompt's
+prefix; a disaggregated pool prefills it again, then decodes), best effort, excluding the
+worker it left, at most `migration_limit` times (past it: migration_limit_exceeded). The
+client's stream goes on on the same connection: the new worker's tokens start at the index the
+client is at. Only when every token sent came with its id (an engine server that streams text
+only: it fails as before, and /admin/workers shows `token_ids` false in its signals). A
+request that had sent nothing yet is retried instead (`retry`).
 """
 
 from __future__ import annotations
@@ -23,9 +35,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from schemas import messages as m
 from schemas.errors import error_code
 from schemas.subjects import DISPATCH_STREAM, cancel_subject, dispatch_subject
+from schemas.tokens import block_hashes
 from services.core.scheduler import Admitted
 from services.shell.handle import RequestHandle
 from services.shell.state import RouterState, decision_event
@@ -46,8 +61,9 @@ class Recovery:
         self.upkeep = upkeep
 
     async def recover_dead_worker(self, worker_id: str, verdict: str) -> None:
-        """A worker died: purge its queued commands, re-route what it had not started, fail
-        (retryable) what it had, so no admitted request waits for a dead worker."""
+        """A worker died: purge its queued commands, re-route what it had not started, and
+        migrate (or retry, before its first token) what it had started, failing retryable only
+        what cannot go on, so no admitted request waits for a dead worker."""
         purged = 0
         try:
             info = await self.s.js.stream_info(DISPATCH_STREAM.name, subjects_filter=dispatch_subject(worker_id))
@@ -64,7 +80,7 @@ class Recovery:
                 not_started.extend((rid, batch_id) for rid in batch.request_ids)
             else:
                 started.update(batch.request_ids)
-        rerouted = failed = 0
+        rerouted = failed = moved = 0
         for rid, batch_id in not_started:
             handle = self.s.handles.get(rid)
             if handle is not None and not handle.done:
@@ -78,17 +94,22 @@ class Recovery:
             # Started there (prefill running), or decoding there. A request whose prefill
             # finished there and was handed to a live decode worker is unaffected.
             if handle.decode_worker_id == worker_id or rid in started:
-                failed += 1
+                why = f"worker {worker_id} {verdict} while running it"
                 await self.withdraw(rid, {handle.prefill_worker_id, handle.decode_worker_id}, f"worker declared {verdict}",
                                     handle.batch_id)
-                await self.fail_from_router(handle, "worker_failed", f"worker {worker_id} {verdict} while running it")
+                if await self.go_on(handle, worker_id, "worker_failed", why):
+                    moved += 1
+                    continue
+                failed += 1
+                await self.fail_from_router(handle, *self.failure(handle, "worker_failed", why))
         self.records_liveness(worker_id, verdict)
         await self.s.emit(m.WorkerLivenessChanged(
             worker_id=worker_id, router_id=self.s.router_id, liveness=verdict,
             num_missed_syncs=self.s.settings.dead_after_missed_syncs, num_rerouted=rerouted, num_failed=failed,
-            num_purged_commands=purged,
+            num_purged_commands=purged, num_migrated=moved,
         ))
-        log.warning("worker %s %s: re-routed %d, failed %d, purged %d commands", worker_id, verdict, rerouted, failed, purged)
+        log.warning("worker %s %s: re-routed %d, migrated or retried %d, failed %d, purged %d commands", worker_id, verdict,
+                    rerouted, moved, failed, purged)
 
     def records_liveness(self, worker_id: str, verdict: str) -> None:
         now = time.time_ns()
@@ -137,7 +158,8 @@ class Recovery:
         excluded = tuple(sorted({*handle.admit.excluded_workers, worker_id}))
         admit = dataclasses.replace(handle.admit, excluded_workers=excluded, best_effort=True, slo_ttft_ms=(
             max(1.0, handle.slo_ttft_ms - spent_ms) if handle.slo_ttft_ms > 0 else handle.admit.slo_ttft_ms))
-        s.scheduler.on_terminal(rid)  # (already forgotten by the failure's fold: a no-op then)
+        await self.upkeep.release_request(rid)  # (already released by the failure's fold: a no-op then)
+        s.scheduler.on_terminal(rid)
         decision = s.scheduler.admit(admit, now)
         if not isinstance(decision, Admitted):
             s.records.note(rid, now, "retry_rejected", code=decision.code, message=decision.message[:MAX_REASON_CHARS])
@@ -150,6 +172,61 @@ class Recovery:
         s.metrics.retries.labels(code).inc()
         await s.emit(m.RequestRetried(request_id=rid, router_id=s.router_id, from_worker_id=worker_id,
                                       to_worker_id=handle.prefill_worker_id, code=code, attempt=handle.num_retries))
+        s.wakeup.set()
+        return True
+
+    async def go_on(self, handle: RequestHandle, worker_id: str, code: str, why: str) -> bool:
+        """A worker it ran on died or failed it: retried if its client has no token yet, else
+        migrated. True if it goes on; False: the caller fails it (`failure` says with what)."""
+        if handle.next_index == 0:
+            return await self.retry(handle, worker_id, code, why)
+        return await self.migrate(handle, worker_id, why)
+
+    def failure(self, handle: RequestHandle, code: str, message: str) -> tuple[str, str]:
+        """The code and message of a request that could not go on: its migrations used up, or
+        the reason it could not migrate, said."""
+        if handle.next_index > 0 and handle.num_migrations >= self.s.settings.migration_limit > 0:
+            return "migration_limit_exceeded", (f"{message}; migrated {handle.num_migrations} times already "
+                                                f"(--migration-limit {self.s.settings.migration_limit})")
+        if handle.next_index > 0 and not handle.ids_known and self.s.settings.migration_limit > 0:
+            return code, f"{message}; not migrated: its engine server streams text without token ids"
+        return code, message
+
+    async def migrate(self, handle: RequestHandle | None, worker_id: str, why: str) -> bool:
+        """Its worker died or failed it after `handle.next_index` tokens reached its client: go
+        on elsewhere as a continuation (module docstring). True if re-admitted."""
+        s = self.s
+        if (handle is None or handle.done or handle.remote or handle.admit is None or not handle.ids_known
+                or handle.num_migrations >= s.settings.migration_limit):
+            return False
+        sent = handle.next_index
+        left = handle.max_tokens - sent
+        if left <= 0 or len(handle.output_ids) != sent:
+            return False
+        now = time.time_ns()
+        rid = handle.request_id
+        prompt = [*handle.prompt_token_ids, *handle.output_ids]
+        continuation = msgspec.structs.replace(handle.request, prompt_token_ids=prompt, max_tokens=left, output_offset=sent)
+        admit = dataclasses.replace(
+            handle.admit, num_prompt_tokens=len(prompt), max_tokens=left, best_effort=True,
+            block_hashes=tuple(block_hashes(prompt, s.scheduler.block_size_tokens())),
+            excluded_workers=tuple(sorted({*handle.admit.excluded_workers, worker_id})))
+        await self.upkeep.release_request(rid)
+        s.scheduler.on_terminal(rid)
+        decision = s.scheduler.admit(admit, now)
+        if not isinstance(decision, Admitted):
+            s.records.note(rid, now, "migration_rejected", code=decision.code, message=decision.message[:MAX_REASON_CHARS])
+            return False
+        handle.migrated(admit, continuation, decision.request.prefill_worker_id, decision.request.decode_worker_id)
+        for d in decision.decisions:
+            await s.emit(decision_event(rid, s.router_id, d))
+        s.records.note(rid, now, "migrated", reason=why[:MAX_REASON_CHARS], from_worker=worker_id, tokens_carried=sent,
+                       attempt=handle.num_migrations, prefill_worker_id=handle.prefill_worker_id,
+                       decode_worker_id=handle.decode_worker_id)
+        s.metrics.migrations.inc()
+        await s.emit(m.RequestMigrated(request_id=rid, router_id=s.router_id, from_worker_id=worker_id,
+                                       to_worker_id=handle.decode_worker_id, num_tokens_carried=sent,
+                                       reason=why[:MAX_REASON_CHARS], attempt=handle.num_migrations))
         s.wakeup.set()
         return True
 

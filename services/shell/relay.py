@@ -59,6 +59,9 @@ class Relay:
             # Not ours, finished, or from a worker the request was taken away from (re-routed).
             self.s.metrics.orphan_tokens.inc()
             return
+        if handle.ahead and any(c.worker_id != handle.decode_worker_id for c in handle.ahead.values()):
+            # chunks past a gap from a worker it was taken from (migrated): the new one regenerates them
+            handle.ahead = {i: c for i, c in handle.ahead.items() if c.worker_id == handle.decode_worker_id}
         if chunk.start_index < handle.next_index:
             return  # a copy of one we have (a resend overlapping what did arrive)
         if chunk.start_index > handle.next_index:
@@ -108,6 +111,12 @@ class Relay:
             self.s.metrics.ttft.observe((handle.first_token_ns - handle.arrival_ns) / 1e9)
             self.s.records.note(handle.request_id, handle.first_token_ns, "first_token", worker_id=chunk.worker_id)
         handle.next_index += chunk.num_chunk_tokens
+        if handle.ids_known:  # (what a migration continues from: services/shell/recovery.py)
+            if len(chunk.token_ids) == chunk.num_chunk_tokens:
+                handle.output_ids.extend(chunk.token_ids)
+            else:
+                handle.ids_known = False
+                handle.output_ids = []
         handle.queue.put_nowait(chunk)
         if chunk.finish_reason is not None:
             self.observe_finished(handle, time.time_ns())

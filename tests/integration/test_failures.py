@@ -6,17 +6,21 @@ its /health and /metrics stay fine."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections import Counter
 
 import httpx
 
 from schemas import messages as m
 from tests.integration.stack import (
+    _stream_into,
     expected_text,
     make_bodies,
     read_event_log,
     run_concurrent_streams,
     start_sim_server,
+    wait_all_terminal,
     wait_for,
 )
 from workers.openai.agent import parse_prometheus
@@ -69,3 +73,106 @@ def test_a_server_failing_every_generation_is_retried_around_and_its_breaker_let
     assert metric(bad, "flexlb_sim_failed_generations_total") - failed_first <= probes
     retried = [e.payload for e in envs if isinstance(e.payload, m.RequestRetried)]
     assert retried and {r.from_worker_id for r in retried} == {bad_id} and bad_id not in {r.to_worker_id for r in retried}
+
+
+# ------------------------------------------------------------------ migration mid-stream
+async def _kill_while_decoding(router: str, victim_pids: list[int], bodies: list[dict], between_s: float = 1.0) -> list[dict]:
+    """Stream `bodies`; SIGKILL each of `victim_pids` in turn (`between_s` apart) once every
+    stream has its first tokens (each is decoding, on a victim or elsewhere). -> client results."""
+    limits = httpx.Limits(max_connections=len(bodies) + 10, max_keepalive_connections=len(bodies) + 10)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
+        outs = [{"request_id": None, "texts": [], "finish_reason": None, "done": False, "errors": [], "status": None}
+                for _ in bodies]
+        tasks = [asyncio.create_task(_stream_into(out, client, router, b)) for out, b in zip(outs, bodies)]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while sum(len(o["texts"]) >= 3 for o in outs) < len(bodies):
+            assert not any(t.done() for t in tasks), "a stream ended before the kill"
+            assert loop.time() - t0 < 90, f"{sum(bool(o['texts']) for o in outs)} of {len(bodies)} streams started in 90 s"
+            await asyncio.sleep(0.05)
+        for i, pid in enumerate(victim_pids):
+            if i:
+                await asyncio.sleep(between_s)
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return outs
+
+
+def _assert_whole(results: list[dict], bodies: list[dict]) -> None:
+    for r, b in zip(results, bodies):
+        assert r["status"] == 200 and r["done"] and not r["errors"], r
+        assert r["finish_reason"] == "length"
+        # the text of the same request in a run with no fault: no token missing, none twice
+        assert "".join(r["texts"]) == expected_text(r["request_id"], b["max_tokens"])
+
+
+def _settled(router: str, nats_url: str, results: list[dict], bodies: list[dict]) -> list[m.RequestMigrated]:
+    """Every request's terminal event, its usage right (each token counted once, a
+    continuation's included), the ledger empty. -> the migrations."""
+    ids = {r["request_id"] for r in results}
+    envs = asyncio.run(wait_all_terminal(nats_url, ids))
+    finished = {e.payload.request_id: e.payload for e in envs if isinstance(e.payload, m.RequestFinished)}
+    for r, b in zip(results, bodies):
+        if not r["errors"]:
+            assert finished[r["request_id"]].num_output_tokens == b["max_tokens"]
+    wait_for(lambda: httpx.get(router + "/admin/ledger", timeout=10).json()["num_entries"] == 0, 30, "an empty ledger")
+    return [e.payload for e in envs if isinstance(e.payload, m.RequestMigrated)]
+
+
+def _ready(router: str, n: int) -> None:
+    wait_for(lambda: sum(w["state"] == "ready" for w in workers(router).values()) == n, 60, f"{n} ready workers")
+
+
+def test_kill_9_a_sim_worker_while_64_streams_decode_and_every_stream_completes_whole(flexlb_up):
+    _, state = flexlb_up("--time-scale", "1", "--workers", "2")
+    router = state["router_url"]
+    _ready(router, 2)
+    bodies = [dict(b, max_tokens=150) for b in make_bodies(64, seed=64)]
+    results = asyncio.run(_kill_while_decoding(router, [state["pids"]["worker-w0"]], bodies))
+    _assert_whole(results, bodies)
+    moved = _settled(router, state["nats_url"], results, bodies)
+    assert moved and {mv.from_worker_id for mv in moved} == {"w0"} and {mv.to_worker_id for mv in moved} == {"w1"}
+    assert all(3 <= mv.num_tokens_carried < 150 for mv in moved)
+
+
+def test_kill_9_a_decode_worker_of_1p2d_while_streams_decode_and_every_stream_completes_whole(flexlb_up):
+    _, state = flexlb_up("--time-scale", "1", "--prefill", "1", "--decode", "2")
+    router = state["router_url"]
+    _ready(router, 3)
+    victim = next(wid for wid, w in sorted(workers(router).items()) if w["role"] == "decode")
+    bodies = [dict(b, max_tokens=150) for b in make_bodies(32, seed=65)]
+    results = asyncio.run(_kill_while_decoding(router, [state["pids"][f"worker-{victim}"]], bodies))
+    _assert_whole(results, bodies)
+    moved = _settled(router, state["nats_url"], results, bodies)
+    assert moved and {mv.from_worker_id for mv in moved} == {victim} and victim not in {mv.to_worker_id for mv in moved}
+
+
+def test_a_killed_engine_server_behind_the_openai_agent_migrates_its_streams(spawn, flexlb_up):
+    (url_a, proc_a), (url_b, _) = (start_sim_server(spawn, "--time-scale", "1") for _ in range(2))
+    _, state = flexlb_up("--engine", "openai", "--engine-url", url_a, "--engine-url", url_b)
+    router = state["router_url"]
+    _ready(router, 2)
+    bodies = [dict(b, max_tokens=150) for b in make_bodies(48, seed=66)]
+    results = asyncio.run(_kill_while_decoding(router, [proc_a.popen.pid], bodies))
+    _assert_whole(results, bodies)
+    moved = _settled(router, state["nats_url"], results, bodies)
+    assert moved and {mv.from_worker_id for mv in moved} == {"w0"} and {mv.to_worker_id for mv in moved} == {"w1"}
+
+
+def test_a_request_that_would_migrate_past_the_limit_fails_with_a_code_saying_so(flexlb_up):
+    _, state = flexlb_up("--time-scale", "1", "--workers", "3", "--migration-limit", "1")
+    router = state["router_url"]
+    _ready(router, 3)
+    bodies = [dict(b, max_tokens=200) for b in make_bodies(30, seed=67)]
+    # w0 dies: its streams migrate (once) to w1 or w2; then w1 dies: those it took from w0 may
+    # not migrate again, its own go on to w2.
+    results = asyncio.run(_kill_while_decoding(router, [state["pids"]["worker-w0"], state["pids"]["worker-w1"]], bodies,
+                                               between_s=2.5))
+    codes = Counter(r["errors"][0]["code"] for r in results if r["errors"])
+    assert set(codes) == {"migration_limit_exceeded"}, codes
+    moved = _settled(router, state["nats_url"], results, bodies)
+    assert {mv.from_worker_id for mv in moved} == {"w0", "w1"}
+    again = {mv.request_id for mv in moved if mv.from_worker_id == "w1"}
+    failed = {r["request_id"] for r in results if r["errors"]}
+    assert not again & failed  # what went on from w1 had not migrated before
+    _assert_whole([r for r in results if not r["errors"]], [b for r, b in zip(results, bodies) if not r["errors"]])

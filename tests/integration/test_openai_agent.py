@@ -62,9 +62,11 @@ def test_200_streamed_completions_through_the_adapter(spawn, flexlb_up):
     assert min(metric(url_a, "flexlb_sim_requests_finished_total"), metric(url_b, "flexlb_sim_requests_finished_total")) > 0
 
 
-def test_a_killed_server_ends_its_requests_with_a_code_and_the_rest_reroute(spawn, flexlb_up):
+def test_without_migration_a_killed_server_ends_its_requests_with_a_code_and_the_rest_reroute(spawn, flexlb_up):
+    # (with the defaults they go on elsewhere: tests/integration/test_failures.py)
     (url_a, _), (url_b, proc_b) = sim_server(spawn, time_scale="1"), sim_server(spawn, time_scale="1")
-    _, state = flexlb_up("--engine", "openai", "--engine-url", url_a, "--engine-url", url_b)
+    _, state = flexlb_up("--engine", "openai", "--engine-url", url_a, "--engine-url", url_b, "--migration-limit", "0",
+                         "--retry-limit", "0")
     router = state["router_url"]
     ready_fleet(router, 2)
 

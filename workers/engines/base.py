@@ -47,6 +47,10 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The LoRA adapter to run it with ("": the base model). One the engine does not serve
     # fails the request `adapter_not_found` (workers/engines/scheduler.py, "LoRA adapters").
     lora_adapter: str = ""
+    # A continuation's first output index (schemas ForEngine.output_offset): the engine draws its
+    # n-th token as output number output_offset + n (the sim's token id, the sampler's seed);
+    # TokenOut.index and the counts stay its own, from 0.
+    output_offset: int = 0
 
 
 class EngineBatch(msgspec.Struct, frozen=True, kw_only=True):

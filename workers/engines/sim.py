@@ -220,7 +220,8 @@ class SimEngine(ScheduledEngine):
             duration_ms += self.lora_load_ms
             if seq.batch_id is not None and not seq.is_prefilled:
                 prefill_ms_by_batch[seq.batch_id] = prefill_ms_by_batch.get(seq.batch_id, 0.0) + self.lora_load_ms
-        token_ids = [sim_token_id(seq.request.request_id, seq.num_output_tokens) for seq in sampling]
+        token_ids = [sim_token_id(seq.request.request_id, seq.request.output_offset + seq.num_output_tokens)
+                     for seq in sampling]
         return token_ids, duration_ms, prefill_ms_by_batch
 
     # ----------------------------------------------------------------------- KV blocks

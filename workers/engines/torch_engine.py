@@ -284,7 +284,8 @@ class TorchEngine(ScheduledEngine):
                 greedy = torch.argmax(rows, dim=-1).tolist()  # one device sync for the greedy ones
                 for i, seq in enumerate(sampling):
                     params = self._params[seq.request.request_id]
-                    token_ids.append(greedy[i] if params.temperature == 0 else sample(rows[i], params, seq.num_output_tokens))
+                    index = seq.request.output_offset + seq.num_output_tokens  # (a continuation's: from its offset)
+                    token_ids.append(greedy[i] if params.temperature == 0 else sample(rows[i], params, index))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         duration_ms = (time.perf_counter() - t0) * 1000

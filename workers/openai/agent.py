@@ -581,7 +581,7 @@ class OpenAIAgent(WorkerAgent):
         path, body = self._request(r)
         try:
             await self.upstream.stream(path, _encode_json(body), rid, relay.on_data, self.cfg.upstream_stall_timeout_s,
-                                       r.traceparent)
+                                       r.traceparent, r.output_offset)
             if relay.finish is None:
                 raise UpstreamFailure("upstream_error",
                                       f"the stream ended after {relay.index} tokens without a finish reason")

@@ -105,7 +105,7 @@ class _Relay:
     Raises UpstreamFailure for what ends the request (module docstring, Failures). The
     protocols' parsers (StreamRelay, SGLangRelay) share the rest here."""
 
-    __slots__ = ("agent", "batch", "meta", "request", "request_id", "index", "finish", "first_ns", "last_s",
+    __slots__ = ("agent", "batch", "meta", "request", "request_id", "offset", "index", "finish", "first_ns", "last_s",
                  "held", "without_ids", "server_num_output_tokens", "server_num_cached_tokens")
 
     def __init__(self, agent: RelayHost, batch: OpenBatch, r: m.BatchRequest, meta: ReqMeta) -> None:
@@ -114,7 +114,8 @@ class _Relay:
         self.meta = meta
         self.request = r
         self.request_id = r.request_id
-        self.index = 0  # output tokens relayed so far (counted, where the stream has no ids)
+        self.offset = r.output_offset  # a migrated request's continuation: its first token's index in the output
+        self.index = 0  # output tokens relayed so far (counted, where the stream has no ids), from this server
         self.finish: str | None = None
         self.first_ns = 0
         self.last_s = 0.0
@@ -144,7 +145,7 @@ class _Relay:
             else:
                 agent.note_token_gap(now_s, (now_s - self.last_s) * 1000 / num_tokens)
             self.last_s = now_s
-        chunk = m.TokensGenerated(request_id=rid, worker_id=agent.cfg.worker_id, start_index=self.index,
+        chunk = m.TokensGenerated(request_id=rid, worker_id=agent.cfg.worker_id, start_index=self.offset + self.index,
                                   token_ids=ids, text=text, finish_reason=reason, num_tokens=0 if ids else num_tokens)
         self.index += num_tokens
         if reason is not None:
@@ -162,16 +163,17 @@ class _Relay:
             return
         counted = self.server_num_output_tokens
         if counted is not None and counted != self.index:
-            n = max(counted - chunk.start_index, 0)
-            self.index = chunk.start_index + n
+            n = max(counted - (chunk.start_index - self.offset), 0)
+            self.index = chunk.start_index - self.offset + n
             chunk = msgspec.structs.replace(chunk, num_tokens=n)
         self.agent.queue_tokens(self.meta, chunk)
 
     def num_output_tokens(self) -> int:
-        """The request's output count: the server's where the stream has no ids, else the ids relayed."""
+        """The request's output count (a continuation's from its request's first output token): the
+        server's where the stream has no ids, else the ids relayed."""
         if self.without_ids and self.server_num_output_tokens is not None:
-            return self.server_num_output_tokens
-        return self.index
+            return self.offset + self.server_num_output_tokens
+        return self.offset + self.index
 
     def num_cached_tokens(self) -> int | None:
         return self.server_num_cached_tokens

@@ -340,12 +340,16 @@ class UpstreamClient:
         return None
 
     async def stream(self, path: str, body: bytes, request_id: str, on_data: Callable[[bytes], None],
-                     stall_timeout_s: float, traceparent: str = "") -> None:
+                     stall_timeout_s: float, traceparent: str = "", output_offset: int = 0) -> None:
         """`traceparent`: the client's W3C trace context (checked by the router's API), sent as
-        that header so the server's spans join the client's trace; "": none sent."""
+        that header so the server's spans join the client's trace; "": none sent.
+        `output_offset` > 0: a migrated request's continuation, said in `X-Flexlb-Output-Offset`
+        (FlexLB's sim-server continues its simulated output from there; other servers ignore it)."""
         if traceparent and not TRACEPARENT_00.fullmatch(traceparent):
             raise ValueError("a traceparent of version 00 only (the router's API checks it): never another header's bytes")
         trace = f"traceparent: {traceparent}\r\n" if traceparent else ""
+        if output_offset:
+            trace += f"X-Flexlb-Output-Offset: {int(output_offset)}\r\n"
         request = (f"POST {self.path_prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
                    f"Content-Type: application/json\r\nAccept: text/event-stream\r\nX-Request-Id: {request_id}\r\n"
                    f"{trace}Content-Length: {len(body)}\r\n\r\n").encode() + body

@@ -170,7 +170,7 @@ class SimFront:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                is_health_check: bool = False, room: int | None = None,
-               handoff: tuple[int, int] | None = None, lora_adapter: str = "") -> OpenRequest:
+               handoff: tuple[int, int] | None = None, lora_adapter: str = "", output_offset: int = 0) -> OpenRequest:
         """Queue one request in the engine; its deltas arrive on the returned stream. PD: a
         prefill server's request names its bootstrap `room`; a decode server's comes with the
         `handoff` (first token id, cached tokens) its room delivered. `lora_adapter`: one of
@@ -187,7 +187,7 @@ class SimFront:
             raise HttpError("not_ready", "the engine's step loop is not running")
         req = OpenRequest(request_id, len(prompt_token_ids), max_tokens, is_health_check)
         request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
-                                lora_adapter=lora_adapter)
+                                lora_adapter=lora_adapter, output_offset=output_offset)
         if self.kv_events is not None:
             self.kv_events.note_prompt(prompt_token_ids)  # the tokens and parents of the blocks it may store
         try:

@@ -156,7 +156,16 @@ from workers.config import WorkerConfig
 from workers.sim_server.formats import ABORT_MESSAGE, ChatFormat, OpenAIFormat, Output, SGLangFormat
 from workers.sim_server.front import DEFAULT_MODEL_NAME, Delta, OpenRequest, SimFront  # noqa: F401  (SimFront: this module's API)
 from workers.sim_server.pd import BOOTSTRAP_WAIT_S, bootstrap_of, fetch_handoff
-from workers.sim_server.requests import bool_field, chat_prompt, int_field, parse_json_object, prompt_of, refuse_unmodelled, request_id_of
+from workers.sim_server.requests import (
+    bool_field,
+    chat_prompt,
+    int_field,
+    output_offset_of,
+    parse_json_object,
+    prompt_of,
+    refuse_unmodelled,
+    request_id_of,
+)
 
 log = logging.getLogger("flexlb.sim_http")
 
@@ -279,7 +288,7 @@ class SimHttpApp:
         fmt = OpenAIFormat(request_id, adapter or self.front.model_name, len(prompt), include_usage,
                            return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
         await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body),
-                        lora_adapter=adapter)
+                        lora_adapter=adapter, output_offset=output_offset_of(scope))
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
@@ -294,7 +303,7 @@ class SimHttpApp:
         fmt = ChatFormat(request_id, adapter or self.front.model_name, prompt, include_usage,
                          return_token_ids=bool_field(body, "return_token_ids") and not self.bare_openai)
         await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body), is_chat=True,
-                        lora_adapter=adapter)
+                        lora_adapter=adapter, output_offset=output_offset_of(scope))
 
     async def generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
@@ -313,7 +322,7 @@ class SimHttpApp:
         request_id = request_id_of(scope, body) or self.front.new_request_id()
         fmt = SGLangFormat(request_id, len(prompt), incremental=self.incremental_streaming_output)
         await self._run(receive, send, request_id, prompt, max_tokens, stream, fmt, self._bootstrap(body),
-                        lora_adapter=self._adapter_of_lora_path(body))
+                        lora_adapter=self._adapter_of_lora_path(body), output_offset=output_offset_of(scope))
 
     async def abort_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         """SGLang's `POST /abort_request {"rid"}`: the request leaves the engine (its stream
@@ -352,13 +361,15 @@ class SimHttpApp:
 
     async def _run(self, receive: Receive, send: Send, request_id: str, prompt: list[int], max_tokens: int,
                    stream: bool, fmt: OpenAIFormat | SGLangFormat | ChatFormat,
-                   bootstrap: tuple[str, int, int] | None = None, is_chat: bool = False, lora_adapter: str = "") -> None:
+                   bootstrap: tuple[str, int, int] | None = None, is_chat: bool = False, lora_adapter: str = "",
+                   output_offset: int = 0) -> None:
         room = handoff = None
         if bootstrap is not None and self.front.role == "prefill":
             room = bootstrap[2]
         elif bootstrap is not None and self.front.role == "decode":
             handoff = await fetch_handoff(*bootstrap)
-        req = self.front.submit(request_id, prompt, max_tokens, room=room, handoff=handoff, lora_adapter=lora_adapter)
+        req = self.front.submit(request_id, prompt, max_tokens, room=room, handoff=handoff, lora_adapter=lora_adapter,
+                                output_offset=output_offset)
         if is_chat:
             self.front.num_chat_requests += 1
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, req))

@@ -75,6 +75,23 @@ def refuse_unmodelled(body: dict[str, Any]) -> None:
         raise HttpError("invalid_request", "echo is not supported by the simulated engine")
 
 
+OUTPUT_OFFSET_HEADER = b"x-flexlb-output-offset"
+MAX_OUTPUT_OFFSET = 10_000_000
+
+
+def output_offset_of(scope: Scope) -> int:
+    """A continuation's first output index (`X-Flexlb-Output-Offset`, sent by FlexLB's openai
+    agent for a migrated request; 0 without it): the simulated output goes on from there, as a
+    real greedy engine's would from the same context. A server that is not this one ignores it."""
+    for key, value in scope["headers"]:
+        if key == OUTPUT_OFFSET_HEADER:
+            text = value.decode("latin-1")
+            if not text.isdigit() or int(text) > MAX_OUTPUT_OFFSET:
+                raise HttpError("invalid_request", f"X-Flexlb-Output-Offset must be an integer in [0, {MAX_OUTPUT_OFFSET}]")
+            return int(text)
+    return 0
+
+
 def request_id_of(scope: Scope, body: dict[str, Any]) -> str | None:
     for key, value in scope["headers"]:
         if key == b"x-request-id":

@@ -164,7 +164,7 @@ def full_request() -> m.Request:
     return m.Request(request_id="r1", prompt_token_ids=[1, 2], max_tokens=5, priority=90, slo_ttft_ms=500.0,
                      slo_tpot_ms=50.0, timeout_s=9.0, sampling=m.Sampling(temperature=0.5), stop=["\n"],
                      chat=m.ChatForward(messages=[{"role": "user", "content": "hi"}]), model="m", tenant="acme",
-                     priority_class="critical", traceparent=TRACEPARENT)
+                     priority_class="critical", traceparent=TRACEPARENT, output_offset=3)
 
 
 def test_a_request_travels_whole_in_a_forward():
