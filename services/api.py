@@ -178,6 +178,16 @@ def _header_ms(raw: str | None, name: str) -> float | None:
     return value
 
 
+def timeout_of(body_s: float | None, header_ms: float | None, server_s: float) -> float | None:
+    """A request's own deadline: the body's `timeout_s` (checked: at most the server's) and the
+    `X-Request-Timeout-Ms` header (capped by the server's `request_timeout_s`), the sooner of the
+    two; None: neither (the server's). Past it the request is cancelled at the engine, wherever
+    it is, and its client gets 504 `timed_out` (README, Failures)."""
+    header_s = min(header_ms / 1000.0, server_s) if header_ms is not None else None
+    given = [t for t in (body_s, header_s) if t is not None]
+    return min(given) if given else None
+
+
 TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^\x00-\x1f\x7f]*)?")
 TRACEPARENT_MAX_CHARS = 512  # a later version may append fields; nothing longer is a trace context
 
@@ -397,6 +407,7 @@ class CompletionsFront:
     async def completions(self, scope, receive, send, chat: bool = False) -> None:
         service, settings = self.service, self.settings
         request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = traceparent_raw = None
+        timeout_raw = None
         tenant_header = self.tenant_header
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -415,6 +426,8 @@ class CompletionsFront:
                 class_raw = value.decode("latin-1")
             elif name == b"traceparent":
                 traceparent_raw = value.decode("latin-1")
+            elif name == b"x-request-timeout-ms":
+                timeout_raw = value.decode("latin-1")
         try:
             body = await read_body(receive, settings.max_body_bytes, length)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
@@ -429,6 +442,7 @@ class CompletionsFront:
             tenant = tenant_of(settings, api_key, tenant_raw)
             priority_class = req.priority_class or priority_class_header(class_raw)
             traceparent = traceparent_of(traceparent_raw)
+            timeout_s = timeout_of(req.timeout_s, _header_ms(timeout_raw, "x-request-timeout-ms"), settings.request_timeout_s)
         except (HttpError, ValueError) as exc:
             code = getattr(exc, "code", "invalid_request")
             message = getattr(exc, "message", str(exc))
@@ -439,7 +453,7 @@ class CompletionsFront:
         request_id = request_id or service.new_request_id()
         outcome = await service.submit(m.Request(
             request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=req.priority,
-            slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=req.timeout_s, sampling=sampling, stop=stop,
+            slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=timeout_s, sampling=sampling, stop=stop,
             chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, traceparent=traceparent))
         if not isinstance(outcome, Rejected) and outcome.admission is not None:  # waiting in the fair queue
             outcome = await self.await_admission(outcome, receive)

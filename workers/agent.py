@@ -92,6 +92,7 @@ from workers.engines.step_loop import StepLoop
 
 log = logging.getLogger("flexlb.worker")
 
+CONTINUATION_TEXT_TOKENS = 8  # a continuation's decoder reads this many of the output tokens sent (a UTF-8 character is 4 bytes at most)
 SEEN_BATCHES_MAX = 100_000  # batch ids remembered for dedupe
 SENT_TOKENS_MAX = 2048  # requests whose token chunks are kept for a resend (the most recent)
 WITHDRAWN_MAX = 100_000  # withdrawn request ids remembered (their command may still come)
@@ -158,6 +159,15 @@ class ReqMeta:
     output_offset: int = 0  # a continuation's first output index (ForEngine.output_offset): added to its indices and counts
     # Its text so far: a UTF-8 character whose bytes span two steps is sent whole, once.
     text: TextDecoder = field(default_factory=TextDecoder)
+
+    def continues(self, prompt_token_ids: list[int]) -> "ReqMeta":
+        """A continuation (output_offset > 0): its prompt ends with the output already sent,
+        whose last character may be incomplete (held back, unsent). The decoder reads the last
+        few output tokens, so that the continuation's first bytes complete that character;
+        their own text was sent before."""
+        if self.output_offset:
+            self.text.decode(prompt_token_ids[-min(self.output_offset, CONTINUATION_TEXT_TOKENS):])
+        return self
 
 
 class WorkerAgent:
@@ -633,7 +643,8 @@ class WorkerAgent:
                 keep = r.prompt_token_ids if self.cfg.role == "prefill" else []
                 self.meta[r.request_id] = ReqMeta(r.token_subject, r.decode_worker_id, keep, r.max_tokens, r.deadline_ns,
                                                   r.sampling, batch_id=cmd.batch_id,
-                                                  token_batch_subject=r.token_batch_subject, output_offset=r.output_offset)
+                                                  token_batch_subject=r.token_batch_subject,
+                                                  output_offset=r.output_offset).continues(r.prompt_token_ids)
             self.batch_members[cmd.batch_id] = [r.request_id for r in requests]
             self.submit_batch(cmd.batch_id, requests)
         elif isinstance(cmd, m.StartDecode) and self.cfg.role == "decode":
@@ -656,7 +667,8 @@ class WorkerAgent:
             self._superseded(cmd.request_id)
             self.meta[cmd.request_id] = ReqMeta(cmd.token_subject, self.cfg.worker_id, [], cmd.max_tokens, cmd.deadline_ns,
                                                 cmd.sampling, batch_id=cmd.batch_id,
-                                                token_batch_subject=cmd.token_batch_subject, output_offset=cmd.output_offset)
+                                                token_batch_subject=cmd.token_batch_subject,
+                                                output_offset=cmd.output_offset).continues(cmd.prompt_token_ids)
             self.engine.submit_decode(request, first_token_id=cmd.first_token_id, num_cached_tokens=cmd.num_cached_tokens,
                                       kv=kv)
         else:

@@ -203,7 +203,7 @@ class Recorder:
     # Not here, on purpose: `batcher` and `load` (they create a worker's batcher, whose order in
     # `batchers` is the order tick polls them) and `rollback_ids` (recorded as `rollback`).
     READS = frozenset({
-        "block_size_tokens", "breakers", "decode_model", "engine_load", "holds_work", "next_due_ns", "pool_room", "predictor",
+        "block_size_tokens", "breakers", "step_ratios", "decode_model", "engine_load", "holds_work", "next_due_ns", "pool_room", "predictor",
         "batchers", "config", "fair", "id_prefix", "index", "inflight", "ledger", "poll_errors", "queued", "settled",
         "view",
     })

@@ -103,6 +103,9 @@ INDEX_EXPIRY_INTERVAL_NS = 1_000_000_000
 # after it routed an adapter there: a few heartbeats (200 ms each by default) plus a batch
 # window, by when the report includes what was routed (_lora_decide).
 LORA_GUESS_NS = 2_000_000_000  # sweep expired approximate-index entries once a second
+DEGRADED_RATIO = 2.0  # a worker whose decode step is this many times its peers' median is reported degraded
+DEGRADED_REFERENCE = (8, 8 * 2048)  # (running requests, KV tokens): the load step_ratios compares at
+DEGRADED_MIN_OBSERVATIONS = 20  # status reports a decode model learns from before step_ratios compares it
 
 
 @dataclass(frozen=True)
@@ -344,6 +347,29 @@ class Scheduler:
             others_closed = any(w.worker_id != worker_id and w.role == info.role and self.breakers.is_closed(w.worker_id)
                                 for w in (*r.colocated, *r.prefill, *r.decode))
         return self.breakers.outcome(worker_id, request_id, ok, code, message, now_ns, others_closed)
+
+    def step_ratios(self) -> dict[str, float]:
+        """Each live colocated or decode worker's learned decode step at a reference load
+        (DEGRADED_REFERENCE) over the median of its pool's other such workers' (same model and
+        role), once both have learned from DEGRADED_MIN_OBSERVATIONS reports: a worker running
+        slower than its peers (thermal throttling, a noisy neighbour) shows a ratio well above 1,
+        and back near 1 once its steps are (the model weighs recent reports most). A pool of one
+        has no ratio. A read: nothing changes."""
+        running, kv = DEGRADED_REFERENCE
+        steps: dict[tuple[str, str], dict[str, float]] = {}
+        for w in self.view.workers.values():
+            model = self.decode_models.get(w.worker_id) if w.role != "prefill" and w.is_live() else None
+            if model is not None and model.num_observations >= DEGRADED_MIN_OBSERVATIONS:
+                steps.setdefault((w.model, w.role), {})[w.worker_id] = model.predict_ms(running, kv) * w.time_scale
+        out: dict[str, float] = {}
+        for group in steps.values():
+            for wid, ms in group.items():
+                others = sorted(v for k, v in group.items() if k != wid)
+                if others:
+                    mid = len(others) // 2
+                    median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+                    out[wid] = round(ms / median, 3) if median > 0 else 1.0
+        return out
 
     # ---------------------------------------------------------------- helpers
     def predictor(self, worker_id: str) -> PrefillPredictor:

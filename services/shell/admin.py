@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from schemas import messages as m
+from services.core.scheduler import DEGRADED_RATIO
 from services.shell.state import RouterState
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class Admin:
 
     def workers_view(self) -> list[dict[str, Any]]:
         now = time.time_ns()
+        ratios = self.s.scheduler.step_ratios()
         out = []
         for w in sorted(self.s.scheduler.view.workers.values(), key=lambda w: w.worker_id):
             live = w.is_live()
@@ -133,6 +135,10 @@ class Admin:
                 "num_restarts": w.num_restarts,
                 # its circuit breaker (services/core/breaker.py): state, consecutive failures, last error
                 "breaker": self.s.scheduler.breakers.get_view(w.worker_id, now),
+                # slower than its peers: its learned decode step over theirs (Scheduler.step_ratios);
+                # degraded at DEGRADED_RATIO or more (it keeps getting fewer requests: the policies read its steps)
+                "step_ratio": ratios.get(w.worker_id),
+                "degraded": ratios.get(w.worker_id, 0.0) >= DEGRADED_RATIO,
                 **self.decode_model_view(w.worker_id, w.role),
             })
         return out

@@ -284,6 +284,11 @@ class Intake:
             await self.s.undecodable("router_events", msg, exc)
             return
         ev = env.payload
+        if isinstance(ev, m.CancelRequest):  # a standby's client went away or timed out: stop our copy of its request
+            theirs = self.s.handles.get(ev.request_id)
+            if theirs is not None and theirs.remote and theirs.forwarded_by == env.producer and not theirs.done:
+                await self.cancel(theirs, f"{ev.reason[:200]} (at router {env.producer})")
+            return
         if isinstance(ev, m.BatchDispatched):
             for rid in ev.request_ids:
                 handle = self.s.handles.get(rid)
@@ -317,9 +322,14 @@ class Intake:
         return Rejected(code, message, retry_after_ms=retry_after_ms)
 
     async def cancel(self, handle: RequestHandle, reason: str) -> None:
-        """Client gone or timed out: stop the work. The worker reports the terminal event."""
+        """Client gone or timed out: stop the work. The worker reports the terminal event. A
+        forward's leader is told too (on our router events: wherever it holds the request, its
+        fair queue, a batch window or a worker, it stops it there)."""
         if handle.done:
             return
+        if handle.is_forward:
+            cmd = m.CancelRequest(request_id=handle.request_id, worker_id=handle.leader_id, reason=reason)
+            await self.s.nc.publish(router_events_subject(self.s.router_id), m.encode(self.s.envelopes.wrap(cmd, time.time_ns())))
         if handle.admission is not None and not handle.admission.done():  # waiting in the fair queue
             if self.s.is_leader and self.s.scheduler.cancel_waiting(handle.request_id, time.time_ns()) is not None:
                 self.s.metrics.fair_requests.labels(priority_class_of(handle.admit), "cancelled").inc()

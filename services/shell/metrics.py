@@ -35,6 +35,10 @@ class RouterMetrics:
         self.prompt_tokens = Counter("flexlb_prefill_prompt_tokens_total", "Prompt tokens prefilled by workers", registry=r)
         self.cached_tokens = Counter("flexlb_prefill_cached_tokens_total", "Prompt tokens served from workers' prefix caches", registry=r)
         self.kv_events = Counter("flexlb_kv_events_total", "KV-cache events by how the prefix index took them", ["status"], registry=r)
+        self.worker_degraded = Gauge("flexlb_worker_degraded", "1 while the worker's learned decode step is at least 2x "
+                                     "its pool's other workers' median (/admin/workers step_ratio)", ["worker"], registry=r)
+        self.worker_step_ratio = Gauge("flexlb_worker_step_ratio", "The worker's learned decode step over its pool's other "
+                                       "workers' median, at a reference load", ["worker"], registry=r)
         self.retries = Counter("flexlb_retries_total", "Requests a worker failed before their first token, routed again "
                                "excluding that worker, by the failure's code", ["code"], registry=r)
         self.worker_breaker = Gauge("flexlb_worker_breaker_state", "The worker's circuit breaker: 0 closed, 1 half-open "

@@ -189,7 +189,7 @@ class RouterService:
         """Gauges read from the view at scrape time (a worker gone from the view leaves them)."""
         mx, view = self.s.metrics, self.admin.workers_view()
         for g in (mx.worker_live, mx.worker_kv_used, mx.worker_queued, mx.worker_held, mx.worker_tpot, mx.decode_model_error,
-                  mx.worker_breaker):
+                  mx.worker_breaker, mx.worker_degraded, mx.worker_step_ratio):
             g.clear()
         for w in view:
             mx.worker_live.labels(w["id"]).set(1 if w["live"] else 0)
@@ -198,6 +198,9 @@ class RouterService:
             mx.worker_queued.labels(w["id"]).set(w["num_queued_at_router"])
             mx.worker_held.labels(w["id"]).set(w["num_held"])
             mx.worker_breaker.labels(w["id"]).set(STATE_VALUES[w["breaker"]["state"]])
+            if w["step_ratio"] is not None:
+                mx.worker_step_ratio.labels(w["id"]).set(w["step_ratio"])
+                mx.worker_degraded.labels(w["id"]).set(1 if w["degraded"] else 0)
             if "decode_model" in w:
                 mx.worker_tpot.labels(w["id"]).set(w["predicted_tpot_ms"] or 0.0)
                 mx.decode_model_error.labels(w["id"]).set(w["decode_model"]["mean_abs_pct_error"])

@@ -21,6 +21,7 @@ from tests.integration.stack import (
     run_concurrent_streams,
     start_sim_server,
     wait_all_terminal,
+    wait_async,
     wait_for,
 )
 from workers.openai.agent import parse_prometheus
@@ -34,7 +35,18 @@ def workers(router: str) -> dict[str, dict]:
     return {w["id"]: w for w in httpx.get(router + "/admin/workers", timeout=10).json()["workers"]}
 
 
-def test_a_server_failing_every_generation_is_retried_around_and_its_breaker_lets_only_probes_through(spawn, flexlb_up):
+def _replays_identically(state: dict, path: str) -> dict:
+    from tests.integration.test_eventlog import export, replay_json
+
+    export(state, path)
+    rc, summary = replay_json(path)
+    assert rc == 0 and summary["errors"] == [] and summary["gaps"] == [], summary
+    assert summary["matched"] == summary["decisions"] and summary["first_divergence"] is None, summary
+    return summary
+
+
+def test_a_server_failing_every_generation_is_retried_around_and_its_breaker_lets_only_probes_through(spawn, flexlb_up,
+                                                                                                     tmp_path):
     good = [start_sim_server(spawn, "--time-scale", "0.05")[0] for _ in range(3)]
     bad, _ = start_sim_server(spawn, "--time-scale", "0.05", "--fail-generations")
     _, state = flexlb_up("--engine", "openai", *[a for url in (*good, bad) for a in ("--engine-url", url)],
@@ -73,12 +85,16 @@ def test_a_server_failing_every_generation_is_retried_around_and_its_breaker_let
     assert metric(bad, "flexlb_sim_failed_generations_total") - failed_first <= probes
     retried = [e.payload for e in envs if isinstance(e.payload, m.RequestRetried)]
     assert retried and {r.from_worker_id for r in retried} == {bad_id} and bad_id not in {r.to_worker_id for r in retried}
+    # The journal replays identically: every outcome the breakers read, every transition, every retry.
+    _replays_identically(state, str(tmp_path / "fail-fast.jsonl.gz"))
 
 
 # ------------------------------------------------------------------ migration mid-stream
-async def _kill_while_decoding(router: str, victim_pids: list[int], bodies: list[dict], between_s: float = 1.0) -> list[dict]:
+async def _kill_while_decoding(router: str, victim_pids: list[int], bodies: list[dict], between_s: float = 1.0,
+                               min_decoding: int = 0) -> list[dict]:
     """Stream `bodies`; SIGKILL each of `victim_pids` in turn (`between_s` apart) once every
-    stream has its first tokens (each is decoding, on a victim or elsewhere). -> client results."""
+    stream has its first tokens (each is decoding, on a victim or elsewhere), or with
+    `min_decoding`, once that many are decoding (have tokens, not finished). -> client results."""
     limits = httpx.Limits(max_connections=len(bodies) + 10, max_keepalive_connections=len(bodies) + 10)
     async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
         outs = [{"request_id": None, "texts": [], "finish_reason": None, "done": False, "errors": [], "status": None}
@@ -86,8 +102,8 @@ async def _kill_while_decoding(router: str, victim_pids: list[int], bodies: list
         tasks = [asyncio.create_task(_stream_into(out, client, router, b)) for out, b in zip(outs, bodies)]
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        while sum(len(o["texts"]) >= 3 for o in outs) < len(bodies):
-            assert not any(t.done() for t in tasks), "a stream ended before the kill"
+        while sum(len(o["texts"]) >= 3 and not t.done() for o, t in zip(outs, tasks)) < (min_decoding or len(bodies)):
+            assert min_decoding or not any(t.done() for t in tasks), "a stream ended before the kill"
             assert loop.time() - t0 < 90, f"{sum(bool(o['texts']) for o in outs)} of {len(bodies)} streams started in 90 s"
             await asyncio.sleep(0.05)
         for i, pid in enumerate(victim_pids):
@@ -159,7 +175,7 @@ def test_a_killed_engine_server_behind_the_openai_agent_migrates_its_streams(spa
     assert moved and {mv.from_worker_id for mv in moved} == {"w0"} and {mv.to_worker_id for mv in moved} == {"w1"}
 
 
-def test_a_request_that_would_migrate_past_the_limit_fails_with_a_code_saying_so(flexlb_up):
+def test_a_request_that_would_migrate_past_the_limit_fails_with_a_code_saying_so(flexlb_up, tmp_path):
     _, state = flexlb_up("--time-scale", "1", "--workers", "3", "--migration-limit", "1")
     router = state["router_url"]
     _ready(router, 3)
@@ -176,3 +192,108 @@ def test_a_request_that_would_migrate_past_the_limit_fails_with_a_code_saying_so
     failed = {r["request_id"] for r in results if r["errors"]}
     assert not again & failed  # what went on from w1 had not migrated before
     _assert_whole([r for r in results if not r["errors"]], [b for r, b in zip(results, bodies) if not r["errors"]])
+    _replays_identically(state, str(tmp_path / "migrations.jsonl.gz"))  # (the migrations are admissions in it)
+
+
+# ------------------------------------------------------------------ deadlines and cancellation
+async def _cancels_of(nats_url: str, rid: str) -> list:
+    return [e for e in await read_event_log(nats_url)
+            if isinstance(e.payload, (m.RequestCancelled, m.RequestTimedOut)) and e.payload.request_id == rid]
+
+
+async def _dispatched(nats_url: str, rid: str) -> bool:
+    return any(isinstance(e.payload, m.BatchDispatched) and rid in e.payload.request_ids
+               for e in await read_event_log(nats_url))
+
+
+def test_a_client_gone_or_past_its_deadline_is_stopped_where_it_is_through_the_leader_and_a_standby(flexlb_up):
+    """One worker with one engine slot (the fair queue holds the rest) behind a leader and a
+    standby. At each stage, through each router: the request is stopped where it is (the
+    leader's fair queue: never dispatched; decoding: the worker cancels it in its engine)."""
+    from tests.integration.test_fair_queue import body, waiting_at_least
+
+    _, state = flexlb_up("--workers", "1", "--time-scale", "1", "--max-num-seqs", "1", "--fair-engine-buffer", "0",
+                         "--routers", "2")
+    leader, standby = state["router_urls"]
+    nats_url = state["nats_url"]
+    _ready(leader, 1)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            async def stream_then_leave(url: str, b: dict, after_tokens: int, headers=None) -> str:
+                async with c.stream("POST", url + "/v1/completions", json=b, headers=headers or {}) as resp:
+                    rid = resp.headers["x-request-id"]
+                    n = 0
+                    async for line in resp.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= after_tokens:
+                            break
+                return rid  # (leaving the block closes the connection: the client is gone)
+
+            # Decoding, through the standby then the leader: the worker cancels it in its engine.
+            for url in (standby, leader):
+                rid = await stream_then_leave(url, body(0, f"d{url[-4:]}", max_tokens=2000), 5)
+                got = await wait_async(lambda rid=rid: _cancels_of(nats_url, rid), 20, f"{rid} cancelled at its worker")
+                assert any(e.payload.worker_id == "w0" for e in got), got
+            # Queued at the leader (its one slot busy), through the standby then the leader: out
+            # of the fair queue, never dispatched.
+            hog = asyncio.create_task(stream_then_leave(leader, body(1, "hog", max_tokens=400), 400))
+            await asyncio.sleep(1.0)
+            for i, url in enumerate((standby, leader)):
+                waiting = asyncio.create_task(c.post(url + "/v1/completions", json={**body(2 + i, "q"), "stream": False}))
+                await wait_async(lambda: waiting_at_least(leader, "standard", 1), 30, "a request in the leader's fair queue")
+                waiting.cancel()  # the client goes away
+                rid = None
+
+                async def queued_cancel():
+                    cancels = [e for e in await read_event_log(nats_url) if isinstance(e.payload, m.RequestCancelled)
+                               and e.payload.worker_id.startswith("router")]
+                    return cancels[-1] if len(cancels) > i else None
+                ev = await wait_async(queued_cancel, 20, "the leader's fair queue cancelled it")
+                rid = ev.payload.request_id
+                assert not await _dispatched(nats_url, rid)
+            # Past its deadline while decoding (X-Request-Timeout-Ms): 504-style error, stopped at the worker.
+            hog.cancel()
+            async with c.stream("POST", standby + "/v1/completions", json=body(9, "late", max_tokens=3000),
+                                headers={"x-request-timeout-ms": "1500"}) as resp:
+                rid = resp.headers.get("x-request-id")
+                text = (await resp.aread()).decode()
+            assert resp.status_code == 504 or '"timed_out"' in text, (resp.status_code, text[-300:])
+            got = await wait_async(lambda: _cancels_of(nats_url, rid), 20, f"{rid} stopped at its worker")
+            assert got
+
+    asyncio.run(run())
+
+
+def test_a_server_3x_slower_than_its_peers_gets_under_half_their_share_and_is_reported_degraded(spawn, flexlb_up):
+    urls = [start_sim_server(spawn, "--time-scale", "0.2")[0] for _ in range(3)]
+    slow, _ = start_sim_server(spawn, "--time-scale", "0.6")  # (a gray failure: thermal throttling, a noisy neighbour)
+    _, state = flexlb_up("--engine", "openai", *[a for url in (*urls, slow) for a in ("--engine-url", url)])
+    router = state["router_url"]
+    _ready(router, 4)
+
+    async def wave(i: int) -> list[dict]:
+        return await run_concurrent_streams(router, [dict(b, max_tokens=60) for b in make_bodies(40, seed=100 + i)])
+
+    async def waves(n: int, first: int = 0) -> list[dict]:
+        return [r for i in range(first, first + n) for r in await wave(i)]
+
+    # Reported degraded once the router has learned its steps (a single scale on the engine
+    # profile, learned slowly on purpose: services/core/decode_model.py), load going on meanwhile.
+    def degraded() -> list[str]:
+        results = asyncio.run(waves(2, first=50))
+        assert all(r["done"] and not r["errors"] for r in results)
+        return [wid for wid, w in workers(router).items() if w["degraded"]]
+
+    [slow_id] = wait_for(degraded, 180, "the slow server reported degraded", interval_s=0)
+    view = workers(router)
+    assert view[slow_id]["step_ratio"] >= 2.0 and all(w["step_ratio"] < 1.5 for wid, w in view.items() if wid != slow_id)
+    assert f'flexlb_worker_degraded{{worker="{slow_id}"}} 1.0' in httpx.get(router + "/metrics", timeout=5).text
+
+    # From then on it gets under half a healthy server's share.
+    before = {url: metric(url, "flexlb_sim_requests_finished_total") for url in (*urls, slow)}
+    results = asyncio.run(waves(6))
+    assert all(r["done"] and not r["errors"] for r in results)
+    got = {url: metric(url, "flexlb_sim_requests_finished_total") - before[url] for url in (*urls, slow)}
+    healthy = sum(got[u] for u in urls) / len(urls)
+    assert got[slow] < 0.5 * healthy, got

@@ -15,7 +15,7 @@ import pytest
 from schemas import messages as m
 from schemas.http import HttpError
 from schemas.tokens import ByteTokenizer
-from services.api import CompletionsFront, traceparent_of
+from services.api import CompletionsFront, timeout_of, traceparent_of
 from services.core.scheduler import Rejected
 from services.settings import RouterSettings
 
@@ -90,7 +90,8 @@ def test_the_header_becomes_the_requests_traceparent_and_a_bad_one_is_a_400():
     assert b"traceparent" in sent[1]["body"] and len(service.submitted) == 2
 
 
-@pytest.mark.parametrize("header", [b"x-flexlb-slo-ttft-ms", b"x-flexlb-slo-tpot-ms", b"x-flexlb-priority-class"])
+@pytest.mark.parametrize("header", [b"x-flexlb-slo-ttft-ms", b"x-flexlb-slo-tpot-ms", b"x-flexlb-priority-class",
+                                    b"x-request-timeout-ms"])
 @pytest.mark.parametrize("value", [b"x" * 5000, b"-" + b"9" * 5000])
 def test_a_bad_header_is_a_400_naming_it_that_echoes_at_most_40_characters_of_it(header, value):
     service = SubmitRecorder()
@@ -99,3 +100,16 @@ def test_a_bad_header_is_a_400_naming_it_that_echoes_at_most_40_characters_of_it
     assert sent[0]["status"] == 400 and body["error"]["code"] == "invalid_request" and not service.submitted
     assert header.decode() in body["error"]["message"]
     assert value[:40].decode() in body["error"]["message"] and value[:41].decode() not in body["error"]["message"]
+
+
+def test_a_client_deadline_header_is_the_requests_timeout_capped_by_the_servers():
+    service = SubmitRecorder()
+    front = CompletionsFront(service, ByteTokenizer(), app=None)
+    server_s = service.settings.request_timeout_s
+    post(front, [(b"x-request-timeout-ms", b"1500")])
+    post(front, [(b"x-request-timeout-ms", str(server_s * 1000 * 10).encode())])  # more than the server allows
+    post(front, [])
+    assert [r.timeout_s for r in service.submitted] == [1.5, server_s, None]
+    assert timeout_of(2.0, 500.0, server_s) == 0.5 and timeout_of(0.25, 500.0, server_s) == 0.25  # the sooner
+    sent = post(front, [(b"x-request-timeout-ms", b"0")])
+    assert sent[0]["status"] == 400 and len(service.submitted) == 3

@@ -141,3 +141,40 @@ def test_a_probe_cancelled_at_the_router_frees_the_next_probe():
     assert s.breakers.get("w0").state == HALF_OPEN
     s.on_terminal(probe)  # its client went away before the worker ran it
     assert s.breakers.get("w0").state == OPEN and s.breakers.admits("w0", 2001 * MS)
+
+
+# ------------------------------------------------------------------ slow workers, shown
+def report(s, wid: str, step_ms: float, now: int) -> None:
+    from tests.unit.services.core.test_scheduler import status
+
+    s.on_worker_event(status(wid, num_running_requests=8, num_free_kv_blocks=10_000 - 1024, recent_step_ms=step_ms), now)
+
+
+def test_a_worker_stepping_3x_slower_than_its_peers_is_degraded_and_recovers_when_it_is_not():
+    from services.core.scheduler import DEGRADED_RATIO
+
+    s = make_scheduler(("w0", "w1", "w2", "w3"))
+    now = 0
+    for i in range(120):  # 24 s of reports: the model weighs the newest most, and has learned it
+        now += 200 * MS
+        for wid in ("w0", "w1", "w2", "w3"):
+            report(s, wid, 90.0 if wid == "w3" else 30.0, now)
+    ratios = s.step_ratios()
+    assert ratios["w3"] >= DEGRADED_RATIO and all(0.8 < ratios[w] < 1.25 for w in ("w0", "w1", "w2")), ratios
+    for i in range(300):  # its steps are its peers' again
+        now += 200 * MS
+        for wid in ("w0", "w1", "w2", "w3"):
+            report(s, wid, 30.0, now)
+    assert s.step_ratios()["w3"] < 1.25
+
+
+def test_no_ratio_before_enough_reports_nor_in_a_pool_of_one():
+    s = make_scheduler(("w0", "w1"))
+    for i in range(5):
+        report(s, "w0", 30.0, i * MS)
+        report(s, "w1", 300.0, i * MS)
+    assert s.step_ratios() == {}
+    one = make_scheduler(("w0",))
+    for i in range(40):
+        report(one, "w0", 30.0, i * MS)
+    assert one.step_ratios() == {}
