@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -122,6 +122,13 @@ class Fleet:
         self.config, self.args, self.workdir, self.tag = config, args, workdir, tag
         self.procs: list[Proc] = []
         self.urls: list[tuple[str, int]] = []  # where the client sends
+        # Hooks for a fault harness (bench/faults.py), both unused by default: extra flags for
+        # engine i's command line (e.g. `--fail-generations`), and a function of (i, the engine's
+        # URL), called once the engines are healthy, giving the URL the router (or agent) is
+        # handed for engine i instead (e.g. a proxy's in front of it; /metrics and /health
+        # are still read from the engine itself).
+        self.engine_args: dict[int, list[str]] = {}
+        self.engine_front: Callable[[int, str], str] | None = None
 
     def commands(self) -> list[str]:
         return [shlex.join(p.argv) for p in self.procs]
@@ -313,6 +320,9 @@ class SimFleet(Fleet):
         deadline = time.monotonic() + a.startup_timeout_s
         for url in self.engine_urls:
             wait_http(url + "/health", deadline, engines, lambda s, _: s == 200)
+        # what the router (or FlexLB's agents) is given for each engine (engine_front's, or its own URL)
+        self.router_engine_urls = [self.engine_front(i, url) if self.engine_front else url
+                                   for i, url in enumerate(self.engine_urls)]
         return deadline
 
     def engine_argv(self, base: list[str], i: int, role: str | None, port: int, events: list[str]) -> list[str]:
@@ -321,7 +331,8 @@ class SimFleet(Fleet):
         return [*base, "--port", str(port), "--worker-id", f"w{i}", "--time-scale", f"{a.time_scale:g}",
                 *(["--role", role] if role else []), *(["--host", "127.0.0.1"] if a.sim_server_has_host else []),
                 *engine_flags(a, self.config.engine_mode), *events,
-                *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else [])]
+                *(["--model-name", a.model_name] if a.model_name != "flexlb-sim" else []),
+                *self.engine_args.get(i, [])]
 
     def start(self) -> None:
         a = self.args
@@ -330,18 +341,18 @@ class SimFleet(Fleet):
         deadline = self.start_engines()
         kind = self.config.kind
         if kind == "direct":
-            self.urls = [("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in self.engine_urls]
+            self.urls = [("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in self.router_engine_urls]
             return
         port, prom_port = free_port(), free_port()
         module = "sglang_router.launch_router" if kind == "sglang" else "vllm_router.launch_router"
         if pd:  # each prefill engine's own HTTP port is its bootstrap port (workers/sim_server/http.py)
             fleet = ["--pd-disaggregation"]
-            for url in self.engine_urls[:pd[0]]:
-                fleet += ["--prefill", url, url.rsplit(":", 1)[1]]
-            for url in self.engine_urls[pd[0]:]:
+            for url, own in zip(self.router_engine_urls[:pd[0]], self.engine_urls[:pd[0]]):
+                fleet += ["--prefill", url, own.rsplit(":", 1)[1]]
+            for url in self.router_engine_urls[pd[0]:]:
                 fleet += ["--decode", url]
         else:
-            fleet = ["--worker-urls", *self.engine_urls]
+            fleet = ["--worker-urls", *self.router_engine_urls]
         argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
                 *fleet, "--policy", self.config.policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port),
@@ -450,7 +461,7 @@ class AdapterFleet(SimFleet, FlexlbFleet):
     def start(self) -> None:
         self.start_engines(kv_events=True)
         flags = ["--engine", "openai"]
-        for url, (pub, replay) in zip(self.engine_urls, self.kv_endpoints):
+        for url, (pub, replay) in zip(self.router_engine_urls, self.kv_endpoints):
             flags += ["--engine-url", url, "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
         self.start_up(flags)
 
