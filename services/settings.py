@@ -360,6 +360,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             model_name=self.model_name, fairness=self.fair_admission_config(),
             breaker=BreakerParams(failures_to_open=self.breaker_failures, open_ms=self.breaker_open_s * 1000.0,
                                   max_open_ms=self.breaker_max_open_s * 1000.0),
+            end_unprefilled_batches=True,
         )
 
     def fair_admission_config(self):

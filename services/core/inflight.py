@@ -3,7 +3,10 @@
 The Redis ledger (services/shell/ledger.py) is the durable, shared record; this mirror is
 what routing reads, folded from the same facts without I/O:
 - a prefill batch enters at dispatch with its predicted ms, is marked started by
-  `batch.started`, and leaves at `prefill.completed` (returned, so the predictor can learn);
+  `batch.started`, and leaves at `prefill.completed` (returned, so the predictor can learn),
+  or when every member has ended without it (`member_ended`: they failed, were cancelled or
+  moved before their prefill was reported; a batch kept then would hold its worker under
+  backpressure for good: a server that fails every request fast kept its queue held);
 - a decode reservation (hard KV = prompt tokens, expected KV = prompt + min(max_tokens, cap))
   enters at dispatch and leaves at the request's terminal event. Once the worker's status
   report lists the request as running, its KV is inside the reported numbers and the
@@ -29,6 +32,7 @@ class InflightBatch:
     members: list[tuple[int, int]]  # (prompt tokens, predicted cached tokens) per request
     dispatched_ns: int
     started_ns: int | None = None
+    num_ended: int = 0  # members that reached their terminal outcome before the batch's prefill was reported
 
 
 @dataclass
@@ -80,6 +84,7 @@ class InflightLedger:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerInflight] = {}
         self.request_to_worker: dict[str, str] = {}  # request id -> decode worker id
+        self.request_to_batch: dict[str, tuple[str, str]] = {}  # request id -> (worker, batch) while that batch is inflight
 
     def worker(self, worker_id: str) -> WorkerInflight:
         """The worker's entry, created empty if absent (removed only by remove_worker)."""
@@ -97,6 +102,8 @@ class InflightLedger:
         if batch.batch_id in w.batches:
             return False
         w.batches[batch.batch_id] = batch
+        for rid in batch.request_ids:
+            self.request_to_batch[rid] = (batch.worker_id, batch.batch_id)
         w.num_batch_requests += len(batch.request_ids)
         w.predicted_ms_total += batch.predicted_ms
         if batch.started_ns is not None and (w.earliest_started_ns is None or batch.started_ns < w.earliest_started_ns):
@@ -119,11 +126,27 @@ class InflightLedger:
             return None
         b = w.batches.pop(batch_id, None)
         if b is not None:
+            for rid in b.request_ids:
+                if self.request_to_batch.get(rid) == (worker_id, batch_id):
+                    del self.request_to_batch[rid]
             w.num_batch_requests -= len(b.request_ids)
             # Re-summed rather than subtracted, so float error never accumulates (O(batches), once per batch).
             w.predicted_ms_total = sum(x.predicted_ms for x in w.batches.values())
             w.earliest_started_ns = min((x.started_ns for x in w.batches.values() if x.started_ns is not None), default=None)
         return b
+
+    def member_ended(self, request_id: str) -> InflightBatch | None:
+        """A request ended: if its prefill batch is still inflight (its prefill not reported)
+        and every member has now ended, the batch leaves (returned; nothing to learn from)."""
+        where = self.request_to_batch.pop(request_id, None)
+        if where is None:
+            return None
+        w = self.workers.get(where[0])
+        b = w.batches.get(where[1]) if w is not None else None
+        if b is None:
+            return None
+        b.num_ended += 1
+        return self.complete_batch(*where) if b.num_ended >= len(b.request_ids) else None
 
     # ---------------------------------------------------------------- decode reservations
     def reserve(self, r: DecodeReservation) -> bool:
@@ -180,6 +203,10 @@ class InflightLedger:
         if w is not None:
             for rid in w.reservations:
                 self.request_to_worker.pop(rid, None)
+            for b in w.batches.values():
+                for rid in b.request_ids:
+                    if self.request_to_batch.get(rid) == (worker_id, b.batch_id):
+                        del self.request_to_batch[rid]
         return w
 
     # ---------------------------------------------------------------- queries

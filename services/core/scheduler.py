@@ -143,6 +143,12 @@ class SchedulerConfig:
     # Per-worker circuit breakers (services/core/breaker.py). (A journal recorded before them
     # replays with the defaults: it has no on_outcome call, so every breaker stays closed.)
     breaker: BreakerParams = field(default_factory=BreakerParams)
+    # A prefill batch whose members all ended before its prefill was reported (they failed
+    # fast, were cancelled or moved: the worker reports no prefill for them) leaves its worker's
+    # inflight mirror then (inflight.py member_ended); kept, it held the worker under
+    # backpressure for good. False: kept until the worker is gone, as journals recorded before
+    # this field did (they replay as recorded); the router sets True (services/settings.py).
+    end_unprefilled_batches: bool = False
 
     def validate(self) -> "SchedulerConfig":
         if self.prefix_index not in ("exact", "approximate"):
@@ -329,6 +335,10 @@ class Scheduler:
             self.fair.settle(request_id, num_output_tokens)
         if self.breakers.num_not_closed:
             self.breakers.ended(request_id)  # (a probe whose worker reported no outcome)
+        if self.config.end_unprefilled_batches:
+            gone = self.ledger.member_ended(request_id)  # (its batch, once every member ended unprefilled)
+            if gone is not None and gone.worker_id in self.batchers:
+                self.batchers[gone.worker_id].invalidate()
         self.ledger.release(request_id)
         self.queued.pop(request_id, None)
         if request_id in self.inflight:

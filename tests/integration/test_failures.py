@@ -151,24 +151,24 @@ def test_kill_9_a_sim_worker_while_64_streams_decode_and_every_stream_completes_
     assert all(3 <= mv.num_tokens_carried < 150 for mv in moved)
 
 
-def test_kill_9_a_decode_worker_of_1p2d_while_streams_decode_and_every_stream_completes_whole(flexlb_up):
+def test_kill_9_a_decode_worker_of_1p2d_while_64_streams_decode_and_every_stream_completes_whole(flexlb_up):
     _, state = flexlb_up("--time-scale", "1", "--prefill", "1", "--decode", "2")
     router = state["router_url"]
     _ready(router, 3)
     victim = next(wid for wid, w in sorted(workers(router).items()) if w["role"] == "decode")
-    bodies = [dict(b, max_tokens=150) for b in make_bodies(32, seed=65)]
+    bodies = [dict(b, max_tokens=150) for b in make_bodies(64, seed=65)]
     results = asyncio.run(_kill_while_decoding(router, [state["pids"][f"worker-{victim}"]], bodies))
     _assert_whole(results, bodies)
     moved = _settled(router, state["nats_url"], results, bodies)
     assert moved and {mv.from_worker_id for mv in moved} == {victim} and victim not in {mv.to_worker_id for mv in moved}
 
 
-def test_a_killed_engine_server_behind_the_openai_agent_migrates_its_streams(spawn, flexlb_up):
+def test_a_killed_engine_server_behind_the_openai_agent_migrates_its_64_streams(spawn, flexlb_up):
     (url_a, proc_a), (url_b, _) = (start_sim_server(spawn, "--time-scale", "1") for _ in range(2))
     _, state = flexlb_up("--engine", "openai", "--engine-url", url_a, "--engine-url", url_b)
     router = state["router_url"]
     _ready(router, 2)
-    bodies = [dict(b, max_tokens=150) for b in make_bodies(48, seed=66)]
+    bodies = [dict(b, max_tokens=150) for b in make_bodies(64, seed=66)]
     results = asyncio.run(_kill_while_decoding(router, [proc_a.popen.pid], bodies))
     _assert_whole(results, bodies)
     moved = _settled(router, state["nats_url"], results, bodies)
@@ -297,3 +297,48 @@ def test_a_server_3x_slower_than_its_peers_gets_under_half_their_share_and_is_re
     got = {url: metric(url, "flexlb_sim_requests_finished_total") - before[url] for url in (*urls, slow)}
     healthy = sum(got[u] for u in urls) / len(urls)
     assert got[slow] < 0.5 * healthy, got
+
+
+def test_a_client_gone_in_the_batch_window_or_in_prefill_is_stopped_there_through_the_leader_and_a_standby(flexlb_up):
+    """The two stages the test above does not reach: a batch window held open (fixed-window,
+    4 s), where the request is taken out before dispatch, and a long prefill, where the worker
+    stops it in its engine before its first token."""
+    _, state = flexlb_up("--workers", "1", "--time-scale", "1", "--routers", "2", "--batcher", "fixed-window",
+                         "--batch-wait-ms", "4000", "--batch-size-max", "64")
+    leader, standby = state["router_urls"]
+    nats_url = state["nats_url"]
+    _ready(leader, 1)
+
+    names = iter(range(1000))
+
+    async def leave_after(c: httpx.AsyncClient, url: str, body: dict, until) -> str:
+        """Stream `body` (its id ours), leave (close the connection) once `until(request id)`
+        holds, whether or not its response has started (a stream's starts at its dispatch)."""
+        rid = f"leaver-{next(names)}"
+        task = asyncio.create_task(c.post(url + "/v1/completions", json={**body, "stream": True},
+                                          headers={"x-request-id": rid}))
+        await wait_async(lambda: until(rid), 20, f"{rid} at the stage")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return rid
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            # In the batch window: never dispatched, cancelled at the leader (whichever router the client used).
+            for url in (standby, leader):
+                async def queued(rid: str) -> bool:  # the leader has it (in its batch window: 4 s)
+                    return (await c.get(leader + f"/admin/requests/{rid}")).status_code == 200
+                rid = await leave_after(c, url, {"prompt": f"window {url[-5:]}", "max_tokens": 50}, queued)
+                got = await wait_async(lambda rid=rid: _cancels_of(nats_url, rid), 20, f"{rid} cancelled in the window")
+                assert got[0].payload.worker_id.startswith("router"), got
+                await asyncio.sleep(4.5)  # past the window: had it stayed, it would have gone
+                assert not await _dispatched(nats_url, rid)
+            # In prefill (a 6,000-token prompt, about half a second of it): stopped at the worker
+            # before its first token.
+            for i, url in enumerate((standby, leader)):
+                rid = await leave_after(c, url, {"prompt": f"{i} " + "p" * 6000, "max_tokens": 50},
+                                        lambda rid: _dispatched(nats_url, rid))
+                got = await wait_async(lambda rid=rid: _cancels_of(nats_url, rid), 20, f"{rid} cancelled in prefill")
+                assert any(e.payload.worker_id == "w0" for e in got), got
+
+    asyncio.run(run())

@@ -178,3 +178,30 @@ def test_no_ratio_before_enough_reports_nor_in_a_pool_of_one():
     for i in range(40):
         report(one, "w0", 30.0, i * MS)
     assert one.step_ratios() == {}
+
+
+def test_a_batch_whose_members_all_failed_before_its_prefill_leaves_its_worker():
+    """A server that fails every request fast reports no prefill for its batches: each leaves
+    once its last member has ended, so the worker is not held under backpressure for good."""
+    s = make_scheduler(("w0", "w1"), end_unprefilled_batches=True)
+    for i in range(4):
+        s.admit(req(f"r{i}"), 0)
+    batches = s.tick(5 * MS).batches
+    on_w0 = next(b for b in batches if b.worker_id == "w0")
+    first, second = [i.request_id for i in on_w0.items]
+    s.on_outcome(first, "w0", False, "upstream_error", "500", 6 * MS)
+    s.on_terminal(first)
+    assert s.ledger.num_inflight_batches("w0") == 1  # one member still running
+    s.on_terminal(second)
+    assert s.ledger.num_inflight_batches("w0") == 0 and s.ledger.wait_ms("w0", 7 * MS) == 0.0
+    assert s.ledger.num_inflight_batches("w1") == 1 and not s.ledger.request_to_batch.keys() & {first, second}
+    on_w1 = next(b for b in batches if b.worker_id == "w1")
+    assert s.on_prefill_completed("w1", on_w1.batch_id, 10.0, 0) is not None  # the normal way out, unchanged
+    assert not s.ledger.request_to_batch
+    old = make_scheduler(("w0", "w1"))  # a journal recorded before: replayed as it was (kept)
+    for i in range(2):
+        old.admit(req(f"r{i}"), 0)
+    [b0, _] = sorted(old.tick(5 * MS).batches, key=lambda b: b.worker_id)
+    for item in b0.items:
+        old.on_terminal(item.request_id)
+    assert old.ledger.num_inflight_batches("w0") == 1
