@@ -405,7 +405,7 @@ def _explain_journal(records: list[m.Envelope], rid: str) -> list[Step]:
                     steps.append(Step(rec.now_ns, "journal", "failed_in_queue", {"code": code}))
         elif rec.op == "sync" and (rid in out["orphans"] or (assigned and assigned & set(out["dead"]))):
             steps.append(Step(rec.now_ns, "journal", "worker_died", {"dead": out["dead"], "expired": out["expired"],
-                                                                      "then": "re-route or fail (retryable)"}))
+                                                                      "then": "re-route, migrate or retry; else fail (retryable)"}))
             assigned = set()
         elif rec.op == "remove_worker" and rid in out["orphans"]:
             steps.append(Step(now, "journal", "worker_removed", {"worker": rec.args["worker_id"]}))

@@ -6,6 +6,7 @@ its /health and /metrics stay fine."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections import Counter
@@ -192,7 +193,14 @@ def test_a_request_that_would_migrate_past_the_limit_fails_with_a_code_saying_so
     failed = {r["request_id"] for r in results if r["errors"]}
     assert not again & failed  # what went on from w1 had not migrated before
     _assert_whole([r for r in results if not r["errors"]], [b for r, b in zip(results, bodies) if not r["errors"]])
-    _replays_identically(state, str(tmp_path / "migrations.jsonl.gz"))  # (the migrations are admissions in it)
+    path = str(tmp_path / "migrations.jsonl.gz")
+    _replays_identically(state, path)  # (the migrations are admissions in it)
+    from tests.integration.test_eventlog import flexlb
+
+    res = flexlb("explain", next(iter(again)), "--file", path, "--json")  # explain shows the migration
+    assert res.returncode == 0, res.stderr
+    what = [step["what"] for step in json.loads(res.stdout)["timeline"]]
+    assert "request.migrated" in what and what.count("admitted") >= 2, what
 
 
 # ------------------------------------------------------------------ deadlines and cancellation
