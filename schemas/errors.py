@@ -29,6 +29,8 @@ _CODES = [
     ErrorCode("adapter_not_found", 404, False),  # a LoRA adapter the worker cannot load
     ErrorCode("model_not_found", 404, False),  # a request names a model no worker serves (nor the default)
     ErrorCode("unauthorized", 401, False),
+    # API keys are configured and the request has none, or one that is not known.
+    ErrorCode("invalid_api_key", 401, False),
     ErrorCode("conflict", 409, False),
     ErrorCode("queue_timeout", 504, True),
     ErrorCode("timed_out", 504, True),

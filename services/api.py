@@ -31,11 +31,13 @@ chat template's rendering. The router never decodes ids: output text comes from 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import math
 import re
 import time
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -95,17 +97,30 @@ RETRY_AFTER_CODES = frozenset([c.code for c in ERROR_CODES.values() if c.retryab
 DEFAULT_RETRY_AFTER_MS = 1000
 
 
-def tenant_of(settings, authorization: str | None, header: str | None) -> str:
-    """A request's tenant: its API key's in `tenant_api_keys`, else the tenant header's value
-    (when `tenant_header` is set; the API ignores it otherwise), else "" (the default tenant).
-    A tenant names a metrics label and a journal field: 1-64 characters of [A-Za-z0-9._:-]."""
-    if authorization and settings.tenant_api_keys:
-        scheme, _, key = authorization.partition(" ")
-        tenant = settings.tenant_api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
-        if tenant is not None:
+def key_digests(keys: Mapping[str, str]) -> dict[bytes, str]:
+    """API key -> tenant, kept as SHA-256 digest -> tenant: the keys themselves are not kept
+    past start-up, and a lookup compares digests (a dict probe on a digest tells a timing
+    observer nothing about how near a guess came to a key)."""
+    return {hashlib.sha256(k.encode()).digest(): t for k, t in keys.items()}
+
+
+def tenant_of(settings, authorization: str | None, header: str | None, digests: Mapping[bytes, str] | None = None) -> str:
+    """A request's tenant (settings.py, `tenant_header`). With API keys configured (`digests`,
+    from key_digests): its key's, the key required (401 invalid_api_key without one, or with
+    an unknown one), the tenant header ignored unless `trust_tenant_header` (a trusted gateway
+    names the tenant). Without keys: the tenant header's value (when `tenant_header` is set),
+    else "" (the default tenant). A tenant names a metrics label and a journal field: 1-64
+    characters of [A-Za-z0-9._:-]."""
+    if digests:
+        scheme, _, key = (authorization or "").partition(" ")
+        tenant = digests.get(hashlib.sha256(key.strip().encode()).digest()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise HttpError("invalid_api_key", "a valid API key is required (Authorization: Bearer <key>)"
+                            if not authorization else "the API key is not valid")
+        if not settings.trust_tenant_header:
             return tenant
     if header is None or not settings.tenant_header:
-        return ""
+        return tenant if digests else ""
     if not _TENANT_RE.fullmatch(header):
         raise HttpError("invalid_request", f"{settings.tenant_header} must be 1-64 characters of A-Z a-z 0-9 . _ : -, "
                                            f"got {header[:80]!r}")
@@ -371,6 +386,7 @@ class CompletionsFront:
         self.service, self.settings, self.tokenizer, self.app = service, service.settings, tokenizer, app
         self.chat_templates = chat_templates
         self.tenant_header = self.settings.tenant_header.lower().encode("latin-1") or None  # (ASGI names are lower case)
+        self.key_digests = key_digests(self.settings.tenant_api_keys)  # (tenant_of)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] not in self.PATHS:
@@ -439,7 +455,7 @@ class CompletionsFront:
                 validate_token("request_id", request_id)
             slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(slo_ttft_raw, "x-flexlb-slo-ttft-ms")
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
-            tenant = tenant_of(settings, api_key, tenant_raw)
+            tenant = tenant_of(settings, api_key, tenant_raw, self.key_digests)
             priority_class = req.priority_class or priority_class_header(class_raw)
             traceparent = traceparent_of(traceparent_raw)
             timeout_s = timeout_of(req.timeout_s, _header_ms(timeout_raw, "x-request-timeout-ms"), settings.request_timeout_s)

@@ -103,7 +103,13 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
                                            "'' ignores client-sent tenant headers)")
     p.add_argument("--scheduling-pool", help="lead this pool (model) only: its own lease and ledger; requests for "
                                              "other pools go to their leaders (default: lead every pool)")
-    p.add_argument("--tenant-api-keys", help="JSON object: API key (Authorization: Bearer) -> tenant; wins over the header")
+    p.add_argument("--tenant-api-keys-file", help="a JSON file: API key (Authorization: Bearer) -> tenant. With keys set "
+                                                  "(this file, or FLEXLB_TENANT_API_KEYS; never a flag: a command line "
+                                                  "is readable by every local user) every request needs a known key, "
+                                                  "and its tenant is the key's")
+    p.add_argument("--trust-tenant-header", action="store_true", default=None,
+                   help="with API keys set, take the tenant from the tenant header when a request has one (only behind "
+                        "a trusted gateway that authenticates clients and sets it; default: ignored)")
     p.add_argument("--log-level", help="debug | info | warning | error")
 
 
@@ -180,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexlb", description="FlexLB control plane for LLM inference clusters")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run NATS, Redis, a router and simulated workers on this machine")
+    # (allow_abbrev off: `--tenant-api-keys KEYS`, the old flag, must not pass for --tenant-api-keys-file)
+    up = sub.add_parser("up", help="run NATS, Redis, a router and simulated workers on this machine", allow_abbrev=False)
     _add_router_flags(up)
     _add_worker_flags(up, many_servers=True)
     up.add_argument("--workers", type=int, help="colocated pd_fusion workers of the default model (default 2; 0 with --pool)")
@@ -210,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "routers find the primary through the sentinels (FLEXLB_REDIS_SENTINELS) and follow a failover")
     up.add_argument("--redis-port", type=int, help="port for the started redis-server (default: a free one)")
 
-    router = sub.add_parser("router", help="run one router process")
+    router = sub.add_parser("router", help="run one router process", allow_abbrev=False)
     _add_router_flags(router)
     router.add_argument("--drain-timeout-s", type=float,
                         help="on SIGTERM: hand leadership over at once, stop listening and relay the streams already "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from typing import Any, Mapping
 
 import msgspec
@@ -80,6 +81,8 @@ SHIPPED_BATCHER = "slo-budget"
 # 13.3 / 14.5 req/s 0.925 / 0.865 without that limit, 0.935 / 0.890 with it (0.937 / 0.894
 # without the stall hold); Azure code unchanged or better (0.964 / 0.938 vLLM-like at 6.37 /
 # 7.16 req/s against 0.964 / 0.897; prefill-first 0.951 / 0.902 against 0.933 / 0.920).
+TENANT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a tenant names a metrics label and a journal field
+SECRET_SETTINGS = frozenset({"tenant_api_keys", "admin_token"})  # never echoed in an error
 SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.2,
                              "give_way_tpot_ratio": 0.9, "give_way_prefill_ratio": 1.5,
                              "give_way_cheap_tpot_ratio": 0.95, "stall_hold": 1.0, "stall_hold_headroom": 0.8}
@@ -201,12 +204,16 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # retry_after_ms, default_weight.
     fairness_params: dict[str, Any] = {}
     tenant_weights: dict[str, float] = {}  # tenant -> its weight in its class's fair share (default 1)
-    # Where a request's tenant comes from: `tenant_api_keys` (the client's API key, from
-    # `Authorization: Bearer <key>`, -> tenant) first, then this header; "" ignores any
-    # client-sent tenant header (behind a gateway that maps keys itself, or to stop clients
-    # naming their own tenant). Neither: the tenant "default".
+    # Where a request's tenant comes from. With `tenant_api_keys` set (API key -> tenant; from
+    # FLEXLB_TENANT_API_KEYS or `tenant_api_keys_file`, never a command line), every request
+    # needs a known key (`Authorization: Bearer <key>`; else 401 invalid_api_key) and its
+    # tenant is the key's: this header is ignored unless `trust_tenant_header` (a trusted
+    # gateway in front, which authenticates clients and names their tenant, sets it). Without
+    # keys: this header's value; "" ignores any client-sent tenant header. Neither: "default".
     tenant_header: str = "x-flexlb-tenant"
     tenant_api_keys: dict[str, str] = {}
+    tenant_api_keys_file: str = ""  # a JSON object (key -> tenant), merged into tenant_api_keys
+    trust_tenant_header: bool = False
     log_level: str = "info"
     # On SIGTERM: give the lease up at once (a standby leads), stop listening, and relay the
     # streams already open for up to this long (a second signal ends the wait); 0: cut them.
@@ -255,6 +262,13 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self._apply_scheduling_config()
         if not self.http_keep_alive_s > 0:
             raise SettingsError(f"setting http_keep_alive_s must be > 0, got {self.http_keep_alive_s!r}")
+        if self.tenant_api_keys_file:
+            self._load_tenant_api_keys()
+        for key, tenant in self.tenant_api_keys.items():
+            if not key or not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+                # (never the key itself: it is a secret)
+                raise SettingsError(f"tenant_api_keys: every key must be non-empty and map to a tenant of 1-64 characters "
+                                    f"of A-Z a-z 0-9 . _ : -, got tenant {str(tenant)[:80]!r}")
         if self.retry_limit < 0 or self.breaker_failures < 0 or self.migration_limit < 0:
             raise SettingsError(f"settings retry_limit, migration_limit and breaker_failures must be >= 0 (0: off), got "
                                 f"{self.retry_limit!r}, {self.migration_limit!r} and {self.breaker_failures!r}")
@@ -337,6 +351,15 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             setattr(self, f"{stage}_policy", "pipeline")
             setattr(self, f"{stage}_policy_params", section)
 
+    def _load_tenant_api_keys(self) -> None:
+        try:
+            with open(self.tenant_api_keys_file, "rb") as f:
+                keys = msgspec.json.decode(f.read(), type=dict[str, str])
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise SettingsError(f"tenant_api_keys_file {self.tenant_api_keys_file!r} is not a readable JSON object of "
+                                f"key -> tenant: {exc.__class__.__name__}") from None
+        self.tenant_api_keys = {**self.tenant_api_keys, **keys}
+
     def scheduler_config(self):
         from services.core.breaker import BreakerParams
         from services.core.predictor import PredictorParams, PrefillCoefficients
@@ -418,14 +441,16 @@ def load(
             try:
                 raw[key] = msgspec.json.decode(raw[key])
             except msgspec.DecodeError as exc:
-                raise SettingsError(f"{origin[key]} must be a JSON object: {exc}") from None
+                raise SettingsError(f"{origin[key]} must be a JSON object: "
+                                    f"{'(not shown: a secret)' if key in SECRET_SETTINGS else exc}") from None
     try:
         obj = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as exc:
         text = str(exc)
         for key, where in origin.items():
             if f"$.{key}" in text:
-                raise SettingsError(f"bad value {raw[key]!r} for {where}: {text}") from None
+                shown = "(not shown: a secret)" if key in SECRET_SETTINGS else repr(raw[key])
+                raise SettingsError(f"bad value {shown} for {where}: {text}") from None
         raise SettingsError(text) from None
     validate = getattr(obj, "validate", None)
     return validate() if validate else obj

@@ -388,7 +388,7 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--fairness-params", json.dumps(settings.fairness_params),
                             "--tenant-weights", json.dumps(settings.tenant_weights),
                             "--tenant-header", settings.tenant_header,
-                            "--tenant-api-keys", json.dumps(settings.tenant_api_keys),
+                            *(["--trust-tenant-header"] if settings.trust_tenant_header else []),
                             "--retry-limit", str(settings.retry_limit),
                             "--migration-limit", str(settings.migration_limit), "--breaker-failures", str(settings.breaker_failures),
                             "--breaker-open-s", str(settings.breaker_open_s),
@@ -403,7 +403,9 @@ def run_up(args, settings: RouterSettings) -> int:
             led = pools[i % len(pools)][0] if args.leader_per_pool else ""
             if led:
                 router_flags += ["--scheduling-pool", led]
-            children["router" if i == 0 else f"router-{i}"] = _child(router_flags, env)
+            # API keys go by environment, never on a command line (readable in /proc/*/cmdline)
+            router_env = {**env, "FLEXLB_TENANT_API_KEYS": json.dumps(settings.tenant_api_keys)} if settings.tenant_api_keys else env
+            children["router" if i == 0 else f"router-{i}"] = _child(router_flags, router_env)
             if args.http_workers > 1:
                 http_worker_urls.append(f"http://{settings.host}:{own_port}")
                 if i == 0:

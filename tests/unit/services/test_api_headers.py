@@ -113,3 +113,74 @@ def test_a_client_deadline_header_is_the_requests_timeout_capped_by_the_servers(
     assert timeout_of(2.0, 500.0, server_s) == 0.5 and timeout_of(0.25, 500.0, server_s) == 0.25  # the sooner
     sent = post(front, [(b"x-request-timeout-ms", b"0")])
     assert sent[0]["status"] == 400 and len(service.submitted) == 3
+
+
+# ------------------------------------------------------------------ identity (issue 37, first part)
+def keyed(trust: bool = False) -> SubmitRecorder:
+    service = SubmitRecorder()
+    service.settings = RouterSettings(tenant_api_keys={"k-alpha": "alpha", "k-beta": "beta"},
+                                      trust_tenant_header=trust).validate()
+    return service
+
+
+@pytest.mark.parametrize("headers", [
+    [],  # no key
+    [(b"authorization", b"Bearer nope")],  # an unknown key
+    [(b"authorization", b"k-alpha")],  # no scheme
+    [(b"authorization", b"Basic k-alpha")],
+    [(b"x-flexlb-tenant", b"alpha")],  # a tenant header alone is no identity
+])
+def test_with_api_keys_set_a_request_without_a_known_key_is_401_whatever_tenant_it_names(headers):
+    service = keyed()
+    sent = post(CompletionsFront(service, ByteTokenizer(), app=None), headers)
+    body = json.loads(sent[1]["body"])
+    assert sent[0]["status"] == 401 and body["error"]["code"] == "invalid_api_key" and not service.submitted
+    assert b"k-alpha" not in sent[1]["body"]  # nothing of a key echoed
+
+
+def test_the_tenant_is_the_keys_and_the_header_counts_only_behind_a_trusted_gateway():
+    service = keyed()
+    front = CompletionsFront(service, ByteTokenizer(), app=None)
+    post(front, [(b"authorization", b"Bearer k-alpha"), (b"x-flexlb-tenant", b"beta")])
+    post(front, [(b"authorization", b"bearer k-beta")])
+    assert [r.tenant for r in service.submitted] == ["alpha", "beta"]
+    assert "k-alpha" not in front.key_digests.values() and all(len(d) == 32 for d in front.key_digests)  # digests kept
+    gateway = keyed(trust=True)
+    front = CompletionsFront(gateway, ByteTokenizer(), app=None)
+    post(front, [(b"authorization", b"Bearer k-alpha"), (b"x-flexlb-tenant", b"beta")])
+    post(front, [(b"authorization", b"Bearer k-alpha")])
+    assert [r.tenant for r in gateway.submitted] == ["beta", "alpha"]
+
+
+def test_without_keys_the_header_names_the_tenant_as_before():
+    service = SubmitRecorder()
+    post(CompletionsFront(service, ByteTokenizer(), app=None), [(b"x-flexlb-tenant", b"gamma")])
+    assert [r.tenant for r in service.submitted] == ["gamma"]
+
+
+def test_keys_come_from_a_file_or_the_environment_and_a_bad_one_is_refused_without_showing_it(tmp_path):
+    from services.settings import SettingsError, load
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k-file": "filed"}))
+    s = load(RouterSettings, {"FLEXLB_TENANT_API_KEYS": json.dumps({"k-env": "envd"}),
+                              "FLEXLB_TENANT_API_KEYS_FILE": str(path)})
+    assert s.tenant_api_keys == {"k-env": "envd", "k-file": "filed"}
+    with pytest.raises(SettingsError) as err:
+        load(RouterSettings, {"FLEXLB_TENANT_API_KEYS": '{"sekrit-key": "bad tenant!"}'})
+    assert "sekrit-key" not in str(err.value)
+    with pytest.raises(SettingsError) as err:
+        load(RouterSettings, {"FLEXLB_TENANT_API_KEYS": '{"sekrit-key": '})
+    assert "sekrit" not in str(err.value)
+    (tmp_path / "bad.json").write_text('{"sekrit-key": 5}')
+    with pytest.raises(SettingsError) as err:
+        load(RouterSettings, {"FLEXLB_TENANT_API_KEYS_FILE": str(tmp_path / "bad.json")})
+    assert "sekrit" not in str(err.value)
+
+
+def test_keys_are_never_a_command_line_flag():
+    from services.cli import build_parser
+
+    for command in ("router", "up"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--tenant-api-keys", '{"k": "t"}'])
