@@ -69,6 +69,8 @@ MAX_STOP_CHARS = 1024
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
 
+MAX_MODEL_NAME_BYTES = 256  # a longer model name is refused (400)
+
 def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: str):
     """A request body decoded by `decoder`; HttpError invalid_request otherwise. `wants` says
     what an empty body lacks. (Its `model` picks a pool: the scheduler refuses one no worker
@@ -81,6 +83,8 @@ def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: 
         raise HttpError("invalid_request", f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
+    except RecursionError:  # (msgspec's own bound on nesting, about 1,000 levels: a 400, not a 500 and a traceback)
+        raise HttpError("invalid_request", "invalid JSON: nested too deeply") from None
     return req
 
 
@@ -94,7 +98,12 @@ def check_options(req, settings) -> None:
     if req.priority is not None and not 1 <= req.priority <= 100:
         raise HttpError("invalid_request", f"priority must be in 1..100, got {req.priority}")
     if req.priority_class is not None and req.priority_class not in CLASSES:
-        raise HttpError("invalid_request", f"priority_class must be one of {', '.join(CLASSES)}, got {req.priority_class!r}")
+        raise HttpError("invalid_request", f"priority_class must be one of {', '.join(CLASSES)}, got {req.priority_class[:40]!r}")
+    model = getattr(req, "model", None)
+    if model is not None and (len(model.encode()) > MAX_MODEL_NAME_BYTES or any(c < " " or c == "\x7f" for c in model)):
+        # (a model name becomes a metrics label, an event field and a log line: bounded, printable)
+        raise HttpError("invalid_request", f"model must be at most {MAX_MODEL_NAME_BYTES} bytes without control "
+                                           f"characters, got {model[:40]!r}")
     if req.timeout_s is not None and not (0 < req.timeout_s <= settings.request_timeout_s):
         raise HttpError("invalid_request", f"timeout_s must be in (0, {settings.request_timeout_s}], got {req.timeout_s}")
     for name in ("slo_ttft_ms", "slo_tpot_ms"):

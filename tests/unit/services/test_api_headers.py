@@ -184,3 +184,47 @@ def test_keys_are_never_a_command_line_flag():
     for command in ("router", "up"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--tenant-api-keys", '{"k": "t"}'])
+
+
+# ------------------------------------------------------------------ bounded input (issue 37, part of Build 3)
+def post_body(front: CompletionsFront, body: bytes, chat: bool = False) -> list[dict]:
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/chat/completions" if chat else "/v1/completions", "method": "POST",
+             "headers": [(b"content-length", str(len(body)).encode())]}
+    asyncio.run(front.completions(scope, receive, send, chat=chat))
+    return sent
+
+
+@pytest.mark.parametrize("model", ["m" * 257, "bad\x00model", "tab\tmodel", "del\x7f"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_long_or_unprintable_model_name_is_a_400_echoing_at_most_40_characters(model, chat):
+    from schemas.chat_template import ChatTemplates
+
+    service = SubmitRecorder()
+    front = CompletionsFront(service, ByteTokenizer(), app=None, chat_templates=ChatTemplates.builtin())
+    body = {"model": model, "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    sent = post_body(front, json.dumps(body).encode(), chat)
+    err = json.loads(sent[1]["body"])["error"]
+    assert sent[0]["status"] == 400 and err["code"] == "invalid_request" and "model" in err["message"], err
+    assert len(err["message"]) < 200 and not service.submitted
+    ok = post_body(front, json.dumps({**body, "model": "m" * 256}).encode(), chat)  # at the bound: accepted
+    assert ok[0]["status"] == 503 and len(service.submitted) == 1  # (SubmitRecorder answers no_worker)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_json_nested_past_the_decoders_bound_is_a_400_not_a_500(chat):
+    service = SubmitRecorder()
+    front = CompletionsFront(service, ByteTokenizer(), app=None)
+    deep = b"[" * 5000 + b"]" * 5000
+    body = (b'{"messages": [{"role": "user", "content": "hi", "name": ' + deep + b'}], "max_tokens": 2}' if chat
+            else b'{"prompt": "hi", "max_tokens": 2, "stop": ' + deep + b'}')
+    sent = post_body(front, body, chat)
+    assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["code"] == "invalid_request"
