@@ -33,6 +33,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     stop: Union[str, list[str], None] = None  # cut the text before the first of these (services/chat.py)
     stream_options: StreamOptions | None = None  # include_usage: a last chunk with the usage
+    n: int = 1  # choices per request: only 1 (more is refused, not silently ignored)
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):

@@ -151,6 +151,8 @@ def parse_completion(body: bytes, settings,
     prompt becomes `tokenizer`'s ids."""
     req = decode_request(body, _REQ_DECODER, settings, "a prompt")
     check_max_tokens(req.max_tokens, settings)
+    if req.n != 1:
+        raise HttpError("invalid_request", f"n: only one choice per request is supported, got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise HttpError("invalid_request", "stream_options: only with stream true")
     if isinstance(req.prompt, str):

@@ -228,3 +228,12 @@ def test_json_nested_past_the_decoders_bound_is_a_400_not_a_500(chat):
             else b'{"prompt": "hi", "max_tokens": 2, "stop": ' + deep + b'}')
     sent = post_body(front, body, chat)
     assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["code"] == "invalid_request"
+
+
+def test_n_other_than_1_is_refused_on_completions_not_silently_ignored():
+    service = SubmitRecorder()
+    front = CompletionsFront(service, ByteTokenizer(), app=None)
+    sent = post_body(front, json.dumps({"prompt": "hi", "max_tokens": 2, "n": 3}).encode())
+    assert sent[0]["status"] == 400 and "n:" in json.loads(sent[1]["body"])["error"]["message"] and not service.submitted
+    post_body(front, json.dumps({"prompt": "hi", "max_tokens": 2, "n": 1}).encode())
+    assert len(service.submitted) == 1
