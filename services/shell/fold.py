@@ -258,8 +258,8 @@ class Fold:
             rec = self.s.records.records.get(request_id)  # (its client may have its answer already: no handle)
             if rec is not None:
                 tenant = rec.get("tenant", DEFAULT_TENANT)
-                self.s.metrics.tenant_tokens.labels(tenant, "input").inc(ev.num_prompt_tokens)
-                self.s.metrics.tenant_tokens.labels(tenant, "output").inc(ev.num_output_tokens)
+                self.s.metrics.tenant_tokens.labels(self.s.metrics.tenant(tenant), "input").inc(ev.num_prompt_tokens)
+                self.s.metrics.tenant_tokens.labels(self.s.metrics.tenant(tenant), "output").inc(ev.num_output_tokens)
                 model = rec.get("admission", {}).get("model")
                 if model is not None:
                     self.s.metrics.model_requests.labels(model, "finished").inc()

@@ -90,7 +90,7 @@ class Intake:
             return handle
         if isinstance(decision, Refused):
             self.s.metrics.fair_requests.labels(decision.priority_class, decision.code).inc()
-            self.s.metrics.tenant_requests.labels(decision.tenant, decision.code).inc()
+            self.s.metrics.tenant_requests.labels(self.s.metrics.tenant(decision.tenant), decision.code).inc()
             rec["admission"] = {"verdict": "refused", "code": decision.code, "message": decision.reason}
             return await self.reject(request_id, decision.code, decision.reason, decision.retry_after_ms)
         return await self._admission(handle, decision, now, rec)
@@ -106,9 +106,9 @@ class Intake:
             if rec is not None:
                 rec["admission"] = {"verdict": "rejected", "code": decision.code, "message": decision.message,
                                     "predicted_ttft_ms": decision.predicted_ttft_ms, "slo_ttft_ms": decision.slo_ttft_ms}
-            self.s.metrics.tenant_requests.labels(handle.tenant or DEFAULT_TENANT, decision.code).inc()
+            self.s.metrics.tenant_requests.labels(self.s.metrics.tenant(handle.tenant or DEFAULT_TENANT), decision.code).inc()
             pool = self.s.scheduler.view.pool_of(handle.admit.model)
-            self.s.metrics.model_requests.labels(pool or handle.admit.model or "", decision.code).inc()
+            self.s.metrics.model_requests.labels(self.s.metrics.model(pool), decision.code).inc()
             return await self.reject(request_id, decision.code, decision.message)
         assert isinstance(decision, Admitted)
         pool = self.s.scheduler.view.pool_of(handle.admit.model) or ""  # the model whose workers it was routed among
@@ -127,7 +127,7 @@ class Intake:
         self.s.metrics.inflight.set(len(self.s.scheduler.inflight))
         if decision.best_effort:
             self.s.metrics.best_effort.inc()
-        self.s.metrics.tenant_requests.labels(handle.tenant or DEFAULT_TENANT, "admitted").inc()
+        self.s.metrics.tenant_requests.labels(self.s.metrics.tenant(handle.tenant or DEFAULT_TENANT), "admitted").inc()
         self.s.metrics.model_requests.labels(pool, "admitted").inc()
         await self.s.emit(
             m.RequestAdmitted(
@@ -153,7 +153,7 @@ class Intake:
         handle.wait_for_admission()
         self.s.handles[rid] = handle
         self.s.metrics.fair_requests.labels(q.priority_class, "queued").inc()
-        self.s.metrics.tenant_requests.labels(q.tenant, "queued").inc()
+        self.s.metrics.tenant_requests.labels(self.s.metrics.tenant(q.tenant), "queued").inc()
         if q.evicted is not None:
             await self._refuse_waiting(q.evicted)
         self._count_waiting()
@@ -166,7 +166,7 @@ class Intake:
     async def _refuse_waiting(self, r: Refused) -> None:
         """A queued request refused while it waited (expired, or evicted by a higher class)."""
         self.s.metrics.fair_requests.labels(r.priority_class, r.code).inc()
-        self.s.metrics.tenant_requests.labels(r.tenant, r.code).inc()
+        self.s.metrics.tenant_requests.labels(self.s.metrics.tenant(r.tenant), r.code).inc()
         handle = self.s.handles.pop(r.request_id, None)
         rej = await self.reject(r.request_id, r.code, r.reason, r.retry_after_ms)
         if handle is not None:

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+OTHER_TENANT = "other"  # the label of every tenant the router was not configured with
+UNKNOWN_MODEL = "unknown"  # the label of a model no pool serves
+
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    """`known_tenants`: the tenants a label may name (the default tenant, the API keys' and the
+    weighted ones); any other is counted as OTHER_TENANT, so a client naming tenants cannot grow
+    the series without bound (a model label is a pool's, or UNKNOWN_MODEL: intake.py)."""
+
+    def __init__(self, known_tenants: frozenset[str] = frozenset()) -> None:
+        self.known_tenants = known_tenants
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("flexlb_requests_total", "Requests by terminal outcome and code", ["outcome", "code"], registry=r)
@@ -116,3 +124,11 @@ class RouterMetrics:
         self.model_requests = Counter(
             "flexlb_model_requests_total", "Requests by model (pool) and outcome: admitted, finished, or the refusal's "
             "code", ["model", "outcome"], registry=r)
+
+    def tenant(self, tenant: str) -> str:
+        """A tenant as a label value: itself if configured, else OTHER_TENANT."""
+        return tenant if tenant in self.known_tenants else OTHER_TENANT
+
+    def model(self, pool: str | None) -> str:
+        """A request's model as a label value: its pool, or UNKNOWN_MODEL when no pool serves it."""
+        return pool or UNKNOWN_MODEL

@@ -27,6 +27,7 @@ from nats.errors import NoRespondersError
 from schemas import messages as m
 from schemas.acked import AckedPublisher
 from schemas.subjects import JOURNAL_PREFIX, router_events_subject, submit_subject
+from services.core.admission import DEFAULT_TENANT
 from services.core.journal import Recorder
 from services.core.scheduler import Rejected, RouteDecision, Scheduler
 from services.settings import RouterSettings
@@ -144,7 +145,8 @@ class RouterState:
         self.router_id = settings.router_id
         self.boot_id = boot_id
         self.pool = settings.scheduling_pool  # the one pool this router leads ("": all)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(frozenset({DEFAULT_TENANT, *settings.tenant_api_keys.values(),
+                                                *settings.tenant_weights}))
         self.scheduler: Scheduler | Recorder = scheduler
         self.records = RequestRecords(RECENT_RECORDS_MAX)
         self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)

@@ -32,7 +32,9 @@ async def post_stream(c: httpx.AsyncClient, url: str, b: dict, tenant: str) -> d
 
 async def test_a_quiet_tenant_overtakes_a_noisy_tenants_backlog_and_the_journal_replays(flexlb_up, tmp_path):
     # 2 workers x 2 sequences, no engine buffer: 4 run at once, the rest wait at the router.
-    _, state = flexlb_up("--workers", "2", "--time-scale", "1", "--max-num-seqs", "2", "--fair-engine-buffer", "0")
+    # (the two tenants configured, with the default weight: a metrics label names configured tenants only)
+    _, state = flexlb_up("--workers", "2", "--time-scale", "1", "--max-num-seqs", "2", "--fair-engine-buffer", "0",
+                         "--tenant-weights", '{"noisy": 1.0, "quiet": 1.0}')
     url = state["router_url"]
     async with httpx.AsyncClient(timeout=120) as noisy, httpx.AsyncClient(timeout=120) as quiet:
         noisy_tasks = [asyncio.create_task(post_stream(noisy, url, body(i, "noisy"), "noisy")) for i in range(24)]

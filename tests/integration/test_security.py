@@ -46,3 +46,24 @@ def test_with_api_keys_a_request_needs_a_known_key_and_its_tenant_is_the_keys(fl
     lines = _cmdlines()
     assert any("services.cli router" in line for line in lines)
     assert not [line for line in lines if any(k in line for k in (*KEYS, "k-gamma-77e0aa"))]
+
+
+def test_a_thousand_bogus_tenants_and_models_add_a_bounded_number_of_series(flexlb_up):
+    """Tenant and model labels name configured tenants and served pools only: bogus ones are
+    counted as `other` / `unknown`, so a client cannot grow /metrics (or the router's memory)."""
+    _, state = flexlb_up("--workers", "1", "--time-scale", "0.05", "--tenant-weights", '{"known": 1.0}')
+    url = state["router_url"]
+
+    def series() -> int:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return sum(1 for line in text.splitlines() if line.startswith(("flexlb_tenant_", "flexlb_model_requests")))
+
+    with httpx.Client(timeout=30) as c:
+        c.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"x-flexlb-tenant": "known"})
+        before = series()
+        for i in range(1000):
+            c.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, **({"model": f"bogus-{i}"} if i % 2 else {})},
+                   headers={"x-flexlb-tenant": f"bogus-{i}"})
+        text = c.get(url + "/metrics").text
+    assert series() <= before + 12, series() - before  # a few codes under `other` / `unknown`, not 1,000 names
+    assert "bogus-" not in text and 'tenant="other"' in text and 'model="unknown"' in text
