@@ -62,8 +62,10 @@ class SubmitRecorder:
         self.rejected.append(code)
 
 
-def post(front: CompletionsFront, headers: list[tuple[bytes, bytes]]) -> list[dict]:
-    body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
+def post(front: CompletionsFront, headers: list[tuple[bytes, bytes]], body: bytes | None = None,
+         chat: bool = False) -> list[dict]:
+    """One request through the completions path (`body`: a small completion by default); the ASGI messages sent."""
+    body = json.dumps({"prompt": "hello", "max_tokens": 4}).encode() if body is None else body
     sent: list[dict] = []
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -73,9 +75,9 @@ def post(front: CompletionsFront, headers: list[tuple[bytes, bytes]]) -> list[di
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "path": "/v1/completions", "method": "POST",
+    scope = {"type": "http", "path": "/v1/chat/completions" if chat else "/v1/completions", "method": "POST",
              "headers": [(b"content-length", str(len(body)).encode()), *headers]}
-    asyncio.run(front.completions(scope, receive, send))
+    asyncio.run(front.completions(scope, receive, send, chat=chat))
     return sent
 
 
@@ -188,19 +190,7 @@ def test_keys_are_never_a_command_line_flag():
 
 # ------------------------------------------------------------------ bounded input (issue 37, part of Build 3)
 def post_body(front: CompletionsFront, body: bytes, chat: bool = False) -> list[dict]:
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "path": "/v1/chat/completions" if chat else "/v1/completions", "method": "POST",
-             "headers": [(b"content-length", str(len(body)).encode())]}
-    asyncio.run(front.completions(scope, receive, send, chat=chat))
-    return sent
+    return post(front, [], body, chat)
 
 
 @pytest.mark.parametrize("model", ["m" * 257, "bad\x00model", "tab\tmodel", "del\x7f"])
