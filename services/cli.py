@@ -86,6 +86,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
                                                    "again, excluding that worker (default 2; 0: off)")
     p.add_argument("--migration-limit", type=int, help="times a request whose worker dies or fails it mid-stream goes on "
                                                        "elsewhere as a continuation (default 3; 0: it fails)")
+    p.add_argument("--tpot-calibration", help="worker (default) | pool: whose finished requests teach a worker's "
+                                               "step time -> TPOT calibration (its own, or its whole pool's)")
     p.add_argument("--breaker-failures", type=int, help="consecutive server failures that open a worker's circuit "
                                                         "breaker (default 5; 0: off)")
     p.add_argument("--breaker-open-s", type=float, help="seconds an opened breaker waits before one probe request "

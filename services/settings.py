@@ -180,6 +180,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # worker's requests open its breaker (0: off); it stays open breaker_open_s, doubled at each
     # re-opening up to breaker_max_open_s, then one probe request half-opens it.
     breaker_failures: int = 5
+    # Whose finished requests teach a worker's TPOT calibration (the step time -> TPOT line the
+    # TPOT hold reads; services/core/decode_model.py): "worker" (its own) or "pool" (every
+    # finished request of its model and role).
+    tpot_calibration: str = "worker"
     breaker_open_s: float = 1.0
     breaker_max_open_s: float = 30.0
     seed: int = 0  # the router's RNG seed (decisions are reproducible)
@@ -269,6 +273,8 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 # (never the key itself: it is a secret)
                 raise SettingsError(f"tenant_api_keys: every key must be non-empty and map to a tenant of 1-64 characters "
                                     f"of A-Z a-z 0-9 . _ : -, got tenant {str(tenant)[:80]!r}")
+        if self.tpot_calibration not in ("worker", "pool"):
+            raise SettingsError(f"setting tpot_calibration must be worker or pool, got {self.tpot_calibration!r}")
         if self.retry_limit < 0 or self.breaker_failures < 0 or self.migration_limit < 0:
             raise SettingsError(f"settings retry_limit, migration_limit and breaker_failures must be >= 0 (0: off), got "
                                 f"{self.retry_limit!r}, {self.migration_limit!r} and {self.breaker_failures!r}")
@@ -362,6 +368,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def scheduler_config(self):
         from services.core.breaker import BreakerParams
+        from services.core.decode_model import DecodeModelParams
         from services.core.predictor import PredictorParams, PrefillCoefficients
         from services.core.scheduler import SchedulerConfig
         from services.core.slo import SloParams
@@ -379,6 +386,7 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             decode_policy=self.decode_policy, decode_policy_params=dict(self.decode_policy_params),
             batcher=self.batcher, batcher_params=self.batcher_params_effective(),
             predictor_coefficients=coefficients, predictor_params=PredictorParams(learning=self.predictor_learning),
+            decode_model_params=DecodeModelParams(tpot_calibration_scope=self.tpot_calibration),
             slo=SloParams(mode=self.slo_mode, tpot_guard=self.slo_tpot_guard), prefix_index=self.prefix_index, seed=self.seed,
             model_name=self.model_name, fairness=self.fair_admission_config(),
             breaker=BreakerParams(failures_to_open=self.breaker_failures, open_ms=self.breaker_open_s * 1000.0,

@@ -392,6 +392,7 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--retry-limit", str(settings.retry_limit),
                             "--migration-limit", str(settings.migration_limit), "--breaker-failures", str(settings.breaker_failures),
                             "--breaker-open-s", str(settings.breaker_open_s),
+                            "--tpot-calibration", settings.tpot_calibration,
                             "--breaker-max-open-s", str(settings.breaker_max_open_s),
                             # up stops its routers first, then its workers: a router relays its open
                             # streams 1 s (not 30) unless told otherwise

@@ -86,6 +86,10 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     tpot_calibration_alpha: float = 0.03  # weight of the newest finished request in the TPOT calibration (0: off)
     max_tpot_slope: float = 1.5  # the calibration line's slope stays in [0, this]
     recent_tpot_alpha: float = 0.2  # weight of the newest finished request in recent_tpot_ms
+    # whose finished requests a worker's TPOT calibration learns from: "worker" (its own) or
+    # "pool" (every worker of its model and role: the scheduler feeds each finished request to
+    # all of them; `recent_tpot_ms` stays the worker's own)
+    tpot_calibration_scope: str = "worker"
 
     def validate(self) -> "DecodeModelParams":
         if not 0.9 < self.forgetting_factor <= 1.0:
@@ -100,6 +104,8 @@ class DecodeModelParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError(f"decode model: tpot_calibration_alpha must be in [0, 1] (0: off), got {self.tpot_calibration_alpha!r}")
         if not 0 < self.max_tpot_slope < math.inf:
             raise ValueError(f"decode model: max_tpot_slope must be finite and > 0, got {self.max_tpot_slope!r}")
+        if self.tpot_calibration_scope not in ("worker", "pool"):
+            raise ValueError(f"decode model: tpot_calibration_scope must be worker or pool, got {self.tpot_calibration_scope!r}")
         if not 0 < self.recent_tpot_alpha <= 1:
             raise ValueError(f"decode model: recent_tpot_alpha must be in (0, 1], got {self.recent_tpot_alpha!r}")
         return self
@@ -145,16 +151,18 @@ class DecodeModel:
         out = self.tpot_intercept_ms + self.tpot_slope * step_ms
         return out if out > 1.0 else 1.0
 
-    def observe_tpot(self, predicted_step_ms: float, measured_tpot_ms: float) -> bool:
+    def observe_tpot(self, predicted_step_ms: float, measured_tpot_ms: float, own: bool = True) -> bool:
         """Learn from one finished request: the step time predicted when it was dispatched
-        (uncalibrated) and the TPOT it got: `recent_tpot_ms` and the calibration. False: the
-        calibration learned nothing (an unusable sample, or `tpot_calibration_alpha` 0)."""
+        (uncalibrated) and the TPOT it got: `recent_tpot_ms` (only if `own`: it ran here, not
+        on another worker of the pool) and the calibration. False: the calibration learned
+        nothing (an unusable sample, or `tpot_calibration_alpha` 0)."""
         alpha = self.params.tpot_calibration_alpha
         x, y = predicted_step_ms, measured_tpot_ms
         if not (math.isfinite(x) and x > 0 and math.isfinite(y) and y > 0):
             return False
         recent = self.params.recent_tpot_alpha
-        self.recent_tpot_ms = y if self.recent_tpot_ms == 0 else (1 - recent) * self.recent_tpot_ms + recent * y
+        if own:
+            self.recent_tpot_ms = y if self.recent_tpot_ms == 0 else (1 - recent) * self.recent_tpot_ms + recent * y
         if alpha <= 0:
             return False
         if self.num_tpot_observations == 0:

@@ -330,7 +330,13 @@ class Scheduler:
             model = self.decode_models.get(predicted[0])
             info = self.view.workers.get(predicted[0])
             if model is not None:
-                model.observe_tpot(predicted[1], tpot_ms / (info.time_scale if info is not None else 1.0))
+                got = tpot_ms / (info.time_scale if info is not None else 1.0)
+                model.observe_tpot(predicted[1], got)
+                if info is not None and self.config.decode_model_params.tpot_calibration_scope == "pool":
+                    for w in self.view.workers.values():  # (its pool: same model and role)
+                        other = self.decode_models.get(w.worker_id) if w.worker_id != info.worker_id else None
+                        if other is not None and w.model == info.model and w.role == info.role:
+                            other.observe_tpot(predicted[1], got, own=False)
         if self.fair.dispatched:
             self.fair.settle(request_id, num_output_tokens)
         if self.breakers.num_not_closed:

@@ -211,3 +211,41 @@ def test_the_scheduler_calibrates_a_worker_from_the_tpot_its_finished_requests_g
     assert model.num_tpot_observations == 5
     assert model.calibrated_ms(predicted["r1"]) == pytest.approx(predicted["r1"] / 2, rel=0.01)
     assert not s.tpot_predicted
+
+
+def test_pool_scope_teaches_every_worker_of_the_pool_but_keeps_recent_tpot_its_own():
+    """tpot_calibration_scope "pool": a request finished on w0 moves the calibration of w0 and
+    of w1 (same model and role) alike, not that of w2 (another model); `recent_tpot_ms`, the
+    hold's sign of a saturated worker, stays w0's. "worker" (the default): w1 learns nothing."""
+    for scope in ("pool", "worker"):
+        s = Scheduler(SchedulerConfig(decode_model_params=DecodeModelParams(tpot_calibration_scope=scope)), id_prefix="t")
+        for wid, model in (("w0", ""), ("w1", ""), ("w2", "other")):
+            s.on_worker_event(WorkerStatusReported(
+                worker_id=wid, role="pd_fusion", boot_id="b", block_size_tokens=16, num_kv_blocks=10_000,
+                num_free_kv_blocks=9_000, max_batch_tokens=65536, max_seq_len_tokens=40960, num_running_requests=8,
+                recent_step_ms=40.0, model=model), 0)
+            s.decode_model(wid)
+        for i in range(4):
+            s.admit(AdmitRequest(request_id=f"r{i}", num_prompt_tokens=100, max_tokens=50), 1_000 * i)
+        t = 0
+        while s.queued:
+            t += 100_000_000
+            s.tick(t)
+        on_w0 = [rid for rid, (wid, _) in s.tpot_predicted.items() if wid == "w0"]
+        assert on_w0
+        for rid in on_w0:
+            s.on_terminal(rid, 50, tpot_ms=2 * s.tpot_predicted[rid][1])
+        w0, w1, w2 = (s.decode_model(w) for w in ("w0", "w1", "w2"))
+        assert w0.num_tpot_observations == len(on_w0) and w0.recent_tpot_ms > 0
+        assert w2.num_tpot_observations == 0
+        assert w1.recent_tpot_ms == 0
+        if scope == "pool":
+            assert w1.num_tpot_observations == len(on_w0)
+            assert (w1.tpot_slope, w1.tpot_intercept_ms) == (w0.tpot_slope, w0.tpot_intercept_ms)
+        else:
+            assert w1.num_tpot_observations == 0 and w1.tpot_slope == 1.0
+
+
+def test_an_unknown_calibration_scope_is_refused():
+    with pytest.raises(ValueError, match="tpot_calibration_scope"):
+        DecodeModelParams(tpot_calibration_scope="fleet").validate()
