@@ -137,7 +137,7 @@ class Fleet:
             flags = ["--workers", str(a.engines), "--time-scale", f"{a.time_scale:g}"]
         self.port = free_port()
         state_file = self.workdir / f"state-{self.config}.json"
-        argv = [*flexlb_exe(), "up", *flags, "--port", str(self.port), "--state-file", str(state_file),
+        argv = [*flexlb_exe(), "up", "--open-admin", *flags, "--port", str(self.port), "--state-file", str(state_file),
                 *shlex.split(a.flexlb_args)]
         up = Proc("up", argv, self.workdir / f"{self.config}-up.log", env)
         self.procs.append(up)

@@ -364,7 +364,9 @@ def wait_up_state(up: Proc, state_file: Path, deadline: float, timeout_s: float)
         if time.monotonic() > deadline:
             raise RuntimeError(f"no state file from flexlb up after {timeout_s}s:\n{up.log_tail()}")
         time.sleep(0.1)
-    return json.loads(state_file.read_text())
+    from services.up import with_secrets
+
+    return with_secrets(json.loads(state_file.read_text()))  # (NATS and Redis URLs with the credentials up made)
 
 
 class UpStack:

@@ -42,7 +42,7 @@ from services.infra import free_port  # noqa: E402
 class Stack:
     def __init__(self, args, workdir: Path, *flags: str) -> None:
         state = workdir / f"state-{time.monotonic_ns()}.json"
-        cmd = [*flexlb_exe(), "up", "--port", str(free_port()), "--state-file", str(state), "--workers", str(args.workers),
+        cmd = [*flexlb_exe(), "up", "--open-admin", "--port", str(free_port()), "--state-file", str(state), "--workers", str(args.workers),
                "--time-scale", str(args.time_scale), "--max-num-seqs", str(args.max_num_seqs), *flags]
         self.stack = UpStack(Proc("up", cmd, workdir / f"up-{time.monotonic_ns()}.log", child_env(workdir)), state, 120, 20)
 

@@ -129,7 +129,7 @@ class Target:
         deadline = time.monotonic() + 120
         if self.name == "flexlb":
             state_file = self.workdir / "state.json"
-            up = Proc("up", [*flexlb_exe(), "up", "--workers", str(a.workers), "--time-scale", "0", "--port",
+            up = Proc("up", [*flexlb_exe(), "up", "--open-admin", "--workers", str(a.workers), "--time-scale", "0", "--port",
                              str(free_port()), "--state-file", str(state_file), *shlex.split(a.flexlb_args)],
                       self.workdir / "up.log", env)
             self.procs = [up]

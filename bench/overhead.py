@@ -190,7 +190,10 @@ class Stack(UpStack):
         exe = shutil.which("flexlb")
         base = [exe] if exe and self.source is None else [sys.executable, "-m", "services.cli"]
         window = [] if self.batch_wait_ms is None else ["--batch-wait-ms", f"{self.batch_wait_ms:g}"]
-        return [*base, "up", "--time-scale", "0", "--workers", str(self.args.workers), "--port", str(self.port),
+        # the admin API (its request records) open, in a tree that closes it by default
+        cli = (self.source or REPO) / "services" / "cli.py"
+        open_admin = ["--open-admin"] if "--open-admin" in cli.read_text() else []
+        return [*base, "up", *open_admin, "--time-scale", "0", "--workers", str(self.args.workers), "--port", str(self.port),
                 *window, "--state-file", str(self.state_file)]
 
     def env(self) -> dict[str, str]:

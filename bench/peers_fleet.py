@@ -169,7 +169,7 @@ class FlexlbFleet(Fleet):
 
     def up_argv(self, fleet_flags: list[str], port: int, state_file: Path) -> list[str]:
         """`flexlb up FLEET_FLAGS` + the configuration's flags + --flexlb-args (which win)."""
-        return [*flexlb_exe(), "up", *fleet_flags, "--port", str(port), "--state-file", str(state_file),
+        return [*flexlb_exe(), "up", "--open-admin", *fleet_flags, "--port", str(port), "--state-file", str(state_file),
                 *self.config.flexlb_flags, *self.args.flexlb_args_list]
 
     def start_up(self, fleet_flags: list[str]) -> None:

@@ -211,7 +211,7 @@ class Stack(UpStack):
 
     def argv(self) -> list[str]:
         a = self.args
-        argv = [*flexlb_exe(), "up", "--time-scale", f"{a.time_scale:g}", "--workers", str(a.workers),
+        argv = [*flexlb_exe(), "up", "--open-admin", "--time-scale", f"{a.time_scale:g}", "--workers", str(a.workers),
                 "--prefill-policy", self.policy, "--port", str(self.port), "--state-file", str(self.state_file),
                 "--max-prompt-tokens", str(a.max_prompt_tokens), "--max-seq-len-tokens", str(a.max_seq_len_tokens),
                 "--num-kv-blocks", str(a.num_kv_blocks), "--block-size-tokens", str(a.block_size_tokens),

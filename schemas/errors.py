@@ -20,7 +20,10 @@ _CODES = [
     ErrorCode("duplicate_request", 409, False),
     ErrorCode("too_large", 413, False),
     ErrorCode("queue_full", 429, True),
-    ErrorCode("shed", 429, True),  # sheddable work refused first under overload (the fair queue)
+    ErrorCode("shed", 429, True),
+    # The tenant is at one of its limits: open requests, requests or tokens per minute
+    # (services/limits.py); Retry-After says when it will be under it again.
+    ErrorCode("rate_limited", 429, True),  # sheddable work refused first under overload (the fair queue)
     ErrorCode("slo_unattainable", 429, True),
     ErrorCode("no_worker", 503, True),
     ErrorCode("draining", 503, True),
@@ -31,6 +34,11 @@ _CODES = [
     ErrorCode("unauthorized", 401, False),
     # API keys are configured and the request has none, or one that is not known.
     ErrorCode("invalid_api_key", 401, False),
+    # --strict-priority: the request asked a priority class its tenant is not granted.
+    ErrorCode("priority_not_granted", 403, False),
+    # An admin state change that a browser could have sent cross-site: not JSON, or an Origin
+    # (or Sec-Fetch-Site) naming another site than the Host it was sent to.
+    ErrorCode("forbidden", 403, False),
     ErrorCode("conflict", 409, False),
     ErrorCode("queue_timeout", 504, True),
     ErrorCode("timed_out", 504, True),

@@ -28,6 +28,24 @@ SCHEMA_VERSION = 1
 # (services/whatif.py) compute the same field the same way.
 RECENT_STEPS_WINDOW_S = 3.0
 
+# A free-text field of an event (a refusal's or failure's message, a decision's reason) holds
+# at most this many characters: set longer, it is cut at construction and at decode (`_bound`),
+# so no event carrying client-influenced text can outgrow the bus's message limit (NATS: 1 MiB
+# by default; a message over it is refused, and a fact lost) whatever reaches it.
+MAX_TEXT_CHARS = 2000
+
+
+def _bound(event: Any, *fields: str) -> None:
+    """Cut the named str fields of a (frozen) event to MAX_TEXT_CHARS, marking the cut."""
+    for name in fields:
+        text = getattr(event, name)
+        if len(text) > MAX_TEXT_CHARS:
+            msgspec.structs.force_setattr(event, name, text[:MAX_TEXT_CHARS - len(_CUT)] + _CUT)
+
+
+_CUT = " ...[truncated]"
+
+
 Role = Literal["pd_fusion", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("pd_fusion", "prefill", "decode")
 
@@ -231,6 +249,12 @@ class RequestAdmitted(_Event, tag="request.admitted"):
     best_effort: bool = False  # admitted although the SLO looked unattainable
     num_cached_tokens: int = 0  # predicted prefix-cache hit on the prefill worker
     model: str = ""  # the pool it was routed in: the model its workers serve ("": an event before pools)
+    tenant: str = ""  # who sent it ("": the default tenant, or an event before tenants were recorded)
+    priority_class: str = ""  # the class it ran at ("": an event before classes were recorded)
+    priority_class_asked: str = ""  # what it asked, when its tenant's grant lowered it ("": not lowered)
+
+    def __post_init__(self) -> None:
+        _bound(self, 'reason')
 
 
 class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
@@ -255,6 +279,9 @@ class RouteDecided(_Event, tag="route.decided"):
     reason: str
     candidates: list[CandidateScore] = []
 
+    def __post_init__(self) -> None:
+        _bound(self, 'reason')
+
 
 class RequestRejected(_Event, tag="request.rejected"):
     """Terminal: the router refused the request before it was dispatched."""
@@ -263,6 +290,9 @@ class RequestRejected(_Event, tag="request.rejected"):
     router_id: str
     code: str
     message: str
+
+    def __post_init__(self) -> None:
+        _bound(self, 'message')
 
 
 class BatchDispatched(_Event, tag="batch.dispatched"):
@@ -356,6 +386,9 @@ class RequestFailed(_Event, tag="request.failed"):
     message: str
     retryable: bool = False
 
+    def __post_init__(self) -> None:
+        _bound(self, 'message')
+
 
 class RequestCancelled(_Event, tag="request.cancelled"):
     """Terminal: cancelled by the client or an operator."""
@@ -363,6 +396,9 @@ class RequestCancelled(_Event, tag="request.cancelled"):
     request_id: str
     worker_id: str
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        _bound(self, 'reason')
 
 
 class RequestTimedOut(_Event, tag="request.timed_out"):
@@ -526,6 +562,9 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     # to this worker) is run. "" (a router before this field): every batch of the request.
     batch_id: str = ""
 
+    def __post_init__(self) -> None:
+        _bound(self, 'reason')
+
 
 class Request(ForEngine, frozen=True, kw_only=True):
     """One client request as the API parsed it (services/api.py): made once there and passed
@@ -542,6 +581,9 @@ class Request(ForEngine, frozen=True, kw_only=True):
     model: str = ""  # the model the client named ("": none, the default pool)
     tenant: str = ""  # who sent it ("": the default tenant): its share in the leader's fair queue
     priority_class: str = ""  # critical | standard | sheddable ("": by priority)
+    # the class it asked for (by name or by its priority's band) when its tenant's grant lowered
+    # it to `priority_class` ("": it got what it asked, or grants are off)
+    priority_class_asked: str = ""
 
 
 REQUEST_FIELDS = Request.__struct_fields__
@@ -571,6 +613,9 @@ class SubmitReply(_Event, tag="cmd.submit_reply"):
     decode_worker_id: str = ""
     slo_ttft_ms: float = 0.0  # the targets it was admitted with (the standby counts SLO attainment)
     slo_tpot_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        _bound(self, 'message')
 
 
 class ResendTokens(_Event, tag="cmd.resend_tokens"):

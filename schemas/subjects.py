@@ -247,3 +247,17 @@ def journal_subject(router_id: str) -> str:
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_DLQ_REASON = "Flexlb-Dlq-Reason"
 HDR_DLQ_SUBJECT = "Flexlb-Dlq-Subject"
+
+
+_USERINFO = re.compile(r"://[^@/,]*@")
+_PASSWORD = re.compile(r"(://[^:@/,]*:)[^@/,]*@")
+
+
+def redact_url(url: str) -> str:
+    """A URL (or comma-separated URLs) with any password replaced by ***: for logs and output."""
+    return _PASSWORD.sub(r"\1***@", url)
+
+
+def strip_credentials(url: str) -> str:
+    """A URL (or comma-separated URLs) without user and password: an address to show or store."""
+    return _USERINFO.sub("://", url)

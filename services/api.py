@@ -42,6 +42,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -75,8 +76,11 @@ from services.chat import (
     sampling_of,
     stop_strings,
 )
-from services.core.fairness import CLASSES
+from services.core.admission import DEFAULT_TENANT
+from services.core.fairness import CLASSES, CRITICAL_MIN_PRIORITY, SHEDDABLE_BELOW_PRIORITY, class_of_priority
 from services.core.scheduler import Rejected
+from services.limits import Refusal, TenantLimits, parse_limits
+from services.settings import DEFAULT_GRANT
 from services.shell.router import RequestHandle, RouterService
 
 log = logging.getLogger("flexlb.api")
@@ -137,6 +141,123 @@ def priority_class_header(value: str | None) -> str:
     if value not in CLASSES:
         raise HttpError("invalid_request", f"x-flexlb-priority-class must be one of {', '.join(CLASSES)}, got {value[:40]!r}")
     return value
+
+
+def grant_class(settings, tenant: str, asked: str, priority: int | None) -> tuple[str, int | None, str]:
+    """The class a request runs at, by its tenant's grant (settings.py, `tenant_classes`):
+    (class, priority, the class asked if it was lowered else ""). `asked`: the class it named
+    ("": none; then its numeric priority's band, or its tenant's default when it gave neither).
+    Grants are off (every class open: what it asked, unchanged) unless API keys or
+    `tenant_classes` are configured. Lowered: to the highest granted class below the one asked
+    (none: the tenant's default), the priority clamped into that class's band; with
+    `strict_priority`, 403 priority_not_granted instead."""
+    if not settings.tenant_classes and not settings.tenant_api_keys:
+        return asked, priority, ""
+    granted = settings.tenant_classes.get(tenant or DEFAULT_TENANT, DEFAULT_GRANT)
+    if not asked:
+        if priority is None:
+            return granted[0], None, ""
+        asked = class_of_priority(priority)
+    if asked in granted:
+        return asked, priority, ""
+    if settings.strict_priority:
+        raise HttpError("priority_not_granted", f"priority class {asked} is not granted to tenant {tenant or DEFAULT_TENANT} "
+                                                f"(granted: {', '.join(granted)})")
+    below = [c for c in CLASSES[CLASSES.index(asked) + 1:] if c in granted]
+    got = below[0] if below else granted[0]
+    if priority is not None:
+        low, high = PRIORITY_BANDS[got]
+        priority = min(high, max(low, priority))
+    return got, priority, asked
+
+
+PRIORITY_BANDS = {"critical": (CRITICAL_MIN_PRIORITY, 100), "standard": (SHEDDABLE_BELOW_PRIORITY, CRITICAL_MIN_PRIORITY - 1),
+                  "sheddable": (1, SHEDDABLE_BELOW_PRIORITY - 1)}  # (lowest, highest) numeric priority of each class
+
+
+ADMIN_PATHS = ("/admin/", "/docs", "/redoc", "/openapi.json")  # what --admin-port moves off the public port
+
+
+def _is_admin_path(path: str) -> bool:
+    return path.startswith(ADMIN_PATHS) or path == "/admin"
+
+
+def public_only(app):
+    """The public listener's app with --admin-port: the API, /healthz, /readyz, /metrics,
+    /v1/models; an admin path is 404 not_found here (it is served on the admin port)."""
+
+    async def public(scope, receive, send):
+        if scope["type"] == "http" and _is_admin_path(scope["path"]):
+            await send_error(send, "not_found", "not served on this port (the admin API has a port of its own)")
+            return
+        await app(scope, receive, send)
+
+    return public
+
+
+def admin_only(app):
+    """The admin listener's app with --admin-port: /admin/*, /docs, /openapi.json (and the
+    health probes); anything else is 404 not_found here (the API is on the public port)."""
+
+    async def admin(scope, receive, send):
+        if scope["type"] == "http" and not (_is_admin_path(scope["path"]) or scope["path"] in ("/healthz", "/readyz")):
+            await send_error(send, "not_found", "not served on the admin port")
+            return
+        await app(scope, receive, send)
+
+    return admin
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of its own routes plus the two completions endpoints, which are served
+    on the raw ASGI path (CompletionsFront) and so unknown to FastAPI: their bodies' schemas
+    come from the msgspec structs that parse them (schemas/api.py), the errors from
+    schemas/errors.py. What /docs shows and an API fuzzer reads."""
+    from fastapi.openapi.utils import get_openapi
+
+    from schemas.api import ChatCompletionRequest
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    (completion, chat), defs = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest],
+                                                              ref_template="#/components/schemas/{name}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+    statuses = sorted({c.http_status for c in ERROR_CODES.values()})
+    error = {"description": "refused or failed: {\"error\": {\"code\", \"message\", \"retryable\"}} "
+                            "(schemas/errors.py)", "content": {"application/json": {"schema": {"type": "object"}}}}
+    for path, body, what in (("/v1/completions", completion, "text completion (OpenAI API)"),
+                             ("/v1/chat/completions", chat, "chat completion (OpenAI API)")):
+        schema["paths"][path] = {"post": {
+            "summary": what, "operationId": path.strip("/").replace("/", "_"),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": "the completion (JSON, or server-sent events with stream)",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **{str(s): error for s in statuses}},
+        }}
+    app.openapi_schema = schema
+    return schema
+
+
+def cross_site_refusal(headers: Mapping[str, str]) -> str:
+    """Why an admin state change looks like a browser's cross-site request ("": it does not).
+    A page on another site can make the operator's browser send a "simple" request (a form's
+    or fetch's POST with a text/plain, form or multipart body, no custom header) to a router
+    on localhost without any preflight; it cannot send `Content-Type: application/json`, and
+    a browser names the page's site in `Origin` (and `Sec-Fetch-Site`). So: JSON only, and an
+    Origin, when sent, must be the very host:port the request went to."""
+    ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        return ("an admin state change needs Content-Type: application/json (a body of {} will do), got "
+                f"{ctype[:40]!r}" if ctype else "an admin state change needs Content-Type: application/json "
+                                                "(a body of {} will do)")
+    if headers.get("sec-fetch-site", "").lower() == "cross-site":
+        return "a cross-site request may not change the router's state (Sec-Fetch-Site: cross-site)"
+    origin = headers.get("origin")
+    if origin is not None:
+        scheme, sep, netloc = origin.partition("://")
+        if not sep or netloc.lower() != headers.get("host", "").lower():
+            return f"Origin {origin[:80]!r} is not this router ({headers.get('host', '')[:80]!r})"
+    return ""
 
 
 def _error(code: str, message: str, request_id: str | None = None) -> Response:
@@ -242,11 +363,17 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
 
     async def admin_auth(request: Request) -> str:
         """/admin/* needs `Authorization: Bearer <admin_token>` when a token is set (and one
-        must be set to listen beyond loopback: settings refuse to start otherwise)."""
+        must be set to listen beyond loopback: settings refuse to start otherwise; `flexlb up`
+        sets one unless --open-admin). A state change (any method but GET/HEAD) must also be
+        one no web page could send cross-site (`cross_site_refusal`)."""
         if settings.admin_token:
             given = request.headers.get("authorization", "")
             if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), settings.admin_token.encode())):
                 raise Unauthorized()
+        if request.method not in ("GET", "HEAD"):
+            why = cross_site_refusal(request.headers)
+            if why:
+                raise HttpError("forbidden", why)
         return request.client.host if request.client else ""
 
     @asynccontextmanager
@@ -260,6 +387,7 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
                 await service.stop()
 
     app = FastAPI(title="FlexLB router", lifespan=lifespan)
+    app.openapi = lambda: app.openapi_schema or _openapi(app)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -273,6 +401,18 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
         resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
 
+    @app.exception_handler(HttpError)
+    async def refused(request: Request, exc: HttpError):
+        return _error(exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        """A bad path or query parameter of a FastAPI route: 400 invalid_request in our one
+        error shape (FastAPI's own would be a 422 of its own), naming the parameter, not echoing it."""
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))[:80]
+        return _error("invalid_request", f"{where}: {str(first.get('msg', 'invalid'))[:120]}")
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
@@ -284,6 +424,13 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
         if not service.running:
             return _error("not_ready", "router is not running")
         return {"status": "ok", "router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
+                "role": "leader" if service.is_leader else "standby", "scheduling_pool": service.settings.scheduling_pool}
+
+    @app.get("/admin/router")
+    async def admin_router(by: str = Depends(admin_auth)):
+        """This router's identity and where it is connected (addresses: admin only, never on
+        the public /healthz)."""
+        return {"router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
                 "role": "leader" if service.is_leader else "standby", "nats_server": service.nats_server,
                 "scheduling_pool": service.settings.scheduling_pool}
 
@@ -389,6 +536,7 @@ class CompletionsFront:
         self.chat_templates = chat_templates
         self.tenant_header = self.settings.tenant_header.lower().encode("latin-1") or None  # (ASGI names are lower case)
         self.key_digests = key_digests(self.settings.tenant_api_keys)  # (tenant_of)
+        self.limits = TenantLimits(parse_limits(self.settings.tenant_limits)) if self.settings.tenant_limits else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] not in self.PATHS:
@@ -447,6 +595,8 @@ class CompletionsFront:
             elif name == b"x-request-timeout-ms":
                 timeout_raw = value.decode("latin-1")
         try:
+            # who it is first: a client without a valid key costs no body read, parse or tokenization
+            tenant = tenant_of(settings, api_key, tenant_raw, self.key_digests)
             body = await read_body(receive, settings.max_body_bytes, length)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
                 req, tokens, max_tokens, stop, sampling, forward, include_usage = await asyncio.to_thread(self._parse, body, chat)
@@ -457,8 +607,8 @@ class CompletionsFront:
                 validate_token("request_id", request_id)
             slo_ttft = req.slo_ttft_ms if req.slo_ttft_ms is not None else _header_ms(slo_ttft_raw, "x-flexlb-slo-ttft-ms")
             slo_tpot = req.slo_tpot_ms if req.slo_tpot_ms is not None else _header_ms(slo_tpot_raw, "x-flexlb-slo-tpot-ms")
-            tenant = tenant_of(settings, api_key, tenant_raw, self.key_digests)
-            priority_class = req.priority_class or priority_class_header(class_raw)
+            priority_class, priority, asked = grant_class(settings, tenant, req.priority_class or priority_class_header(class_raw),
+                                                          req.priority)
             traceparent = traceparent_of(traceparent_raw)
             timeout_s = timeout_of(req.timeout_s, _header_ms(timeout_raw, "x-request-timeout-ms"), settings.request_timeout_s)
         except (HttpError, ValueError) as exc:
@@ -469,10 +619,29 @@ class CompletionsFront:
             await send_error(send, code, message, _id_header(request_id))
             return
         request_id = request_id or service.new_request_id()
-        outcome = await service.submit(m.Request(
-            request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=req.priority,
+        limited = False
+        if self.limits is not None:
+            try:
+                limited = self.limits.admit(tenant or DEFAULT_TENANT, len(tokens) + max_tokens, time.monotonic())
+            except Refusal as exc:
+                await service.reject(request_id, "rate_limited", exc.message)
+                await send_error(send, "rate_limited", exc.message, error_headers(request_id, "rate_limited", exc.retry_after_ms))
+                return
+        request = m.Request(
+            request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=priority,
             slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=timeout_s, sampling=sampling, stop=stop,
-            chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, traceparent=traceparent))
+            chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, priority_class_asked=asked,
+            traceparent=traceparent)
+        try:
+            await self._serve(request, req.stream, chat, include_usage, receive, send)
+        finally:
+            if limited:
+                self.limits.release(tenant or DEFAULT_TENANT)
+
+    async def _serve(self, request: m.Request, stream: bool, chat: bool, include_usage: bool, receive, send) -> None:
+        """Submit the parsed request and answer it: refused, or its result (streamed or whole)."""
+        request_id = request.request_id
+        outcome = await self.service.submit(request)
         if not isinstance(outcome, Rejected) and outcome.admission is not None:  # waiting in the fair queue
             outcome = await self.await_admission(outcome, receive)
             if outcome is None:
@@ -481,9 +650,9 @@ class CompletionsFront:
             await send_error(send, outcome.code, outcome.message,
                              error_headers(request_id, outcome.code, outcome.retry_after_ms))
             return
-        shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), req.model or self.settings.model_name,
+        shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), request.model or self.settings.model_name,
                                                          include_usage)
-        if req.stream:
+        if stream:
             await self.stream(outcome, receive, send, shape)
         else:
             await self.collect(outcome, send, shape)

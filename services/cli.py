@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from schemas.subjects import redact_url
 from services.core.batchers import BATCHERS
 from services.core.policies import DECODE_POLICIES, PREFILL_POLICIES
 from services.settings import SHIPPED_BATCHER, RouterSettings, SettingsError, known_env_vars, load
@@ -52,6 +53,10 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
         p.add_argument("--reuse-port", action="store_true", default=None,
                        help="bind the port with SO_REUSEPORT: several router processes share it")
         p.add_argument("--own-port", type=int, help="with --reuse-port: a second port only this process listens on")
+        p.add_argument("--admin-port", type=int, help="serve /admin/*, /docs and /openapi.json on this port instead "
+                                                      "(the public port then carries only the API, health and metrics; "
+                                                      "flexlb up: the i-th router gets this + i)")
+        p.add_argument("--admin-host", help="listen address of --admin-port (default 127.0.0.1)")
     p.add_argument("--router-id", help="router id, stable across restarts (default router-0)")
     p.add_argument("--cluster", help="cluster name: the Redis key prefix")
     p.add_argument("--prefill-policy", help=PREFILL_HELP)
@@ -86,6 +91,15 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
                                                    "again, excluding that worker (default 2; 0: off)")
     p.add_argument("--migration-limit", type=int, help="times a request whose worker dies or fails it mid-stream goes on "
                                                        "elsewhere as a continuation (default 3; 0: it fails)")
+    p.add_argument("--tenant-classes", help="JSON object: tenant -> the priority classes it may use, its default first, "
+                                             "e.g. {\"alpha\": [\"standard\", \"critical\"]} (with API keys set, a tenant "
+                                             "not listed gets standard, sheddable)")
+    p.add_argument("--tenant-limits", help="JSON object: tenant (or \"*\": any other) -> {max_open, "
+                                            "requests_per_minute, tokens_per_minute}, per router process; over one: "
+                                            "429 rate_limited with Retry-After")
+    p.add_argument("--strict-priority", action="store_true", default=None,
+                   help="refuse (403 priority_not_granted) a request asking a class its tenant is not granted, "
+                        "instead of lowering it")
     p.add_argument("--tpot-calibration", help="worker (default) | pool: whose finished requests teach a worker's "
                                                "step time -> TPOT calibration (its own, or its whole pool's)")
     p.add_argument("--breaker-failures", type=int, help="consecutive server failures that open a worker's circuit "
@@ -207,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "and forward scheduling to it, so the HTTP side uses N cores (default 1)")
     up.add_argument("--worker-metrics", action="store_true",
                     help="each worker serves its own /metrics on a free port (listed as worker_metrics_urls)")
+    up.add_argument("--open-admin", action="store_true",
+                    help="no admin token: anyone who can reach the router's port can drain and remove workers "
+                         "(loopback only; for tests and a laptop). Default: `up` generates one (or takes "
+                         "FLEXLB_ADMIN_TOKEN) and keeps it in a 0600 file beside its state file")
     up.add_argument("--state-file", help="write URLs and the pid of every started process here (JSON)")
     up.add_argument("--data-dir", help="NATS JetStream data directory (default: a temporary one)")
     up.add_argument("--nats-port", type=int, help="port for the started nats-server (default: a free one); "
@@ -262,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("action", choices=["list", "drain", "undrain", "remove"])
     workers.add_argument("worker_id", nargs="?", help="the worker (all but list)")
     workers.add_argument("--force", action="store_true", help="remove: even if it holds work (re-routed or failed)")
-    workers.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL, default http://127.0.0.1:8000)")
+    workers.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL; default: the last running `flexlb up`'s, "
+                                       "else http://127.0.0.1:8000)")
     workers.add_argument("--token", help="admin bearer token (env FLEXLB_ADMIN_TOKEN)")
 
     events = sub.add_parser("events", help="export the event log and core journal to a file, or tail them live")
@@ -285,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="one request's timeline and decisions, from an export or the live router")
     ex.add_argument("request_id")
     ex.add_argument("--file", help="an export (default: ask the live router at --url)")
-    ex.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL, default http://127.0.0.1:8000)")
+    ex.add_argument("--url", help="router URL (env FLEXLB_ADMIN_URL; default: the last running `flexlb up`'s, else http://127.0.0.1:8000)")
     ex.add_argument("--token", help="admin bearer token (env FLEXLB_ADMIN_TOKEN)")
     ex.add_argument("--json", action="store_true", help="JSON instead of a table")
 
@@ -350,7 +369,7 @@ def run_router(settings: RouterSettings) -> int:
     import uvicorn
     import uvloop
 
-    from services.api import create_app
+    from services.api import admin_only, create_app, public_only
     from services.shell.router import RouterService
 
     _logging(settings.log_level)
@@ -361,7 +380,17 @@ def run_router(settings: RouterSettings) -> int:
         def capture_signals(self):
             yield  # main() below owns SIGINT / SIGTERM (uvicorn's would wait out a start-up, then re-raise them)
 
+    extra: list[tuple] = []  # (server, its task): the admin listener, stopped after the main one
+
     async def main() -> int:
+        try:
+            return await serve_router()
+        finally:
+            for other, task in extra:
+                other.should_exit = True
+                await asyncio.wait({task}, timeout=ROUTER_STOP_S)
+
+    async def serve_router() -> int:
         stop, urgent = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         drain_s = settings.drain_timeout_s
@@ -370,13 +399,19 @@ def run_router(settings: RouterSettings) -> int:
         if not await _unless_stopped(stop, _wait_for_bus_and_store(settings)):
             return 0  # (it said what it was waiting for)
         service = RouterService(settings)
+        app = create_app(service)
         server = Server(uvicorn.Config(
-            create_app(service), host=settings.host, port=settings.port, log_level=settings.log_level,
+            public_only(app) if settings.admin_port else app, host=settings.host, port=settings.port, log_level=settings.log_level,
             access_log=False, lifespan="on", timeout_graceful_shutdown=drain_s,
             timeout_keep_alive=settings.http_keep_alive_s,
             loop="uvloop", http="httptools",  # dependencies: a third less CPU per request than asyncio + h11
         ))
         serving = asyncio.create_task(server.serve(sockets=sockets), name="uvicorn")
+        if settings.admin_port:  # admin, /docs and /openapi.json on a listener of their own (no lifespan: one owner)
+            admin_server = Server(uvicorn.Config(
+                admin_only(app), host=settings.admin_host, port=settings.admin_port, log_level=settings.log_level,
+                access_log=False, lifespan="off", timeout_graceful_shutdown=1.0, loop="uvloop", http="httptools"))
+            extra.append((admin_server, asyncio.create_task(admin_server.serve(), name="uvicorn-admin")))
         stopping = asyncio.create_task(stop.wait(), name="stop")
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if serving.done():  # start-up failed (SystemExit 3 from uvicorn), or it stopped by itself
@@ -490,7 +525,8 @@ async def _wait_for_bus_and_store(settings: RouterSettings) -> None:
             await client.aclose()
 
     redis_where = f"the sentinels {settings.redis_sentinels}" if settings.redis_sentinels else settings.redis_url
-    for what, probe in ((f"NATS at {settings.nats_url}", nats_answers), (f"Redis at {redis_where}", redis_answers)):
+    for what, probe in ((f"NATS at {redact_url(settings.nats_url)}", nats_answers),
+                        (f"Redis at {redact_url(redis_where)}", redis_answers)):
         last_log = None
         while True:
             try:
@@ -573,13 +609,16 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
 
 
 def run_workers_admin(args: argparse.Namespace) -> int:
-    """`flexlb workers ...`: prints the API's JSON answer; exit 0 on 2xx, 1 otherwise."""
+    """`flexlb workers ...`: prints the API's JSON answer; exit 0 on 2xx, 1 otherwise. The
+    token: --token, else FLEXLB_ADMIN_TOKEN, else the one the last running `flexlb up` keeps."""
     import os
 
     import httpx
 
-    url = (args.url or os.environ.get("FLEXLB_ADMIN_URL") or "http://127.0.0.1:8000").rstrip("/")
-    token = args.token or os.environ.get("FLEXLB_ADMIN_TOKEN") or ""
+    from services.up import read_admin_token
+
+    url = (args.url or os.environ.get("FLEXLB_ADMIN_URL") or _last_up_router_url()).rstrip("/")
+    token = args.token or os.environ.get("FLEXLB_ADMIN_TOKEN") or read_admin_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if args.action != "list" and not args.worker_id:
         print(f"flexlb workers {args.action}: a worker id is required", file=sys.stderr)
@@ -589,9 +628,10 @@ def run_workers_admin(args: argparse.Namespace) -> int:
             if args.action == "list":
                 resp = client.get(f"{url}/admin/workers")
             elif args.action == "remove":
-                resp = client.delete(f"{url}/admin/workers/{args.worker_id}", params={"force": str(args.force).lower()})
+                resp = client.request("DELETE", f"{url}/admin/workers/{args.worker_id}",
+                                      params={"force": str(args.force).lower()}, json={})
             else:
-                resp = client.post(f"{url}/admin/workers/{args.worker_id}/{args.action}")
+                resp = client.post(f"{url}/admin/workers/{args.worker_id}/{args.action}", json={})  # (JSON: admin_auth)
     except httpx.HTTPError as exc:
         print(f"flexlb workers {args.action}: cannot reach {url}: {exc}", file=sys.stderr)
         return 1
@@ -652,8 +692,10 @@ def run_eventlog(args: argparse.Namespace) -> int:
         else:
             import httpx
 
-            url = (args.url or os.environ.get("FLEXLB_ADMIN_URL") or "http://127.0.0.1:8000").rstrip("/")
-            token = args.token or os.environ.get("FLEXLB_ADMIN_TOKEN") or ""
+            from services.up import read_admin_token
+
+            url = (args.url or os.environ.get("FLEXLB_ADMIN_URL") or _last_up_router_url()).rstrip("/")
+            token = args.token or os.environ.get("FLEXLB_ADMIN_TOKEN") or read_admin_token()
             resp = httpx.get(f"{url}/admin/requests/{args.request_id}", timeout=10,
                              headers={"Authorization": f"Bearer {token}"} if token else {})
             if resp.status_code == 404:
@@ -673,25 +715,26 @@ def run_eventlog(args: argparse.Namespace) -> int:
         return 2
     except Exception as exc:  # nats' own errors (no server, timeout): one line with the URL, not a traceback
         if type(exc).__module__.startswith("nats"):
-            print(f"flexlb {args.command}: cannot use NATS at {nats_url}: {type(exc).__name__}: {exc} "
+            print(f"flexlb {args.command}: cannot use NATS at {redact_url(nats_url)}: {type(exc).__name__}: {exc} "
                   "(--nats-url or FLEXLB_NATS_URL; `flexlb up` prints its URL)", file=sys.stderr)
             return 2
         raise
 
 
+def _last_up_router_url() -> str:
+    """Where the last running `flexlb up` serves its admin API (its router's URL, or its
+    --admin-port's), else the default port's."""
+    from services.up import last_up_state
+
+    state = last_up_state() or {}
+    return state.get("admin_url") or state.get("router_url") or "http://127.0.0.1:8000"
+
+
 def _last_up_nats_url() -> str | None:
     """The NATS URL of the last `flexlb up` on this machine, if it is still running."""
-    import os
+    from services.up import last_up_state
 
-    from services.up import LAST_UP_STATE
-
-    try:
-        with open(LAST_UP_STATE) as fh:
-            state = json.load(fh)
-        os.kill(int(state["up_pid"]), 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return state.get("nats_url")
+    return (last_up_state() or {}).get("nats_url")
 
 
 def run_whatif(args: argparse.Namespace) -> int:

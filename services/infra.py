@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.subjects import redact_url
+
 
 class InfraError(RuntimeError):
     pass
@@ -72,6 +74,38 @@ def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None)
         except OSError:
             time.sleep(0.05)
     raise InfraError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A user and password `flexlb up` gives the servers it starts (NATS: that user; Redis:
+    `requirepass`, the user `default`), kept in files of mode 0600 under `secrets_dir` (a
+    0700 directory): never on a command line, where any local user reads it in /proc."""
+
+    user: str
+    password: str
+    secrets_dir: str
+
+    @classmethod
+    def generate(cls) -> "Credentials":
+        import secrets
+
+        return cls("flexlb", secrets.token_urlsafe(24), tempfile.mkdtemp(prefix="flexlb-secrets-"))  # (mkdtemp: 0700)
+
+    def conf_file(self, name: str, text: str) -> str:
+        """Write a server's config holding the secret, mode 0600 from its creation; its path."""
+        path = os.path.join(self.secrets_dir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as fh:
+            fh.write(text)
+        return path
+
+    def nats_url(self, url: str) -> str:
+        """`url` (nats://host:port, or several comma-separated) with this user and password."""
+        return ",".join(u.replace("://", f"://{self.user}:{self.password}@", 1) for u in url.split(","))
+
+    def redis_url(self, url: str) -> str:
+        return url.replace("://", f"://:{self.password}@", 1)
 
 
 @dataclass
@@ -142,22 +176,34 @@ def die_with_parent(nice: int = 0):
 
 
 def nats_argv(port: int, data_dir: str, name: str | None = None, cluster_port: int | None = None,
-              routes: list[int] = ()) -> list[str]:
+              routes: list[int] = (), creds: Credentials | None = None) -> list[str]:
     """The command line of one loopback `nats-server` with JetStream storing under `data_dir`;
-    with `cluster_port`, a node of cluster `flexlb` routed to the `routes` cluster ports."""
+    with `cluster_port`, a node of cluster `flexlb` routed to the `routes` cluster ports. With
+    `creds`, clients and the cluster's routes need that user and password: they are in a
+    config file (`-c`) of mode 0600, the rest stays on the command line."""
     argv = [find_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", data_dir]
     if name:
         argv += ["-n", name]
-    if cluster_port is not None:
+    if creds is not None:
+        auth = f'authorization {{ user: "{creds.user}", password: "{creds.password}" }}\n'
+        conf = auth
+        if cluster_port is not None:
+            urls = ", ".join(f'"nats-route://{creds.user}:{creds.password}@127.0.0.1:{p}"' for p in routes)
+            conf += (f"cluster {{\n  name: flexlb\n  listen: 127.0.0.1:{cluster_port}\n  {auth}"
+                     f"  routes: [{urls}]\n}}\n")
+        argv += ["-c", creds.conf_file(f"nats-{port}.conf", conf)]
+    elif cluster_port is not None:
         argv += ["--cluster_name", "flexlb", "--cluster", f"nats://127.0.0.1:{cluster_port}",
                  "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in routes)]
     return argv
 
 
-def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
+def start_nats(data_dir: str, port: int | None = None, timeout_s: float = 15.0,
+               creds: Credentials | None = None) -> ManagedServer:
+    """One nats-server (JetStream); with `creds`, clients need them (`creds.nats_url(url)`)."""
     port = port or free_port()
     os.makedirs(data_dir, exist_ok=True)
-    argv = nats_argv(port, data_dir)
+    argv = nats_argv(port, data_dir, creds=creds)
     server = ManagedServer("nats-server", port, _popen(argv), f"nats://127.0.0.1:{port}", argv)
     _wait_listening(server, timeout_s)
     return server
@@ -188,7 +234,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def start_nats_cluster(data_root: str, size: int = 3, ports: list[int] | None = None,
-                       timeout_s: float = 30.0) -> list[ManagedServer]:
+                       timeout_s: float = 30.0, creds: Credentials | None = None) -> list[ManagedServer]:
     """`size` clustered nats-server processes on loopback: JetStream on each, a store
     directory each (`data_root/nats-I`), routes to one another, cluster name `flexlb`.
     Returns once JetStream answers on every node (its meta leader is elected), so streams
@@ -202,7 +248,7 @@ def start_nats_cluster(data_root: str, size: int = 3, ports: list[int] | None = 
     for attempt in range(3):
         chosen = free_ports(2 * size)
         try:
-            return _start_nats_cluster(data_root, ports or chosen[:size], chosen[size:], timeout_s)
+            return _start_nats_cluster(data_root, ports or chosen[:size], chosen[size:], timeout_s, creds)
         except InfraError as exc:
             if ports is not None or attempt == 2 or "exited" not in str(exc):
                 raise
@@ -210,17 +256,17 @@ def start_nats_cluster(data_root: str, size: int = 3, ports: list[int] | None = 
 
 
 def _start_nats_cluster(data_root: str, ports: list[int], cluster_ports: list[int],
-                        timeout_s: float) -> list[ManagedServer]:
+                        timeout_s: float, creds: Credentials | None = None) -> list[ManagedServer]:
     nodes: list[ManagedServer] = []
     try:
         for i, (port, cport) in enumerate(zip(ports, cluster_ports)):
             data_dir = os.path.join(data_root, f"nats-{i}")
             os.makedirs(data_dir, exist_ok=True)
-            argv = nats_argv(port, data_dir, f"nats-{i}", cport, cluster_ports)
+            argv = nats_argv(port, data_dir, f"nats-{i}", cport, cluster_ports, creds)
             nodes.append(ManagedServer(f"nats-{i}", port, _popen(argv), f"nats://127.0.0.1:{port}", argv))
         for node in nodes:
             wait_port(node.port, timeout_s, node.proc)
-        wait_jetstream([n.url for n in nodes], timeout_s)
+        wait_jetstream([creds.nats_url(n.url) if creds else n.url for n in nodes], timeout_s)
     except BaseException:
         for node in nodes:
             node.kill()
@@ -252,14 +298,15 @@ def wait_jetstream(urls: list[str], timeout_s: float) -> None:
     while pending:
         pending = [u for u in pending if not asyncio.run(ready(u))]
         if pending and time.monotonic() > deadline:
-            raise InfraError(f"JetStream not ready on {', '.join(pending)} after {timeout_s}s")
+            raise InfraError(f"JetStream not ready on {redact_url(', '.join(pending))} after {timeout_s}s")
         if pending:
             time.sleep(0.2)
 
 
-def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServer:
+def start_redis(port: int | None = None, timeout_s: float = 15.0, creds: Credentials | None = None) -> ManagedServer:
+    """One redis-server; with `creds`, clients need its password (`creds.redis_url(url)`)."""
     port = port or free_port()
-    argv = redis_argv(port)
+    argv = redis_argv(port, creds=creds)
     server = ManagedServer("redis-server", port, _popen(argv), f"redis://127.0.0.1:{port}/0", argv)
     _wait_listening(server, timeout_s)
     return server
@@ -268,12 +315,16 @@ def start_redis(port: int | None = None, timeout_s: float = 15.0) -> ManagedServ
 SENTINEL_MASTER = "flexlb"  # the master name `flexlb up --redis-sentinel` monitors
 
 
-def redis_argv(port: int, replica_of: int | None = None) -> list[str]:
+def redis_argv(port: int, replica_of: int | None = None, creds: Credentials | None = None) -> list[str]:
     """One loopback redis-server keeping nothing on disk; with `replica_of`, a replica of
     the server on that port. Replication streams its snapshots over the socket (diskless),
     and the working directory is a temporary one of its own: a full resync would otherwise
-    write dump.rdb into whatever directory the server was started from."""
-    argv = [find_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+    write dump.rdb into whatever directory the server was started from. With `creds`, its
+    `requirepass` (and `masterauth`, for a replica and a promoted one) in a config file of
+    mode 0600, the first argument (redis-server reads a config file, then the options)."""
+    conf = [creds.conf_file(f"redis-{port}.conf", f"requirepass {creds.password}\nmasterauth {creds.password}\n")
+            ] if creds is not None else []
+    argv = [find_binary("redis-server"), *conf, "--port", str(port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--protected-mode", "no",
             "--dir", tempfile.mkdtemp(prefix=f"flexlb-redis-{port}-"), "--repl-diskless-sync", "yes"]
     if replica_of is not None:
@@ -282,7 +333,8 @@ def redis_argv(port: int, replica_of: int | None = None) -> list[str]:
 
 
 def start_redis_sentinel(data_root: str, num_sentinels: int = 3, timeout_s: float = 30.0,
-                         down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> list[ManagedServer]:
+                         down_after_ms: int = 1000, failover_timeout_ms: int = 5000,
+                         creds: Credentials | None = None) -> list[ManagedServer]:
     """A Redis primary, one replica and `num_sentinels` sentinels (`redis-server --sentinel`,
     the binary the embedded extra ships) on loopback, monitoring master SENTINEL_MASTER with
     a quorum of a majority. A primary silent for `down_after_ms` is failed over to the
@@ -293,8 +345,8 @@ def start_redis_sentinel(data_root: str, num_sentinels: int = 3, timeout_s: floa
     servers: list[ManagedServer] = []
     try:
         primary_port, replica_port = free_port(), free_port()
-        for name, argv, port in (("redis-primary", redis_argv(primary_port), primary_port),
-                                 ("redis-replica", redis_argv(replica_port, primary_port), replica_port)):
+        for name, argv, port in (("redis-primary", redis_argv(primary_port, creds=creds), primary_port),
+                                 ("redis-replica", redis_argv(replica_port, primary_port, creds), replica_port)):
             servers.append(ManagedServer(name, port, _popen(argv), f"redis://127.0.0.1:{port}/0", argv))
             wait_port(port, timeout_s, servers[-1].proc)
         quorum = num_sentinels // 2 + 1
@@ -302,16 +354,21 @@ def start_redis_sentinel(data_root: str, num_sentinels: int = 3, timeout_s: floa
             port = free_port()
             conf = os.path.join(data_root, f"sentinel-{i}.conf")  # sentinel rewrites it: its own file
             os.makedirs(data_root, exist_ok=True)
-            with open(conf, "w") as fh:
-                fh.write(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {data_root}\n"
+            # (with creds: its own password, the one it gives the other sentinels, and the
+            # master's, after the `monitor` line that names the master)
+            auth = (f"requirepass {creds.password}\nsentinel sentinel-pass {creds.password}\n"
+                    if creds is not None else "")
+            master_auth = f"sentinel auth-pass {SENTINEL_MASTER} {creds.password}\n" if creds is not None else ""
+            with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+                fh.write(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {data_root}\n{auth}"
                          f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} {quorum}\n"
                          f"sentinel down-after-milliseconds {SENTINEL_MASTER} {down_after_ms}\n"
                          f"sentinel failover-timeout {SENTINEL_MASTER} {failover_timeout_ms}\n"
-                         f"sentinel parallel-syncs {SENTINEL_MASTER} 1\n")
+                         f"sentinel parallel-syncs {SENTINEL_MASTER} 1\n{master_auth}")
             argv = [find_binary("redis-server"), conf, "--sentinel"]
             servers.append(ManagedServer(f"redis-sentinel-{i}", port, _popen(argv), f"127.0.0.1:{port}", argv))
             wait_port(port, timeout_s, servers[-1].proc)
-        wait_sentinels([s.port for s in servers[2:]], timeout_s)
+        wait_sentinels([s.port for s in servers[2:]], timeout_s, creds.password if creds else None)
     except BaseException:
         for server in servers:
             server.kill()
@@ -319,7 +376,7 @@ def start_redis_sentinel(data_root: str, num_sentinels: int = 3, timeout_s: floa
     return servers
 
 
-def wait_sentinels(ports: list[int], timeout_s: float) -> None:
+def wait_sentinels(ports: list[int], timeout_s: float, password: str | None = None) -> None:
     """Until every sentinel on `ports` knows a replica of SENTINEL_MASTER and all the others."""
     import redis as redis_sync
 
@@ -329,7 +386,8 @@ def wait_sentinels(ports: list[int], timeout_s: float) -> None:
         try:
             ready = True
             for port in ports:
-                r = redis_sync.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True)
+                r = redis_sync.Redis(host="127.0.0.1", port=port, socket_timeout=1, decode_responses=True,
+                                     password=password)
                 replicas = r.execute_command("SENTINEL", "REPLICAS", SENTINEL_MASTER)
                 others = r.execute_command("SENTINEL", "SENTINELS", SENTINEL_MASTER)
                 r.close()

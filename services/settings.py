@@ -18,6 +18,7 @@ import msgspec
 
 from schemas.subjects import nats_servers, validate_token
 from schemas.tokens import load_tokenizer
+from services.limits import parse_limits
 
 log = logging.getLogger("flexlb.settings")
 
@@ -81,6 +82,9 @@ SHIPPED_BATCHER = "slo-budget"
 # 13.3 / 14.5 req/s 0.925 / 0.865 without that limit, 0.935 / 0.890 with it (0.937 / 0.894
 # without the stall hold); Azure code unchanged or better (0.964 / 0.938 vLLM-like at 6.37 /
 # 7.16 req/s against 0.964 / 0.897; prefill-first 0.951 / 0.902 against 0.933 / 0.920).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+PRIORITY_CLASSES = ("critical", "standard", "sheddable")  # services/core/fairness.py CLASSES, highest first
+DEFAULT_GRANT = ("standard", "sheddable")  # a tenant tenant_classes does not list, once grants are on
 TENANT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a tenant names a metrics label and a journal field
 SECRET_SETTINGS = frozenset({"tenant_api_keys", "admin_token"})  # never echoed in an error
 SHIPPED_SLO_BUDGET_PARAMS = {"window_ms": 1000.0, "tpot_headroom": 0.9, "tpot_refuse_ratio": 1.2,
@@ -192,7 +196,13 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     events_max_bytes: int = 1024 * 1024 * 1024  # ... whichever limit comes first
     journal_max_age_s: float = 24 * 3600  # retention of the core journal (FLEXLB_JOURNAL) ...
     journal_max_bytes: int = 1024 * 1024 * 1024  # ... whichever limit comes first
-    admin_token: str = ""  # bearer token of /admin/*; required when host is not loopback
+    admin_token: str = ""  # bearer token of /admin/*; required where the admin API listens beyond loopback
+    # A listener of its own for /admin/*, /docs and /openapi.json (0: they share `port`): the
+    # public port then carries only the API, /healthz, /readyz and /metrics, and the admin one
+    # listens on `admin_host` (loopback by default: reach it from the machine, a bastion or a
+    # port-forward).
+    admin_port: int = 0
+    admin_host: str = "127.0.0.1"
     # Lead one pool only (a model's workers): its own Redis lease, ledger and submit subject, so
     # that the leaders of different pools run in different processes; requests for another
     # pool are forwarded to its leader. "": lead every pool, one lease for the cluster (a
@@ -218,6 +228,21 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenant_api_keys: dict[str, str] = {}
     tenant_api_keys_file: str = ""  # a JSON object (key -> tenant), merged into tenant_api_keys
     trust_tenant_header: bool = False
+    # Priority is granted, not claimed: tenant -> the classes it may use, its default first
+    # (e.g. {"alpha": ["standard", "critical"]}: alpha's requests run standard unless they ask
+    # critical). A request asking (by `priority_class`, the x-flexlb-priority-class header or
+    # its numeric priority's band) a class its tenant is not granted is lowered to the highest
+    # granted class below it (none: its default), its priority clamped into that class's band;
+    # the request.admitted event records both classes. `strict_priority`: refused instead, 403
+    # priority_not_granted. Once API keys or any grant are configured, a tenant not listed is
+    # granted DEFAULT_GRANT (standard, sheddable); with neither, every class is open to everyone
+    # (one trust domain: any client can name any tenant then).
+    tenant_classes: dict[str, list[str]] = {}
+    strict_priority: bool = False
+    # Per-tenant limits of this router process (services/limits.py): tenant (or "*": every tenant
+    # not listed) -> {"max_open", "requests_per_minute", "tokens_per_minute"}; over one: 429
+    # rate_limited with Retry-After.
+    tenant_limits: dict[str, dict[str, float]] = {}
     log_level: str = "info"
     # On SIGTERM: give the lease up at once (a standby leads), stop listening, and relay the
     # streams already open for up to this long (a second signal ends the wait); 0: cut them.
@@ -273,6 +298,21 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 # (never the key itself: it is a secret)
                 raise SettingsError(f"tenant_api_keys: every key must be non-empty and map to a tenant of 1-64 characters "
                                     f"of A-Z a-z 0-9 . _ : -, got tenant {str(tenant)[:80]!r}")
+        for tenant, classes in self.tenant_classes.items():
+            if not TENANT_NAME.fullmatch(tenant):
+                raise SettingsError(f"setting tenant_classes: tenant names are 1-64 characters of A-Z a-z 0-9 . _ : -, "
+                                    f"got {tenant[:80]!r}")
+            if not classes or len(set(classes)) != len(classes) or any(c not in PRIORITY_CLASSES for c in classes):
+                raise SettingsError(f"setting tenant_classes: {tenant}'s classes must be a non-empty list of distinct "
+                                    f"{', '.join(PRIORITY_CLASSES)} (its default first), got {str(classes)[:120]}")
+        bad = [t for t in self.tenant_limits if t != "*" and not TENANT_NAME.fullmatch(t)]
+        if bad:
+            raise SettingsError(f"setting tenant_limits: tenant names are 1-64 characters of A-Z a-z 0-9 . _ : - "
+                                f"(or \"*\": every other tenant), got {bad[0][:80]!r}")
+        try:
+            parse_limits(self.tenant_limits)
+        except ValueError as exc:
+            raise SettingsError(f"setting tenant_limits: {exc}") from None
         if self.tpot_calibration not in ("worker", "pool"):
             raise SettingsError(f"setting tpot_calibration must be worker or pool, got {self.tpot_calibration!r}")
         if self.retry_limit < 0 or self.breaker_failures < 0 or self.migration_limit < 0:
@@ -297,11 +337,15 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.scheduler_config().validate()
         except ValueError as exc:
             raise SettingsError(f"scheduling settings: {exc}") from None
-        if not self.admin_token and self.host not in ("127.0.0.1", "localhost", "::1"):
+        admin_host = self.admin_host if self.admin_port else self.host
+        if not self.admin_token and admin_host not in LOOPBACK_HOSTS:
             raise SettingsError(
-                f"setting admin_token (FLEXLB_ADMIN_TOKEN) is required when the router listens on {self.host!r}: "
-                "the admin API can drain and remove workers"
+                f"setting admin_token (FLEXLB_ADMIN_TOKEN) is required when the admin API listens on {admin_host!r}: "
+                "it can drain and remove workers" + ("" if self.admin_port else " (--admin-port P serves it on a "
+                                                     "loopback port of its own)")
             )
+        if not 0 <= self.admin_port < 65536 or (self.admin_port and self.admin_port in (self.port, self.own_port)):
+            raise SettingsError(f"setting admin_port must be 0 (off) or a port other than the router's, got {self.admin_port!r}")
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise SettingsError(f"setting log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.tokenizer:  # read it now: a bad file stops the process at start, not at the first request

@@ -53,6 +53,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,8 +63,12 @@ import time
 import urllib.error
 import urllib.request
 
+import msgspec
+
+from schemas.subjects import strip_credentials
 from services.infra import (
     SENTINEL_MASTER,
+    Credentials,
     InfraError,
     ManagedServer,
     die_with_parent,
@@ -99,6 +105,68 @@ LAST_UP_STATE = os.environ.get("FLEXLB_UP_STATE") or os.path.join(
     os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state"), "flexlb", "up.json")
 
 
+def secrets_path(state_file: str | None) -> str:
+    """Where `flexlb up` keeps the URLs of its NATS and Redis with their credentials."""
+    return (state_file or LAST_UP_STATE) + ".secrets"
+
+
+def admin_token_path(state_file: str | None) -> str:
+    """Where `flexlb up` keeps the admin token it generated: beside its --state-file, else
+    beside LAST_UP_STATE (what the CLI reads)."""
+    return (state_file or LAST_UP_STATE) + ".admin-token"
+
+
+def _write_secret(path: str, secret: str) -> str:
+    """Write `secret` to `path`, readable by its owner only (0600 from creation: never a moment
+    world-readable); the path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w") as fh:
+        fh.write(secret + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def last_up_state() -> dict | None:
+    """The state of the last `flexlb up` on this machine, if it is still running (else None),
+    with its servers' URLs as clients need them (their credentials: `with_secrets`)."""
+    try:
+        with open(LAST_UP_STATE) as fh:
+            state = json.load(fh)
+        os.kill(int(state["up_pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return with_secrets(state) if isinstance(state, dict) else None
+
+
+def with_secrets(state: dict) -> dict:
+    """A state file's contents with `nats_url` and `redis_url` as clients need them: with the
+    credentials its `secrets_file` holds (readable by its owner only). Unchanged without one."""
+    path = state.get("secrets_file")
+    if not path:
+        return state
+    try:
+        with open(path) as fh:
+            urls = json.load(fh)
+    except (OSError, ValueError):
+        return state
+    return {**state, **{k: urls[k] for k in ("nats_url", "redis_url") if isinstance(urls.get(k), str)}}
+
+
+def read_admin_token() -> str:
+    """The admin token of the last `flexlb up` on this machine while it runs ("": none, or not
+    readable): what `flexlb workers` and `flexlb explain` send when given none."""
+    path = (last_up_state() or {}).get("admin_token_file")
+    if not path:
+        return ""
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM reached `flexlb up`: raised from the signal handler wherever it
     waits (a BaseException, so no `except Exception` on the way swallows it)."""
@@ -129,7 +197,7 @@ def _get_json(url: str, token: str = "") -> tuple[int, dict]:
             return exc.code, {"error": {"message": body.decode(errors="replace")[:200]}}
 
 
-def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str) -> str | None:
+def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str, admin_url: str = "") -> str | None:
     """None when the router at `url` is ready; else why not, in one line: its /readyz reason
     (which names the workers that are not live and why), and the workers of this fleet it
     has not heard of at all (from /admin/workers)."""
@@ -142,7 +210,7 @@ def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str) -> str 
     reason = str((body.get("error") or {}).get("message") or f"HTTP {status}")
     if worker_ids:
         try:
-            status, body = _get_json(url + "/admin/workers", admin_token)
+            status, body = _get_json((admin_url or url) + "/admin/workers", admin_token)
         except (OSError, ValueError, http.client.HTTPException):  # the readyz reason alone is still worth printing
             status, body = 0, {}
         if status == 200:
@@ -154,7 +222,7 @@ def _not_ready_reason(url: str, worker_ids: list[str], admin_token: str) -> str 
 
 
 def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float, worker_ids: list[str] = (),
-                admin_token: str = "", say=None) -> None:
+                admin_token: str = "", say=None, admin_url: str = "") -> None:
     """Until the router at `url` is ready. Why it is not is printed when it changes (at most
     every WAIT_SAY_MIN_S, the first time after that long) and again every WAIT_SAY_EVERY_S;
     `say(reason)` is told each new one. InfraError if a child exits or `timeout_s` passes."""
@@ -166,7 +234,7 @@ def _wait_ready(url: str, procs: dict[str, subprocess.Popen], timeout_s: float, 
         for name, p in procs.items():
             if p.poll() is not None:
                 raise InfraError(f"{name} (pid {p.pid}) exited with status {p.returncode} during start-up")
-        reason = _not_ready_reason(url, list(worker_ids), admin_token)
+        reason = _not_ready_reason(url, list(worker_ids), admin_token, admin_url)
         if reason is None:
             return
         if say is not None:
@@ -277,6 +345,8 @@ def run_up(args, settings: RouterSettings) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    token_file = secrets_file = ""
+    creds = Credentials.generate()  # for the servers it starts (not for those FLEXLB_*_URL names)
     try:
         nats_url = os.environ.get("FLEXLB_NATS_URL")
         replicas_env: dict[str, str] = {}
@@ -285,30 +355,37 @@ def run_up(args, settings: RouterSettings) -> int:
             if args.nats_cluster > 1:
                 ports = [args.nats_port + i for i in range(args.nats_cluster)] if args.nats_port else None
                 waiting(f"a cluster of {args.nats_cluster} nats-server processes to start")
-                servers.extend(start_nats_cluster(data_dir, args.nats_cluster, ports))
-                nats_url = ",".join(s.url for s in servers)
+                servers.extend(start_nats_cluster(data_dir, args.nats_cluster, ports, creds=creds))
+                nats_url = creds.nats_url(",".join(s.url for s in servers))
                 if "FLEXLB_NATS_REPLICAS" not in os.environ:
                     replicas_env["FLEXLB_NATS_REPLICAS"] = str(min(3, args.nats_cluster))
             else:
                 waiting("nats-server to start")
-                servers.append(start_nats(data_dir, args.nats_port))
-                nats_url = servers[-1].url
+                servers.append(start_nats(data_dir, args.nats_port, creds=creds))
+                nats_url = creds.nats_url(servers[-1].url)
         redis_url = os.environ.get("FLEXLB_REDIS_URL")
         sentinel_env: dict[str, str] = {}
         if not redis_url:
             if args.redis_sentinel:
                 root = os.path.join(args.data_dir, "sentinel") if args.data_dir else tempfile.mkdtemp(prefix="flexlb-sentinel-")
                 waiting("Redis with Sentinel to start")
-                started = start_redis_sentinel(root)
+                started = start_redis_sentinel(root, creds=creds)
                 servers.extend(started)
-                redis_url = started[0].url  # the first primary; routers follow the sentinels, not this
+                redis_url = creds.redis_url(started[0].url)  # the first primary; routers follow the sentinels, not this
                 sentinel_env = {"FLEXLB_REDIS_SENTINELS": ",".join(s.url for s in started[2:]),
                                 "FLEXLB_REDIS_MASTER_NAME": SENTINEL_MASTER}
             else:
                 waiting("redis-server to start")
-                servers.append(start_redis(args.redis_port))
-                redis_url = servers[-1].url
+                servers.append(start_redis(args.redis_port, creds=creds))
+                redis_url = creds.redis_url(servers[-1].url)
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
+        admin_token, token_file = settings.admin_token, ""
+        if not admin_token and not args.open_admin:  # the admin API is closed by default
+            admin_token = secrets.token_urlsafe(32)
+            token_file = _write_secret(admin_token_path(args.state_file), admin_token)
+            settings = msgspec.structs.replace(settings, admin_token=admin_token)
+        if admin_token:  # to the routers by environment, never a command line
+            env["FLEXLB_ADMIN_TOKEN"] = admin_token
         worker_flags: list[str] = []
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms",
                      "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens", "profile",
@@ -361,7 +438,7 @@ def run_up(args, settings: RouterSettings) -> int:
         for worker_id, role in fleet:
             children[f"worker-{worker_id}"] = _child(["worker", "--id", worker_id, "--role", role, *worker_flags,
                                                       *per_worker.get(worker_id, [])], env, nice=worker_nice)
-        router_urls, http_worker_urls = [], []
+        router_urls, http_worker_urls, admin_urls = [], [], []
         for i in range(max(num_routers, args.http_workers)):
             router_id = settings.router_id if i == 0 else f"{settings.router_id}-{i}"
             if args.http_workers > 1:  # one shared port; each process also has its own
@@ -371,6 +448,9 @@ def run_up(args, settings: RouterSettings) -> int:
             else:
                 port = settings.port if i == 0 else _replica_port(settings.host, settings.port + i)
                 listen = []
+            if settings.admin_port:  # the admin API on a listener of its own, the i-th router on port + i
+                listen += ["--admin-port", str(settings.admin_port + i), "--admin-host", settings.admin_host]
+                admin_urls.append(f"http://{settings.admin_host}:{settings.admin_port + i}")
             router_flags = ["router", *listen, "--host", settings.host, "--port", str(port), "--router-id", router_id,
                             "--prefill-policy", settings.prefill_policy, "--decode-policy", settings.decode_policy,
                             "--prefill-policy-params", json.dumps(settings.prefill_policy_params),
@@ -389,6 +469,9 @@ def run_up(args, settings: RouterSettings) -> int:
                             "--tenant-weights", json.dumps(settings.tenant_weights),
                             "--tenant-header", settings.tenant_header,
                             *(["--trust-tenant-header"] if settings.trust_tenant_header else []),
+                            "--tenant-classes", json.dumps(settings.tenant_classes),
+                            "--tenant-limits", json.dumps(settings.tenant_limits),
+                            *(["--strict-priority"] if settings.strict_priority else []),
                             "--retry-limit", str(settings.retry_limit),
                             "--migration-limit", str(settings.migration_limit), "--breaker-failures", str(settings.breaker_failures),
                             "--breaker-open-s", str(settings.breaker_open_s),
@@ -418,21 +501,31 @@ def run_up(args, settings: RouterSettings) -> int:
                 waiting(f"the router at {url} to be ready")
                 _wait_ready(url, children, READY_TIMEOUT_S,
                             [w for w, _ in fleet if not led or worker_models.get(w) == led], settings.admin_token,
-                            lambda why, url=url: waiting(f"the router at {url} to be ready: {why}"))
+                            lambda why, url=url: waiting(f"the router at {url} to be ready: {why}"),
+                            admin_urls[0] if admin_urls else url)
         router_url = router_urls[0]
         for url in router_urls[1:] + http_worker_urls[1:]:
             waiting(f"the standby router at {url} to be ready")
             _wait_ready(url, children, READY_TIMEOUT_S, say=lambda why, url=url: waiting(
                 f"the standby router at {url} to be ready: {why}"))
+        # The servers' URLs with their credentials go to a file of mode 0600 of their own (the
+        # clients' FLEXLB_NATS_URL / FLEXLB_REDIS_URL); the state file keeps the addresses.
+        secrets_file = _write_secret(secrets_path(args.state_file), json.dumps({"nats_url": nats_url, "redis_url": redis_url}))
         state = {
             "router_url": router_url,
             "router_urls": router_urls,
             "http_worker_urls": http_worker_urls,  # --http-workers: each process's own port (its /metrics, its view)
-            "nats_url": nats_url,
-            "redis_url": redis_url,
+            "admin_url": admin_urls[0] if admin_urls else router_url,  # where /admin/* is (--admin-port: its own port)
+            "admin_urls": admin_urls,  # --admin-port: each router's admin listener
+            "nats_url": strip_credentials(nats_url),
+            "redis_url": strip_credentials(redis_url),
+            "secrets_file": secrets_file,  # the URLs with their credentials (mode 0600; last_up_state reads them)
             "redis_sentinels": sentinel_env.get("FLEXLB_REDIS_SENTINELS", ""),
             "worker_metrics_urls": worker_metrics_urls,  # --worker-metrics: each worker's own /metrics
             "workers": [{"id": w, "role": r, **({"model": worker_models[w]} if w in worker_models else {})} for w, r in fleet],
+            # where the admin token `up` generated is (mode 0600; the CLI reads it from there): not
+            # the token itself ("": one was given, by FLEXLB_ADMIN_TOKEN, or --open-admin)
+            "admin_token_file": token_file,
             "pids": {**{s.name: s.proc.pid for s in servers}, **{n: p.pid for n, p in children.items()}},
             "up_pid": os.getpid(),
             "nats_data_dir": next((s.argv[s.argv.index("-sd") + 1] for s in servers if s.name == "nats-server"), None),
@@ -444,7 +537,7 @@ def run_up(args, settings: RouterSettings) -> int:
             try:
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 tmp = path + ".tmp"
-                with open(tmp, "w") as fh:
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
                     json.dump(state, fh, indent=2)
                 os.replace(tmp, path)
             except OSError as exc:
@@ -455,9 +548,15 @@ def run_up(args, settings: RouterSettings) -> int:
         print(f"FlexLB is up: {', '.join(router_urls)}  (workers: {', '.join(named)})", flush=True)
         print(f"  completions: curl -N {router_url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}}'", flush=True)
-        print(f"  admin: {router_url}/admin/workers  {router_url}/admin/ledger   nats: {nats_url}   redis: {redis_url}",
-              flush=True)
+        admin_url = admin_urls[0] if admin_urls else router_url
+        print(f"  admin: {admin_url}/admin/workers  {admin_url}/admin/ledger   nats: {strip_credentials(nats_url)}   "
+              f"redis: {strip_credentials(redis_url)} (their credentials: in {secrets_file})", flush=True)
         print("  flight recorder: flexlb events export --out run.jsonl.gz && flexlb replay run.jsonl.gz", flush=True)
+        if token_file:
+            print(f"  admin token: in {token_file} (mode 0600; `flexlb workers` and `flexlb explain` read it from "
+                  "there; curl -H \"Authorization: Bearer $(cat FILE)\")", flush=True)
+        elif not admin_token:
+            print("  admin: OPEN (--open-admin): anyone who can reach the port can drain and remove workers", flush=True)
         is_up = True
         reported: set[str] = set()
         while True:  # until a signal (Interrupted)
@@ -479,3 +578,9 @@ def run_up(args, settings: RouterSettings) -> int:
     finally:
         stop_signal = stop_signal or signal.SIGTERM  # from here on a signal no longer interrupts: the stop is bounded
         _stop_all(children, servers)
+        for path in filter(None, (token_file, secrets_file)):  # (the secrets die with what they opened)
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                print(f"flexlb up: could not remove {path}: {exc}", file=sys.stderr)
+        shutil.rmtree(creds.secrets_dir, ignore_errors=True)

@@ -81,6 +81,7 @@ from schemas.subjects import (
     kv_object_name,
     kv_snapshot_request_subject,
     nats_servers,
+    redact_url,
     resend_subject,
     status_subject,
     worker_events_subject,
@@ -488,7 +489,7 @@ class WorkerAgent:
             elif num_errors == 1 or num_errors % 40 == 0:  # a 10 s outage logs a line, not 40 tracebacks
                 log.warning("nats error (%d so far): %s", num_errors, exc)
 
-        self._waiting_for = f"waiting for NATS at {cfg.nats_url}"
+        self._waiting_for = f"waiting for NATS at {redact_url(cfg.nats_url)}"
         self.nc = await nats.connect(
             nats_servers(cfg.nats_url), name=f"flexlb-worker-{cfg.worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.25,
             connect_timeout=5, error_cb=error_cb, pending_size=cfg.outbound_buffer_bytes,
@@ -502,7 +503,7 @@ class WorkerAgent:
             metrics_server, _ = serve(cfg.metrics_host, cfg.metrics_port, StatusCollector(
                 lambda: self.last_status, lambda: (len(self.acked.pending), self.acked.num_lost), self))
         try:
-            self._waiting_for = f"setting up the JetStream streams at {cfg.nats_url}"
+            self._waiting_for = f"setting up the JetStream streams at {redact_url(cfg.nats_url)}"
             await self._ensure_streams()
             self._waiting_for = "preparing the engine"
             await self.prepare_engine()

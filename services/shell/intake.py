@@ -12,9 +12,8 @@ Calls: the core, the bus. Called by: the HTTP API, leadership (the submit subscr
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
+import os
 import time
 
 from schemas import messages as m
@@ -33,16 +32,24 @@ log = logging.getLogger("flexlb.router")
 FORWARD_NO_LEADER_WAIT_S = 3.0
 
 
+ID_RANDOM_BATCH = 4096  # request ids made from one os.urandom read
+
 class Intake:
     def __init__(self, state: RouterState) -> None:
         self.s = state
-        # Ids this router makes: a random 48-bit prefix per process and a counter (as long as
-        # the 96 random bits they replaced; secrets.token_hex per request was 1.5 % of the CPU).
-        self._id_prefix = "cmpl-" + secrets.token_hex(6)
-        self._id_seq = itertools.count(1)
+        # Ids this router makes: 96 random bits each, from os.urandom read ID_RANDOM_BATCH ids at
+        # a time (secrets.token_hex per request was 1.5 % of the CPU). Not a counter: a client
+        # that could guess the next id could send its own request under it first, and the
+        # victim's would be refused duplicate_request.
+        self._id_random = b""
+        self._id_at = 0
 
     def new_request_id(self) -> str:
-        return f"{self._id_prefix}{next(self._id_seq):012x}"
+        at = self._id_at
+        if at >= len(self._id_random):
+            self._id_random, at = os.urandom(12 * ID_RANDOM_BATCH), 0
+        self._id_at = at + 12
+        return "cmpl-" + self._id_random[at:at + 12].hex()
 
     async def submit(self, request: m.Request) -> RequestHandle | Rejected:
         """Admit (or reject) a parsed request; on admission it is queued for batching. A
@@ -83,7 +90,10 @@ class Intake:
         except ValueError as exc:  # a bad priority class (the API checks it; a forwarded one is checked here)
             return await self.reject(request_id, "invalid_request", str(exc))
         rec = self.s.records.open(request_id, now, num_prompt_tokens=len(prompt), max_tokens=request.max_tokens,
-                                  decisions=list(getattr(decision, "decisions", ())), tenant=request.tenant or DEFAULT_TENANT)
+                                  decisions=list(getattr(decision, "decisions", ())), tenant=request.tenant or DEFAULT_TENANT,
+                                  priority_class=priority_class_of(handle.admit),
+                                  **({"priority_class_asked": request.priority_class_asked}
+                                     if request.priority_class_asked else {}))
         self.s.records.note(request_id, now, "arrived")
         if isinstance(decision, Queued):
             await self._queued(handle, decision, now)
@@ -137,6 +147,8 @@ class Intake:
                 predicted_ttft_ms=round(decision.predicted_ttft_ms, 3), slo_ttft_ms=decision.slo_ttft_ms,
                 slo_tpot_ms=decision.slo_tpot_ms, priority=decision.priority, best_effort=decision.best_effort,
                 num_cached_tokens=decision.request.num_cached_tokens, model=pool,
+                tenant=handle.request.tenant, priority_class=priority_class_of(handle.admit),
+                priority_class_asked=handle.request.priority_class_asked,
             )
         )
         self.s.records.note(request_id, now, "admitted", prefill_worker_id=handle.prefill_worker_id,

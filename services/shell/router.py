@@ -361,6 +361,7 @@ def redis_client(settings: RouterSettings):
 
     url = urlparse(settings.redis_url)
     db = int(url.path.lstrip("/") or 0)
-    sentinel = Sentinel(sentinel_addresses(settings.redis_sentinels), sentinel_kwargs={"socket_timeout": 1,
-                                                                                       "socket_connect_timeout": 1})
+    sentinel = Sentinel(sentinel_addresses(settings.redis_sentinels), sentinel_kwargs={
+        "socket_timeout": 1, "socket_connect_timeout": 1,
+        **({"password": url.password} if url.password else {})})  # (sentinels of `flexlb up` share the password)
     return sentinel.master_for(settings.redis_master_name, db=db, password=url.password, **kwargs)

@@ -146,7 +146,7 @@ class RouterState:
         self.boot_id = boot_id
         self.pool = settings.scheduling_pool  # the one pool this router leads ("": all)
         self.metrics = RouterMetrics(frozenset({DEFAULT_TENANT, *settings.tenant_api_keys.values(),
-                                                *settings.tenant_weights}))
+                                                *settings.tenant_weights, *settings.tenant_classes}))
         self.scheduler: Scheduler | Recorder = scheduler
         self.records = RequestRecords(RECENT_RECORDS_MAX)
         self.envelopes = m.EnvelopeFactory(self.router_id, self.boot_id)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.infra import InfraError, ManagedServer, find_binary, free_port, start_nats, start_redis
+from services.up import with_secrets
 from tests.integration.stack import wait_for
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -141,8 +142,12 @@ def spawn(tmp_path):
 def flexlb_up(spawn, tmp_path):
     """Run `flexlb up ARGS` and return (proc, state) once it has written its state file."""
 
-    def _up(*argv: str, env: dict[str, str] | None = None) -> tuple[Proc, dict]:
+    def _up(*argv: str, env: dict[str, str] | None = None, open_admin: bool = True) -> tuple[Proc, dict]:
+        """`open_admin`: pass --open-admin (no admin token), so a test reads /admin/* plainly,
+        unless it gives a token itself; tests/integration/test_security.py runs the default."""
         state_file = tmp_path / f"state-{time.monotonic_ns()}.json"
+        if open_admin and "FLEXLB_ADMIN_TOKEN" not in (env or {}):
+            argv = ("--open-admin", *argv)
         proc = spawn("up", "--port", str(free_port()), "--state-file", str(state_file), *argv, env=env, name="up")
 
         def ready():
@@ -151,6 +156,7 @@ def flexlb_up(spawn, tmp_path):
             return state_file.exists()
 
         wait_for(ready, 90, "flexlb up to write its state file")
-        return proc, json.loads(state_file.read_text())
+        # (its NATS and Redis URLs with the credentials up generated: what its children use)
+        return proc, with_secrets(json.loads(state_file.read_text()))
 
     return _up

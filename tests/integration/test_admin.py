@@ -120,7 +120,18 @@ async def test_admin_api_needs_the_bearer_token_and_nothing_changes_without_it(s
             resp = httpx.request(method, url + path, headers=headers)
             assert resp.status_code == 401 and resp.json()["error"]["code"] == "unauthorized", (path, headers)
     assert not r.exists("flexlb:tok:drain:tok-w0")
-    ok = httpx.post(url + "/admin/workers/tok-w0/drain", headers={"Authorization": "Bearer s3cret"})
+    auth = {"Authorization": "Bearer s3cret"}
+    # With the token, a state change a web page could send cross-site is still refused: a
+    # simple request (text/plain, a form), an Origin of another site, Sec-Fetch-Site cross-site.
+    for extra, body in (({}, None), ({"Content-Type": "text/plain"}, b"{}"),
+                        ({"Content-Type": "application/x-www-form-urlencoded"}, b"a=1"),
+                        ({"Content-Type": "application/json", "Origin": "http://evil.example"}, b"{}"),
+                        ({"Content-Type": "application/json", "Sec-Fetch-Site": "cross-site"}, b"{}")):
+        resp = httpx.post(url + "/admin/workers/tok-w0/drain", headers={**auth, **extra}, content=body)
+        assert resp.status_code == 403 and resp.json()["error"]["code"] == "forbidden", (extra, resp.text)
+        assert not r.exists("flexlb:tok:drain:tok-w0")
+    same_origin = {**auth, "Origin": url}
+    ok = httpx.post(url + "/admin/workers/tok-w0/drain", headers=same_origin, json={})
     assert ok.status_code == 200 and r.exists("flexlb:tok:drain:tok-w0")
     # Beyond loopback without a token the router refuses to start.
     bad = spawn("router", "--host", "0.0.0.0", "--port", str(free_port()),

@@ -728,7 +728,7 @@ async def test_the_default_stack_streams_completions_through_the_published_port(
 async def test_drain_and_undrain_through_the_admin_api(stack):
     auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(timeout=60) as c:
-        r = await c.post(ROUTER_URL + "/admin/workers/w0/drain", headers=auth)
+        r = await c.post(ROUTER_URL + "/admin/workers/w0/drain", headers=auth, json={})
         assert r.status_code == 200, r.text
         assert _workers(ROUTER_URL)["w0"]["draining"] is True
         bodies = make_bodies(12, seed=29)
@@ -736,7 +736,7 @@ async def test_drain_and_undrain_through_the_admin_api(stack):
         assert all(_exact(b, res) for b, res in zip(bodies, results)), results
         drained_to = {_worker_of(await _record(ROUTER_URL, res["request_id"])) for res in results}
         assert drained_to == {"w1"}, drained_to
-        r = await c.post(ROUTER_URL + "/admin/workers/w0/undrain", headers=auth)
+        r = await c.post(ROUTER_URL + "/admin/workers/w0/undrain", headers=auth, json={})
         assert r.status_code == 200, r.text
         _wait_workers_ready(ROUTER_URL, {"w0"}, 30)
         seen = set()
@@ -843,7 +843,7 @@ async def test_one_nats_container_killed_under_load(ha_stack):
     routers: >= 95 % of the requests in flight finish ok, every one ends with a code."""
     urls = list(HA_URLS.values())
     leader = next(u for u in urls if _role(u) == "leader")
-    node = _get(leader + "/healthz").json()["nats_server"].split("//")[1].split(":")[0]
+    node = _get(leader + "/admin/router").json()["nats_server"].split("//")[1].split(":")[0]
     assert node in {"ha-nats-0", "ha-nats-1", "ha-nats-2"}, node
     bodies = [{**b, "max_tokens": 60} for b in make_bodies(80, seed=34)]
     async with httpx.AsyncClient(timeout=120) as client:

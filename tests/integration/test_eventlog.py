@@ -129,7 +129,7 @@ async def test_a_run_with_a_killed_and_a_drained_worker_replays_identically_and_
     drained = next(w for w in sorted(held) if w != victim)
     os.kill(state["pids"][f"worker-{victim}"], signal.SIGKILL)
     async with httpx.AsyncClient(timeout=30) as c:
-        assert (await c.post(url + f"/admin/workers/{drained}/drain")).status_code == 200
+        assert (await c.post(url + f"/admin/workers/{drained}/drain", json={})).status_code == 200
 
         async def victim_dead():
             ws = {w["id"]: w for w in (await c.get(url + "/admin/workers")).json()["workers"]}

@@ -92,7 +92,7 @@ async def _kill_node_under_load(flexlb_up, tmp_path, pick) -> None:
     url, nats_url = state["router_url"], state["nats_url"]
     assert len(nats_url.split(",")) == 3
     await wait_async(lambda: _streams_replicated(nats_url, 3), 30, "streams with 3 current replicas")
-    before = httpx.get(url + "/healthz").json()["nats_server"]
+    before = httpx.get(url + "/admin/router").json()["nats_server"]
     victim = pick(state, before)
     node = _server(state, victim)
     bodies = _bodies(seed=15)
@@ -127,7 +127,7 @@ async def _kill_node_under_load(flexlb_up, tmp_path, pick) -> None:
         resends = [ln for ln in httpx.get(url + "/metrics").text.splitlines() if ln.startswith("flexlb_token_resends_total")]
         print(f"  TTFT of requests arriving after the kill: p50 {ttfts[len(ttfts) // 2]:.2f} s, max {ttfts[-1]:.2f} s; "
               f"{resends}")
-        after = httpx.get(url + "/healthz").json()["nats_server"]
+        after = httpx.get(url + "/admin/router").json()["nats_server"]
         assert after and after != node["url"], after  # the router is on a live node
         restarted = subprocess.Popen(node["argv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -369,7 +369,10 @@ async def test_the_redis_primary_killed_sentinel_promotes_the_replica_and_schedu
     sentinels = state["redis_sentinels"].split(",")
     assert len(sentinels) == 3
     host, port = sentinels[0].split(":")
-    sentinel = aioredis.Redis(host=host, port=int(port), socket_timeout=2, decode_responses=True)
+    from urllib.parse import urlsplit
+
+    sentinel = aioredis.Redis(host=host, port=int(port), socket_timeout=2, decode_responses=True,
+                              password=urlsplit(state["redis_url"]).password)  # (up's sentinels need its password)
     primary = _server(state, "redis-primary")
     assert (await sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER))[1] == str(
         primary["url"].rsplit(":", 1)[1].split("/")[0])

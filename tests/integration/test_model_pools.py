@@ -57,7 +57,7 @@ async def test_two_pools_route_every_request_to_its_model_and_refuse_what_they_c
 
         # Pool b's workers drained: b is known but has no live worker, a still serves.
         for worker_id in [w for w, model in model_of.items() if model == "b"]:
-            assert (await c.post(url + f"/admin/workers/{worker_id}/drain")).status_code == 200
+            assert (await c.post(url + f"/admin/workers/{worker_id}/drain", json={})).status_code == 200
 
         async def b_refused():
             r = await c.post(url + "/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})

@@ -164,7 +164,8 @@ def full_request() -> m.Request:
     return m.Request(request_id="r1", prompt_token_ids=[1, 2], max_tokens=5, priority=90, slo_ttft_ms=500.0,
                      slo_tpot_ms=50.0, timeout_s=9.0, sampling=m.Sampling(temperature=0.5), stop=["\n"],
                      chat=m.ChatForward(messages=[{"role": "user", "content": "hi"}]), model="m", tenant="acme",
-                     priority_class="critical", traceparent=TRACEPARENT, output_offset=3)
+                     priority_class="standard", priority_class_asked="critical", traceparent=TRACEPARENT,
+                     output_offset=3)
 
 
 def test_a_request_travels_whole_in_a_forward():
@@ -192,3 +193,33 @@ def test_what_the_engine_needs_travels_whole_into_the_dispatch():
     back = m.decode(m.encode(m.EnvelopeFactory("p", "b").wrap(cmd, 1))).payload.requests[0]
     assert {f: getattr(back, f) for f in m.ENGINE_FIELDS} == {f: getattr(req, f) for f in m.ENGINE_FIELDS}
     assert back.traceparent == TRACEPARENT
+
+
+def test_free_text_of_an_event_is_bounded_at_construction_and_decode_so_it_fits_the_bus():
+    """A 2 MB message or reason (a client's string echoed, an upstream's error body) is cut to
+    MAX_TEXT_CHARS, so the event stays far inside NATS's 1 MiB default message limit."""
+    huge = "x" * 2_000_000
+    events = [
+        m.RequestRejected(request_id="r", router_id="p", code="invalid_request", message=huge),
+        m.RequestFailed(request_id="r", worker_id="w", code="upstream_error", message=huge),
+        m.RequestCancelled(request_id="r", worker_id="w", reason=huge),
+        m.RequestAdmitted(request_id="r", router_id="p", prefill_worker_id="w", decode_worker_id="w",
+                          num_prompt_tokens=1, max_tokens=1, reason=huge, model="m" * 256, tenant="t" * 64),
+        m.RouteDecided(request_id="r", router_id="p", decision_seq=1, seed=0, stage="prefill", policy="x",
+                       picked_worker_id="w", reason=huge),
+        m.SubmitReply(request_id="r", router_id="p", admitted=False, code="internal", message=huge),
+        m.CancelRequest(request_id="r", worker_id="w", reason=huge),
+    ]
+    factory = m.EnvelopeFactory("p", "b")
+    for event in events:
+        data = m.encode(factory.wrap(event, 1))
+        assert len(data) < m.MAX_TEXT_CHARS + 2000 < 1024 * 1024, type(event).__name__
+        text = getattr(event, "message", None) or event.reason
+        assert len(text) == m.MAX_TEXT_CHARS and text.endswith("[truncated]")
+        back = m.decode(data).payload
+        assert back == event
+    raw = m.encode(factory.wrap(m.RequestRejected(request_id="r", router_id="p", code="c", message="ok"), 1))
+    raw = raw.replace(b'"ok"', b'"' + b"y" * 5000 + b'"')  # a longer one written by an older or foreign publisher
+    assert len(m.decode(raw).payload.message) == m.MAX_TEXT_CHARS
+    short = m.RequestRejected(request_id="r", router_id="p", code="c", message="x" * m.MAX_TEXT_CHARS)
+    assert short.message == "x" * m.MAX_TEXT_CHARS  # at the bound: untouched

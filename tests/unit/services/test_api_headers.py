@@ -227,3 +227,86 @@ def test_n_other_than_1_is_refused_on_completions_not_silently_ignored():
     assert sent[0]["status"] == 400 and "n:" in json.loads(sent[1]["body"])["error"]["message"] and not service.submitted
     post_body(front, json.dumps({"prompt": "hi", "max_tokens": 2, "n": 1}).encode())
     assert len(service.submitted) == 1
+
+
+# ------------------------------------------------------------------ priority is granted (issue 37, Build 2)
+def granted(strict: bool = False) -> SubmitRecorder:
+    service = SubmitRecorder()
+    service.settings = RouterSettings(tenant_api_keys={"k-alpha": "alpha", "k-beta": "beta", "k-gamma": "gamma"},
+                                      tenant_classes={"alpha": ["standard", "critical"], "gamma": ["sheddable"]},
+                                      strict_priority=strict).validate()
+    return service
+
+
+@pytest.mark.parametrize("key, ask, priority, want", [
+    # alpha: granted standard (its default) and critical
+    (b"k-alpha", None, None, ("standard", None, "")),
+    (b"k-alpha", "critical", None, ("critical", None, "")),
+    (b"k-alpha", "sheddable", None, ("standard", None, "sheddable")),  # nothing below sheddable: its default
+    (b"k-alpha", None, 90, ("critical", 90, "")),
+    # beta: not listed, so the default grant (standard, sheddable)
+    (b"k-beta", "critical", None, ("standard", None, "critical")),
+    (b"k-beta", None, 95, ("standard", 69, "critical")),  # a priority in critical's band is a claim too: clamped
+    (b"k-beta", "sheddable", None, ("sheddable", None, "")),
+    (b"k-beta", None, None, ("standard", None, "")),
+    # gamma: sheddable only
+    (b"k-gamma", "critical", None, ("sheddable", None, "critical")),
+    (b"k-gamma", None, 50, ("sheddable", 29, "standard")),
+])
+@pytest.mark.parametrize("where", ["body", "header"])
+def test_a_class_not_granted_is_lowered_and_the_request_records_what_it_asked(key, ask, priority, want, where):
+    service = granted()
+    body = {"prompt": "hello", "max_tokens": 4, **({"priority": priority} if priority is not None else {})}
+    headers = [(b"authorization", b"Bearer " + key)]
+    if ask is not None and where == "body":
+        body["priority_class"] = ask
+    elif ask is not None:
+        headers.append((b"x-flexlb-priority-class", ask.encode()))
+    post(CompletionsFront(service, ByteTokenizer(), app=None), headers, json.dumps(body).encode())
+    (r,) = service.submitted
+    assert (r.priority_class, r.priority, r.priority_class_asked) == want
+
+
+def test_strict_priority_refuses_a_class_not_granted_with_403_and_serves_a_granted_one():
+    service = granted(strict=True)
+    front = CompletionsFront(service, ByteTokenizer(), app=None)
+    sent = post(front, [(b"authorization", b"Bearer k-beta"), (b"x-flexlb-priority-class", b"critical")])
+    body = json.loads(sent[1]["body"])
+    assert sent[0]["status"] == 403 and body["error"]["code"] == "priority_not_granted" and not service.submitted
+    assert "standard, sheddable" in body["error"]["message"] and service.rejected == ["priority_not_granted"]
+    post(front, [(b"authorization", b"Bearer k-alpha"), (b"x-flexlb-priority-class", b"critical")])
+    assert [(r.tenant, r.priority_class) for r in service.submitted] == [("alpha", "critical")]
+
+
+def test_without_keys_or_grants_every_class_is_open_as_before():
+    service = SubmitRecorder()
+    post(CompletionsFront(service, ByteTokenizer(), app=None), [(b"x-flexlb-priority-class", b"critical")])
+    assert [(r.priority_class, r.priority_class_asked) for r in service.submitted] == [("critical", "")]
+
+
+@pytest.mark.parametrize("classes", [{"alpha": []}, {"alpha": ["gold"]}, {"alpha": ["standard", "standard"]},
+                                     {"bad tenant!": ["standard"]}])
+def test_a_bad_grant_is_refused_naming_it(classes):
+    from services.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="tenant_classes"):
+        RouterSettings(tenant_classes=classes).validate()
+
+
+def test_the_settings_know_the_cores_classes():
+    from services.core.fairness import CLASSES
+    from services.settings import DEFAULT_GRANT, PRIORITY_CLASSES
+
+    assert PRIORITY_CLASSES == CLASSES and set(DEFAULT_GRANT) <= set(CLASSES)
+
+
+def test_request_ids_the_router_makes_are_random_not_a_counter():
+    """A guessable next id would let a client claim it first (its own request under that id),
+    and the request it belonged to would be refused duplicate_request."""
+    from services.shell.intake import ID_RANDOM_BATCH, Intake
+
+    intake = Intake(None)
+    ids = [intake.new_request_id() for _ in range(3 * ID_RANDOM_BATCH)]
+    assert len(set(ids)) == len(ids) and all(len(i) == 5 + 24 and i.startswith("cmpl-") for i in ids)
+    prefixes = {a[:5 + 12] == b[:5 + 12] for a, b in zip(ids, ids[1:])}
+    assert prefixes == {False}  # no shared prefix and counter: 96 random bits each
