@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import string
 import subprocess
@@ -33,6 +34,7 @@ import httpx
 import pytest
 import yaml
 
+from schemas.subjects import redact_url
 from services.cli import build_parser, router_settings, worker_config
 from services.settings import ENV_PREFIX, RouterSettings, known_env_vars
 from tests.integration.stack import (
@@ -99,13 +101,18 @@ def env_of(svc: dict[str, Any]) -> dict[str, str | None]:
     if isinstance(raw, list):
         for item in raw:
             key, sep, value = str(item).partition("=")
-            out[key] = value if sep else None
+            out[key] = interpolate(value) if sep else None
         return out
     for key, value in raw.items():
         if isinstance(value, bool):
             value = "true" if value else "false"
-        out[str(key)] = None if value is None else str(value)
+        out[str(key)] = None if value is None else interpolate(str(value))
     return out
+
+
+def interpolate(value: str) -> str:
+    """`${VAR...}` as compose substitutes it from the environment the tests give (SECRETS)."""
+    return re.sub(r"\$\{([A-Za-z0-9_]+)[^}]*\}", lambda mt: SECRETS.get(mt[1], "ci-check"), value)
 
 
 def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
@@ -249,22 +256,37 @@ def test_compose_parses_and_has_the_stack():
     assert routers == ["router"], f"expected exactly the `router` service to run `flexlb router`, got {routers}"
 
 
+def server_argv(command: list[str]) -> tuple[list[str], str]:
+    """(the server's argv, the script before it) of a NATS or Redis service: `sh -c "printf
+    CONFIG > FILE && exec SERVER ARGS"` (the config holds the password, read from the
+    container's environment), or a plain exec form (no script)."""
+    if command[:2] != ["sh", "-c"]:
+        return list(command), ""
+    script, _, server = command[2].rpartition("exec ")
+    return shlex.split(server), script
+
+
 def test_nats_and_redis_use_official_images_configured_like_flexlb_up():
     services = services_of(load_compose())
     nats, redis = services["nats"], services["redis"]
     assert str(nats.get("image", "")).split(":")[0] == "nats", nats.get("image")
     assert str(redis.get("image", "")).split(":")[0] == "redis", redis.get("image")
     assert "build" not in nats and "build" not in redis
-    cmd = nats["command"]
+    cmd, script = server_argv(nats["command"])
     assert "-js" in cmd, f"NATS without JetStream: {cmd}"
     store = cmd[cmd.index("-sd") + 1]
     mounts = [str(v).split(":")[1] if isinstance(v, str) else v.get("target") for v in nats.get("volumes") or []]
     assert store in mounts, f"JetStream store {store} is not a volume: {mounts}"
     assert "-m" in cmd and cmd[cmd.index("-m") + 1] == "8222", f"the /healthz probe needs monitoring on 8222: {cmd}"
-    rcmd = redis["command"]
+    assert cmd[cmd.index("-c") + 1] in script and "authorization" in script and "$$NATS_PASSWORD" in script
+    rcmd, rscript = server_argv(redis["command"])
     assert rcmd[rcmd.index("--save") + 1] == "", f"redis persistence should be off: {rcmd}"
     assert rcmd[rcmd.index("--appendonly") + 1] == "no", f"redis AOF should be off: {rcmd}"
-    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert rcmd[1] in rscript and "requirepass" in rscript and "$$REDIS_PASSWORD" in rscript
+    assert redis["healthcheck"]["test"][0] == "CMD-SHELL" and "redis-cli ping" in redis["healthcheck"]["test"][1]
+    # The passwords come from the environment compose is run in, required, never written here.
+    for svc, var in ((nats, "NATS_PASSWORD"), (redis, "REDIS_PASSWORD")):
+        assert env_of(svc)[var] == SECRETS[f"FLEXLB_{var}"] and f"FLEXLB_{var}:?" in str(svc["environment"][var])
 
 
 @pytest.mark.parametrize("name", sorted({**flexlb_services(load_compose()), **flexlb_services(load_compose(), ha=True)}))
@@ -288,11 +310,13 @@ def test_flexlb_services_reach_nats_and_redis_by_service_name():
     for name, svc in flexlb_services(compose).items():
         settings, problems = check_flexlb_service(name, svc["command"], env_of(svc))
         assert not problems, "\n".join(problems)
-        assert settings.nats_url == f"nats://nats:{NATS_PORT}", f"{name}: nats_url {settings.nats_url}"
+        assert settings.nats_url == f"nats://flexlb:{SECRETS['FLEXLB_NATS_PASSWORD']}@nats:{NATS_PORT}", \
+            f"{name}: nats_url {redact_url(settings.nats_url)}"
         deps = svc.get("depends_on") or {}
         assert "nats" in deps, f"{name} does not wait for nats"
         if isinstance(settings, RouterSettings):
-            assert settings.redis_url.startswith(f"redis://redis:{REDIS_PORT}/"), f"{name}: redis_url {settings.redis_url}"
+            assert settings.redis_url.startswith(f"redis://:{SECRETS['FLEXLB_REDIS_PASSWORD']}@redis:{REDIS_PORT}/"), \
+                f"{name}: redis_url {redact_url(settings.redis_url)}"
             assert "redis" in deps, f"{name} does not wait for redis"
 
 
@@ -433,7 +457,7 @@ def test_docker_compose_config_validates(profiles):
     if cli is None:
         pytest.skip("neither `docker compose` nor `docker-compose` is installed (.ci/run installs docker-compose)")
     proc = subprocess.run([*cli, "-f", str(COMPOSE_FILE), *profiles, "config", "-q"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "FLEXLB_ADMIN_TOKEN": "ci-check"})
+                          text=True, timeout=60, env={**os.environ, **SECRETS})
     assert proc.returncode == 0, proc.stderr
 
 
@@ -453,26 +477,28 @@ def test_the_ha_profile_is_three_nats_nodes_redis_with_sentinel_two_routers_and_
     nodes = sorted(n for n, s in services.items() if in_ha(s) and str(s.get("image", "")).startswith("nats:"))
     assert len(nodes) == 3, nodes
     for n in nodes:
-        cmd = services[n]["command"]
-        assert "-js" in cmd and cmd[cmd.index("--cluster_name") + 1] == "flexlb" and cmd[cmd.index("-n") + 1] == n
-        routes = {r.split("//")[1].split(":")[0] for r in cmd[cmd.index("--routes") + 1].split(",")}
-        assert routes == set(nodes) - {n}, (n, routes)  # routed to the other two
+        cmd, script = server_argv(services[n]["command"])
+        assert "-js" in cmd and "cluster { name: flexlb," in script and cmd[cmd.index("-n") + 1] == n
+        routes = set(re.findall(r"nats-route://flexlb:%s@([a-z0-9-]+):6222", script))
+        assert routes == set(nodes) - {n}, (n, routes)  # routed to the other two, with the password
+        assert script.count("authorization { user: flexlb") == 2, script  # clients and routes
         store = cmd[cmd.index("-sd") + 1]
         assert any(str(v).endswith(f":{store}") for v in services[n]["volumes"]), services[n]["volumes"]
-    replica = services["ha-redis-replica"]["command"]
+    replica, _ = server_argv(services["ha-redis-replica"]["command"])
     assert replica[replica.index("--replicaof") + 1:replica.index("--replicaof") + 3] == ["ha-redis-primary", "6379"]
     sentinels = sorted(n for n, s in services.items() if in_ha(s) and "--sentinel" in " ".join(s.get("command") or []))
     assert len(sentinels) == 3, sentinels
     for n in sentinels:
-        assert "sentinel monitor flexlb ha-redis-primary 6379 2" in " ".join(services[n]["command"])
+        script = " ".join(services[n]["command"])
+        assert "sentinel monitor flexlb ha-redis-primary 6379 2" in script and "sentinel auth-pass flexlb" in script
     settings = _ha_settings(compose)
     routers = {n: s for n, s in settings.items() if isinstance(s, RouterSettings)}
     workers = {n: s for n, s in settings.items() if isinstance(s, WorkerConfig)}
     assert len(routers) == 2 and len(workers) >= 2, (sorted(routers), sorted(workers))
     assert len({s.router_id for s in routers.values()}) == 2 and len({s.cluster for s in routers.values()}) == 1
-    cluster_url = ",".join(f"nats://{n}:{NATS_PORT}" for n in nodes)
+    cluster_url = ",".join(f"nats://flexlb:{SECRETS['FLEXLB_NATS_PASSWORD']}@{n}:{NATS_PORT}" for n in nodes)
     for name, s in settings.items():
-        assert s.nats_url == cluster_url and s.nats_replicas == 3, (name, s.nats_url, s.nats_replicas)
+        assert s.nats_url == cluster_url and s.nats_replicas == 3, (name, redact_url(s.nats_url), s.nats_replicas)
         deps = set(services[name].get("depends_on") or {})
         assert set(nodes) <= deps, f"{name} does not wait for every NATS node"
     for name, s in routers.items():
@@ -529,6 +555,8 @@ def test_grafana_provisions_the_dashboard_from_its_datasource():
 LIVE_TIMEOUT_S = 1800  # the first test pays for images, the build and the bring-up
 PROJECT = "flexlbtest"
 ADMIN_TOKEN = "ci-check"
+# The secrets the compose file requires from the environment (${VAR:?...}), as the tests give them.
+SECRETS = {"FLEXLB_ADMIN_TOKEN": ADMIN_TOKEN, "FLEXLB_NATS_PASSWORD": "ci-nats-3f9a", "FLEXLB_REDIS_PASSWORD": "ci-redis-7c1e"}
 ROUTER_URL = "http://127.0.0.1:8000"
 HA_URLS = {"ha-router-0": "http://127.0.0.1:8010", "ha-router-1": "http://127.0.0.1:8011"}
 PROMETHEUS_URL = "http://127.0.0.1:9090"
@@ -540,7 +568,7 @@ class Stack:
 
     def __init__(self, engine, cli: list[str], unavailable: dict[str, str]):
         self.engine, self.cli, self.unavailable = engine, cli, unavailable
-        engine.env["FLEXLB_ADMIN_TOKEN"] = ADMIN_TOKEN  # the compose file requires one (the routers listen on 0.0.0.0)
+        engine.env.update(SECRETS)  # the compose file requires them (the admin token: the routers listen on 0.0.0.0)
         self.timings: dict[str, float] = {}
         self.is_down = False
         self.tests_from: float | None = None
