@@ -46,7 +46,8 @@ def nats_servers(url: str) -> list[str]:
 def validate_token(kind: str, value: str) -> str:
     """Return `value` if it is usable as one subject token, else raise ValueError."""
     if not _TOKEN_RE.match(value):
-        raise ValueError(f"{kind} {value!r} must be 1-128 characters of [A-Za-z0-9_-]")
+        shown = repr(value[:40]) + ("..." if len(value) > 40 else "")  # (a client's bytes: echoed at most 40)
+        raise ValueError(f"{kind} {shown} must be 1-128 characters of [A-Za-z0-9_-]")
     return value
 
 

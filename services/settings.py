@@ -186,7 +186,10 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     breaker_failures: int = 5
     # Whose finished requests teach a worker's TPOT calibration (the step time -> TPOT line the
     # TPOT hold reads; services/core/decode_model.py): "worker" (its own) or "pool" (every
-    # finished request of its model and role).
+    # finished request of its model and role). Not the default: live, long-conv rows 0-299 at
+    # 1.96 / 2.14 req/s, one run each, vLLM-like 0.937 / 0.860 (worker) against 0.953 / 0.873
+    # (pool), prefill-first 0.933 / 0.847 against 0.897 / 0.817: no better than the noise
+    # (bench/results/check_issue34/tpot_calibration_*); identical in virtual time.
     tpot_calibration: str = "worker"
     breaker_open_s: float = 1.0
     breaker_max_open_s: float = 30.0

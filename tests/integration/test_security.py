@@ -275,3 +275,37 @@ async def test_nats_and_redis_refuse_a_client_without_the_credentials_up_generat
     await r.aclose()
     ok = httpx.post(state["router_url"] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200  # the router and worker have them
+
+
+def test_what_held_still_holds_on_a_real_stack(flexlb_up, tmp_path):
+    """Body size (413), request ids that would be NATS subject wildcards or separators (400),
+    and no secret (admin token, API key, NATS / Redis password) in any log of the stack or in
+    its event log."""
+    from urllib.parse import urlsplit
+
+    from schemas import messages as m
+
+    _, state = flexlb_up("--workers", "1", "--time-scale", "0.05", open_admin=False,
+                         env={"FLEXLB_MAX_BODY_BYTES": "65536", "FLEXLB_TENANT_API_KEYS": json.dumps(KEYS)})
+    url = state["router_url"]
+    key = {"authorization": "Bearer k-alpha-5f1c2e"}
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 100_000, "max_tokens": 2}, headers=key, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    for rid in ("a.b", "a*", "a>", "a b", "x" * 129):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "request_id": rid}, headers=key,
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (rid, r.text)
+        assert len(r.content) < 400 and (rid in r.text) == (len(rid) <= 40), r.text  # echoed at most 40 characters
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=key, timeout=30).is_success
+    secrets = [pathlib.Path(state["admin_token_file"]).read_text().strip(), urlsplit(state["redis_url"]).password,
+               *KEYS]
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
+    assert logs and not [s for s in secrets if s in logs]
+    events = _events(state, tmp_path, (m.RequestRejected, m.RequestAdmitted, m.RouteDecided, m.WorkerRegistered))
+    assert events and not [s for s in secrets if s in json.dumps([msgspec_to_builtins(e) for e in events])]
+
+
+def msgspec_to_builtins(event) -> object:
+    import msgspec
+
+    return msgspec.to_builtins(event)
