@@ -131,7 +131,8 @@ def _add_router_flags(p: argparse.ArgumentParser, with_listen: bool = True) -> N
 
 def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) -> None:
     p.add_argument("--engine", help="sim (default) | torch: a real model (env FLEXLB_ENGINE; needs the torch extra) | "
-                                    "openai: in front of a vLLM / SGLang server at --engine-url")
+                                    "openai: in front of a vLLM / SGLang server at --engine-url | llamacpp (up only): "
+                                    "llama-servers it starts, an openai agent in front of each")
     if many_servers:  # flexlb up: one agent per server
         p.add_argument("--engine-url", action="append",
                        help="openai: a server's base URL, once per server (one worker agent each, colocated)")
@@ -221,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "and forward scheduling to it, so the HTTP side uses N cores (default 1)")
     up.add_argument("--worker-metrics", action="store_true",
                     help="each worker serves its own /metrics on a free port (listed as worker_metrics_urls)")
+    up.add_argument("--gguf", help="--engine llamacpp: the model file its llama-servers load (default: a tiny "
+                                   "random-weight Llama made and cached on first use, no download)")
+    up.add_argument("--llama-server-arg", action="append", metavar="ARG",
+                    help="--engine llamacpp: one more argument for every llama-server (repeatable; "
+                         "--llama-server-arg=--threads --llama-server-arg=2)")
     up.add_argument("--open-admin", action="store_true",
                     help="no admin token: anyone who can reach the router's port can drain and remove workers "
                          "(loopback only; for tests and a laptop). Default: `up` generates one (or takes "

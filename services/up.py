@@ -298,6 +298,17 @@ def run_up(args, settings: RouterSettings) -> int:
             prefix_index = "approximate"  # no KV events from the servers: learn the prefixes from decisions
     elif args.engine_url or args.kv_events_endpoint or args.kv_events_replay_endpoint:
         raise ValueError("--engine-url and --kv-events-* go with --engine openai")
+    llamacpp = args.engine == "llamacpp"  # llama-servers started here, then used as --engine openai servers
+    if llamacpp:
+        if args.prefill or args.decode or args.pool:
+            raise ValueError("--engine llamacpp starts colocated llama-servers of one model (no --prefill / --decode / "
+                             "--pool)")
+        if args.gguf and not os.path.isfile(args.gguf):
+            raise ValueError(f"--gguf {args.gguf}: no such file")
+        if args.prefix_index is None and "FLEXLB_PREFIX_INDEX" not in os.environ:
+            prefix_index = "approximate"  # llama-server publishes no KV events
+    elif args.gguf or args.llama_server_arg:
+        raise ValueError("--gguf and --llama-server-arg go with --engine llamacpp")
     if (args.prefill > 0) != (args.decode > 0):
         raise ValueError("--prefill and --decode go together (disaggregated mode needs both roles)")
     if args.routers < 1:
@@ -378,6 +389,18 @@ def run_up(args, settings: RouterSettings) -> int:
                 waiting("redis-server to start")
                 servers.append(start_redis(args.redis_port, creds=creds))
                 redis_url = creds.redis_url(servers[-1].url)
+        if llamacpp:  # its servers first: the agents in front of them are plain openai workers from here on
+            from services import llamacpp as lc
+
+            waiting("llama-server to be found or built")
+            binary = lc.server_binary(say=lambda what: print(f"flexlb up: {what}", file=sys.stderr, flush=True))
+            if not args.gguf:
+                waiting("the tiny llama.cpp model to be made")
+            model = os.path.abspath(args.gguf) if args.gguf else lc.tiny_model()
+            waiting(f"{num_workers} llama-server processes to load {os.path.basename(model)}")
+            started = lc.start_servers(num_workers, model, binary, extra=args.llama_server_arg or [])
+            servers.extend(started)
+            args.engine, args.engine_url = "openai", [s.url for s in started]
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
         admin_token, token_file = settings.admin_token, ""
         if not admin_token and not args.open_admin:  # the admin API is closed by default

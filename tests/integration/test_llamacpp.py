@@ -1,0 +1,73 @@
+"""llama.cpp's own `llama-server` under FlexLB (issue 38, first part; services/llamacpp.py): the
+first engine in these tests that this project did not write. `flexlb up --engine llamacpp`
+builds (or finds) the server, makes its tiny model, starts the servers and an openai agent in
+front of each; the official OpenAI client streams through the router. Skipped only where the
+server cannot be built (no cmake or C++ compiler); the first build takes minutes, then it is
+cached (~/.cache/flexlb/llama.cpp)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services import llamacpp as lc
+
+pytestmark = pytest.mark.timeout(2400)  # (a first build of llama-server, then seconds)
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> str:
+    found = lc.find_server()
+    if found:
+        return found
+    lacking = lc.can_build()
+    if lacking:
+        pytest.skip(f"llama-server cannot be built on this machine: {lacking}")
+    return lc.build_server()
+
+
+def test_flexlb_up_engine_llamacpp_serves_the_openai_client_and_keeps_a_conversation_on_its_server(llama_server,
+                                                                                                   flexlb_up):
+    from openai import OpenAI
+
+    _, state = flexlb_up("--engine", "llamacpp", "--workers", "2")
+    url = state["router_url"]
+    llama = [s for s in state["servers"] if s["name"].startswith("llama-server-")]
+    assert len(llama) == 2 and all("--metrics" in s["argv"] and "--jinja" in s["argv"] for s in llama)
+    workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
+    assert {w["model"] for w in workers} == {"flexlb-tiny"} and all(w["engine"] == "openai" and w["live"] for w in workers)
+    for s in llama:  # llama.cpp itself answers behind them
+        assert httpx.get(s["url"] + "/health", timeout=5).json()["status"] == "ok"
+    client = OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model="flexlb-tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=6, stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+    text = client.completions.create(model="flexlb-tiny", prompt="the quick brown fox", max_tokens=4)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
+    # Two turns of one conversation: the second's prompt holds the first's, so it goes where
+    # that prefix is cached (the approximate index: llama-server publishes no KV events).
+    history = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 20}]
+    first = client.chat.completions.with_raw_response.create(model="flexlb-tiny", messages=history, max_tokens=4)
+    history += [{"role": "assistant", "content": first.parse().choices[0].message.content or "ok"},
+                {"role": "user", "content": "and then?"}]
+    second = client.chat.completions.with_raw_response.create(model="flexlb-tiny", messages=history, max_tokens=4)
+    placed = [httpx.get(url + f"/admin/requests/{r.headers['x-request-id']}", timeout=10).json()["admission"]
+              ["prefill_worker_id"] for r in (first, second)]
+    assert placed[0] == placed[1], placed
+
+
+def test_a_gguf_file_of_ones_own_and_arguments_for_its_servers(llama_server, flexlb_up, tmp_path):
+    """The README's example: `--gguf FILE` (here a copy of the generated model under another
+    name: its servers serve it under that name) and `--llama-server-arg` reach every server."""
+    import shutil
+
+    mine = tmp_path / "my-model.gguf"
+    shutil.copy(lc.tiny_model(), mine)
+    _, state = flexlb_up("--engine", "llamacpp", "--workers", "1", "--gguf", str(mine),
+                         "--llama-server-arg=--threads", "--llama-server-arg=1")
+    (server,) = [s for s in state["servers"] if s["name"].startswith("llama-server-")]
+    assert server["argv"][server["argv"].index("-m") + 1] == str(mine) and server["argv"][-2:] == ["--threads", "1"]
+    r = httpx.post(state["router_url"] + "/v1/completions", json={"model": "my-model", "prompt": "hello", "max_tokens": 3},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
