@@ -36,6 +36,7 @@ def test_flexlb_up_engine_llamacpp_serves_the_openai_client_and_keeps_a_conversa
     assert len(llama) == 2 and all("--metrics" in s["argv"] and "--jinja" in s["argv"] for s in llama)
     workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
     assert {w["model"] for w in workers} == {"flexlb-tiny"} and all(w["engine"] == "openai" and w["live"] for w in workers)
+    assert {w["signals"]["metrics"] for w in workers} == {"llamacpp"}  # its /metrics understood as load signals
     for s in llama:  # llama.cpp itself answers behind them
         assert httpx.get(s["url"] + "/health", timeout=5).json()["status"] == "ok"
     client = OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)

@@ -88,8 +88,9 @@ Status. At every heartbeat the agent asks whether the server is up, and how load
 1. `GET {engine_url}/metrics`, Prometheus text: vLLM's `vllm:num_requests_running`,
    `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`
    (`num_gpu_blocks`, `block_size`), `vllm:prefix_cache_queries_total` / `hits_total`, or
-   SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`
-   (liveness "metrics", metrics "vllm" | "sglang");
+   SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`, or
+   llama.cpp's `llamacpp:requests_processing`, `requests_deferred` and prompt-cache counters
+   (liveness "metrics", metrics "vllm" | "sglang" | "llamacpp");
 2. else (a status other than 200, or none of those names) `GET /health` 200 (liveness
    "health", metrics "none"), else `GET /v1/models` 200 (and for sglang `/get_model_info`;
    liveness "models"). Found without metrics, /metrics is asked again every

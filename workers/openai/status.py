@@ -1,5 +1,9 @@
 """Reading an engine server's load from its Prometheus /metrics (the openai agent's status
-poll, workers/openai/agent.py, module docstring "Status"): vLLM's or SGLang's metric names.
+poll, workers/openai/agent.py, module docstring "Status"): vLLM's, SGLang's or llama.cpp's
+metric names. llama.cpp's `llama-server --metrics` (flavour "llamacpp") has requests running
+(`llamacpp:requests_processing`) and waiting for a slot (`requests_deferred`), and its prompt
+cache as token counters: `prompt_tokens_total` (processed, excluding cached) and
+`prompt_tokens_cached_total` (reused), so queried = both, hits = cached; no KV usage gauge.
 
 LoRA (vLLM only): `vllm:lora_requests_info{max_lora, running_lora_adapters,
 waiting_lora_adapters}`, an info gauge whose value is the time it was set: vLLM sets a new
@@ -61,7 +65,7 @@ def parse_prometheus(text: str, names: tuple[str, ...] | None = None) -> dict[st
 class ServerStatus:
     """What the server's /metrics said last."""
 
-    flavour: str = ""  # "vllm" | "sglang" | "" (neither's names found)
+    flavour: str = ""  # "vllm" | "sglang" | "llamacpp" | "" (none's names found)
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0  # 0..1
@@ -78,6 +82,8 @@ STATUS_METRICS = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "vllm:lora_requests_info",
+    "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:prompt_tokens_total",
+    "llamacpp:prompt_tokens_cached_total",
 )
 
 
@@ -110,6 +116,12 @@ def server_status(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> Ser
         st.num_running = int(total("sglang:num_running_reqs"))
         st.num_waiting = int(total("sglang:num_queue_reqs"))
         st.kv_usage = max((v for _, v in metrics.get("sglang:token_usage", [])), default=0.0)
+    elif "llamacpp:requests_processing" in metrics:
+        st.flavour = "llamacpp"
+        st.num_running = int(total("llamacpp:requests_processing"))
+        st.num_waiting = int(total("llamacpp:requests_deferred"))
+        st.prefix_hits = total("llamacpp:prompt_tokens_cached_total")
+        st.prefix_queries = total("llamacpp:prompt_tokens_total") + st.prefix_hits
     return st
 
 

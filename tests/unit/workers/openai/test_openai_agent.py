@@ -22,6 +22,13 @@ def test_metrics_of_vllm_and_sglang_map_to_a_status():
     st = server_status(parse_prometheus('sglang:num_running_reqs{tp_rank="0"} 5\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n'))
     assert (st.flavour, st.num_running, st.num_waiting, st.kv_usage) == ("sglang", 5, 1, 0.5)
     assert server_status(parse_prometheus("other_metric 1\n")).flavour == ""
+    # llama.cpp's llama-server --metrics (as the one built here exports them): slots busy and
+    # requests deferred, its prompt cache as processed and reused token counters.
+    llama = ("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens\n"
+             "llamacpp:prompt_tokens_total 600\nllamacpp:prompt_tokens_cached_total 400\nllamacpp:n_decode_total 9\n"
+             "llamacpp:requests_processing 3\nllamacpp:requests_deferred 2\n")
+    st = server_status(parse_prometheus(llama, STATUS_METRICS))
+    assert (st.flavour, st.num_running, st.num_waiting, st.prefix_queries, st.prefix_hits) == ("llamacpp", 3, 2, 1000, 400)
     # What a poll reads: only the lines of the metrics the status uses, the same status.
     assert set(parse_prometheus(text := vllm_text(), STATUS_METRICS)) == {
         "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"}
