@@ -20,10 +20,10 @@ _CODES = [
     ErrorCode("duplicate_request", 409, False),
     ErrorCode("too_large", 413, False),
     ErrorCode("queue_full", 429, True),
-    ErrorCode("shed", 429, True),
+    ErrorCode("shed", 429, True),  # sheddable work refused first under overload (the fair queue)
     # The tenant is at one of its limits: open requests, requests or tokens per minute
     # (services/limits.py); Retry-After says when it will be under it again.
-    ErrorCode("rate_limited", 429, True),  # sheddable work refused first under overload (the fair queue)
+    ErrorCode("rate_limited", 429, True),
     ErrorCode("slo_unattainable", 429, True),
     ErrorCode("no_worker", 503, True),
     ErrorCode("draining", 503, True),

@@ -33,6 +33,7 @@ RECENT_STEPS_WINDOW_S = 3.0
 # so no event carrying client-influenced text can outgrow the bus's message limit (NATS: 1 MiB
 # by default; a message over it is refused, and a fact lost) whatever reaches it.
 MAX_TEXT_CHARS = 2000
+_CUT = " ...[truncated]"  # the mark a cut text ends with
 
 
 def _bound(event: Any, *fields: str) -> None:
@@ -41,9 +42,6 @@ def _bound(event: Any, *fields: str) -> None:
         text = getattr(event, name)
         if len(text) > MAX_TEXT_CHARS:
             msgspec.structs.force_setattr(event, name, text[:MAX_TEXT_CHARS - len(_CUT)] + _CUT)
-
-
-_CUT = " ...[truncated]"
 
 
 Role = Literal["pd_fusion", "prefill", "decode"]
@@ -254,7 +252,7 @@ class RequestAdmitted(_Event, tag="request.admitted"):
     priority_class_asked: str = ""  # what it asked, when its tenant's grant lowered it ("": not lowered)
 
     def __post_init__(self) -> None:
-        _bound(self, 'reason')
+        _bound(self, "reason")
 
 
 class CandidateScore(msgspec.Struct, frozen=True, kw_only=True):
@@ -280,7 +278,7 @@ class RouteDecided(_Event, tag="route.decided"):
     candidates: list[CandidateScore] = []
 
     def __post_init__(self) -> None:
-        _bound(self, 'reason')
+        _bound(self, "reason")
 
 
 class RequestRejected(_Event, tag="request.rejected"):
@@ -292,7 +290,7 @@ class RequestRejected(_Event, tag="request.rejected"):
     message: str
 
     def __post_init__(self) -> None:
-        _bound(self, 'message')
+        _bound(self, "message")
 
 
 class BatchDispatched(_Event, tag="batch.dispatched"):
@@ -387,7 +385,7 @@ class RequestFailed(_Event, tag="request.failed"):
     retryable: bool = False
 
     def __post_init__(self) -> None:
-        _bound(self, 'message')
+        _bound(self, "message")
 
 
 class RequestCancelled(_Event, tag="request.cancelled"):
@@ -398,7 +396,7 @@ class RequestCancelled(_Event, tag="request.cancelled"):
     reason: str = ""
 
     def __post_init__(self) -> None:
-        _bound(self, 'reason')
+        _bound(self, "reason")
 
 
 class RequestTimedOut(_Event, tag="request.timed_out"):
@@ -563,7 +561,7 @@ class CancelRequest(_Event, tag="cmd.cancel_request"):
     batch_id: str = ""
 
     def __post_init__(self) -> None:
-        _bound(self, 'reason')
+        _bound(self, "reason")
 
 
 class Request(ForEngine, frozen=True, kw_only=True):
@@ -615,7 +613,7 @@ class SubmitReply(_Event, tag="cmd.submit_reply"):
     slo_tpot_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        _bound(self, 'message')
+        _bound(self, "message")
 
 
 class ResendTokens(_Event, tag="cmd.resend_tokens"):

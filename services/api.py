@@ -77,7 +77,7 @@ from services.chat import (
     stop_strings,
 )
 from services.core.admission import DEFAULT_TENANT
-from services.core.fairness import CLASSES, CRITICAL_MIN_PRIORITY, SHEDDABLE_BELOW_PRIORITY, class_of_priority
+from services.core.fairness import CLASS_BANDS, CLASSES, class_of_priority
 from services.core.scheduler import Rejected
 from services.limits import Refusal, TenantLimits, parse_limits
 from services.settings import DEFAULT_GRANT
@@ -166,13 +166,9 @@ def grant_class(settings, tenant: str, asked: str, priority: int | None) -> tupl
     below = [c for c in CLASSES[CLASSES.index(asked) + 1:] if c in granted]
     got = below[0] if below else granted[0]
     if priority is not None:
-        low, high = PRIORITY_BANDS[got]
+        low, high = CLASS_BANDS[got]
         priority = min(high, max(low, priority))
     return got, priority, asked
-
-
-PRIORITY_BANDS = {"critical": (CRITICAL_MIN_PRIORITY, 100), "standard": (SHEDDABLE_BELOW_PRIORITY, CRITICAL_MIN_PRIORITY - 1),
-                  "sheddable": (1, SHEDDABLE_BELOW_PRIORITY - 1)}  # (lowest, highest) numeric priority of each class
 
 
 ADMIN_PATHS = ("/admin/", "/docs", "/redoc", "/openapi.json")  # what --admin-port moves off the public port
@@ -247,14 +243,12 @@ def cross_site_refusal(headers: Mapping[str, str]) -> str:
     Origin, when sent, must be the very host:port the request went to."""
     ctype = headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
-        return ("an admin state change needs Content-Type: application/json (a body of {} will do), got "
-                f"{ctype[:40]!r}" if ctype else "an admin state change needs Content-Type: application/json "
-                                                "(a body of {} will do)")
+        return f"an admin state change needs Content-Type: application/json (a body of {{}} will do), got {ctype[:40]!r}"
     if headers.get("sec-fetch-site", "").lower() == "cross-site":
         return "a cross-site request may not change the router's state (Sec-Fetch-Site: cross-site)"
     origin = headers.get("origin")
     if origin is not None:
-        scheme, sep, netloc = origin.partition("://")
+        _, sep, netloc = origin.partition("://")
         if not sep or netloc.lower() != headers.get("host", "").lower():
             return f"Origin {origin[:80]!r} is not this router ({headers.get('host', '')[:80]!r})"
     return ""
@@ -418,21 +412,22 @@ def create_app(service: RouterService, manage_lifecycle: bool = True) -> "Comple
         log.exception("unhandled error on %s", request.url.path)
         return _error("internal", f"internal error: {exc.__class__.__name__}")
 
+    def identity() -> dict:
+        return {"router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
+                "role": "leader" if service.is_leader else "standby", "scheduling_pool": service.settings.scheduling_pool}
+
     @app.get("/healthz")
     async def healthz():
         # Liveness of this process: the event loop answers and the core is running.
         if not service.running:
             return _error("not_ready", "router is not running")
-        return {"status": "ok", "router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
-                "role": "leader" if service.is_leader else "standby", "scheduling_pool": service.settings.scheduling_pool}
+        return {"status": "ok", **identity()}
 
     @app.get("/admin/router")
     async def admin_router(by: str = Depends(admin_auth)):
         """This router's identity and where it is connected (addresses: admin only, never on
         the public /healthz)."""
-        return {"router_id": service.router_id, "boot_id": service.boot_id, "epoch": service.epoch,
-                "role": "leader" if service.is_leader else "standby", "nats_server": service.nats_server,
-                "scheduling_pool": service.settings.scheduling_pool}
+        return {**identity(), "nats_server": service.nats_server}
 
     @app.get("/readyz")
     async def readyz(model: str | None = None):

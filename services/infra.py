@@ -76,6 +76,17 @@ def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None)
     raise InfraError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
 
 
+def write_private(path: str, text: str) -> str:
+    """Write `text` to `path` readable by its owner only: mode 0600 from creation (never a
+    moment world-readable), whole or not at all (a temporary file renamed); the path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    return path
+
+
 @dataclass(frozen=True)
 class Credentials:
     """A user and password `flexlb up` gives the servers it starts (NATS: that user; Redis:
@@ -93,12 +104,8 @@ class Credentials:
         return cls("flexlb", secrets.token_urlsafe(24), tempfile.mkdtemp(prefix="flexlb-secrets-"))  # (mkdtemp: 0700)
 
     def conf_file(self, name: str, text: str) -> str:
-        """Write a server's config holding the secret, mode 0600 from its creation; its path."""
-        path = os.path.join(self.secrets_dir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w") as fh:
-            fh.write(text)
-        return path
+        """Write a server's config holding the secret (write_private); its path."""
+        return write_private(os.path.join(self.secrets_dir, name), text)
 
     def nats_url(self, url: str) -> str:
         """`url` (nats://host:port, or several comma-separated) with this user and password."""
@@ -359,12 +366,11 @@ def start_redis_sentinel(data_root: str, num_sentinels: int = 3, timeout_s: floa
             auth = (f"requirepass {creds.password}\nsentinel sentinel-pass {creds.password}\n"
                     if creds is not None else "")
             master_auth = f"sentinel auth-pass {SENTINEL_MASTER} {creds.password}\n" if creds is not None else ""
-            with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-                fh.write(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {data_root}\n{auth}"
-                         f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} {quorum}\n"
-                         f"sentinel down-after-milliseconds {SENTINEL_MASTER} {down_after_ms}\n"
-                         f"sentinel failover-timeout {SENTINEL_MASTER} {failover_timeout_ms}\n"
-                         f"sentinel parallel-syncs {SENTINEL_MASTER} 1\n{master_auth}")
+            write_private(conf, f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {data_root}\n{auth}"
+                          f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} {quorum}\n"
+                          f"sentinel down-after-milliseconds {SENTINEL_MASTER} {down_after_ms}\n"
+                          f"sentinel failover-timeout {SENTINEL_MASTER} {failover_timeout_ms}\n"
+                          f"sentinel parallel-syncs {SENTINEL_MASTER} 1\n{master_auth}")
             argv = [find_binary("redis-server"), conf, "--sentinel"]
             servers.append(ManagedServer(f"redis-sentinel-{i}", port, _popen(argv), f"127.0.0.1:{port}", argv))
             wait_port(port, timeout_s, servers[-1].proc)

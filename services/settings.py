@@ -18,6 +18,7 @@ import msgspec
 
 from schemas.subjects import nats_servers, validate_token
 from schemas.tokens import load_tokenizer
+from services.core.fairness import CLASSES
 from services.limits import parse_limits
 
 log = logging.getLogger("flexlb.settings")
@@ -83,7 +84,6 @@ SHIPPED_BATCHER = "slo-budget"
 # without the stall hold); Azure code unchanged or better (0.964 / 0.938 vLLM-like at 6.37 /
 # 7.16 req/s against 0.964 / 0.897; prefill-first 0.951 / 0.902 against 0.933 / 0.920).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-PRIORITY_CLASSES = ("critical", "standard", "sheddable")  # services/core/fairness.py CLASSES, highest first
 DEFAULT_GRANT = ("standard", "sheddable")  # a tenant tenant_classes does not list, once grants are on
 TENANT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a tenant names a metrics label and a journal field
 SECRET_SETTINGS = frozenset({"tenant_api_keys", "admin_token"})  # never echoed in an error
@@ -305,9 +305,9 @@ class RouterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not TENANT_NAME.fullmatch(tenant):
                 raise SettingsError(f"setting tenant_classes: tenant names are 1-64 characters of A-Z a-z 0-9 . _ : -, "
                                     f"got {tenant[:80]!r}")
-            if not classes or len(set(classes)) != len(classes) or any(c not in PRIORITY_CLASSES for c in classes):
+            if not classes or len(set(classes)) != len(classes) or any(c not in CLASSES for c in classes):
                 raise SettingsError(f"setting tenant_classes: {tenant}'s classes must be a non-empty list of distinct "
-                                    f"{', '.join(PRIORITY_CLASSES)} (its default first), got {str(classes)[:120]}")
+                                    f"{', '.join(CLASSES)} (its default first), got {str(classes)[:120]}")
         bad = [t for t in self.tenant_limits if t != "*" and not TENANT_NAME.fullmatch(t)]
         if bad:
             raise SettingsError(f"setting tenant_limits: tenant names are 1-64 characters of A-Z a-z 0-9 . _ : - "

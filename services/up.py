@@ -76,6 +76,7 @@ from services.infra import (
     start_nats_cluster,
     start_redis,
     start_redis_sentinel,
+    write_private,
 )
 from services.settings import RouterSettings
 
@@ -114,18 +115,6 @@ def admin_token_path(state_file: str | None) -> str:
     """Where `flexlb up` keeps the admin token it generated: beside its --state-file, else
     beside LAST_UP_STATE (what the CLI reads)."""
     return (state_file or LAST_UP_STATE) + ".admin-token"
-
-
-def _write_secret(path: str, secret: str) -> str:
-    """Write `secret` to `path`, readable by its owner only (0600 from creation: never a moment
-    world-readable); the path."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w") as fh:
-        fh.write(secret + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 def last_up_state() -> dict | None:
@@ -402,10 +391,10 @@ def run_up(args, settings: RouterSettings) -> int:
             servers.extend(started)
             args.engine, args.engine_url = "openai", [s.url for s in started]
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
-        admin_token, token_file = settings.admin_token, ""
+        admin_token = settings.admin_token
         if not admin_token and not args.open_admin:  # the admin API is closed by default
             admin_token = secrets.token_urlsafe(32)
-            token_file = _write_secret(admin_token_path(args.state_file), admin_token)
+            token_file = write_private(admin_token_path(args.state_file), admin_token + "\n")
             settings = msgspec.structs.replace(settings, admin_token=admin_token)
         if admin_token:  # to the routers by environment, never a command line
             env["FLEXLB_ADMIN_TOKEN"] = admin_token
@@ -533,7 +522,7 @@ def run_up(args, settings: RouterSettings) -> int:
                 f"the standby router at {url} to be ready: {why}"))
         # The servers' URLs with their credentials go to a file of mode 0600 of their own (the
         # clients' FLEXLB_NATS_URL / FLEXLB_REDIS_URL); the state file keeps the addresses.
-        secrets_file = _write_secret(secrets_path(args.state_file), json.dumps({"nats_url": nats_url, "redis_url": redis_url}))
+        secrets_file = write_private(secrets_path(args.state_file), json.dumps({"nats_url": nats_url, "redis_url": redis_url}))
         state = {
             "router_url": router_url,
             "router_urls": router_urls,
@@ -558,11 +547,7 @@ def run_up(args, settings: RouterSettings) -> int:
         }
         for path in filter(None, (args.state_file, LAST_UP_STATE)):  # LAST_UP_STATE: what `flexlb events` finds
             try:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                tmp = path + ".tmp"
-                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-                    json.dump(state, fh, indent=2)
-                os.replace(tmp, path)
+                write_private(path, json.dumps(state, indent=2))
             except OSError as exc:
                 if path == args.state_file:
                     raise

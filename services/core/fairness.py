@@ -91,6 +91,12 @@ SHEDDABLE_BELOW_PRIORITY = 30
 DEFAULT_PRIORITY = 50
 
 
+# The numeric priorities of each class: (lowest, highest), the bands class_of_priority reads.
+CLASS_BANDS: dict[str, tuple[int, int]] = {"critical": (CRITICAL_MIN_PRIORITY, 100),
+                                           "standard": (SHEDDABLE_BELOW_PRIORITY, CRITICAL_MIN_PRIORITY - 1),
+                                           "sheddable": (1, SHEDDABLE_BELOW_PRIORITY - 1)}
+
+
 def class_of_priority(priority: int | None) -> PriorityClass:
     """The class of a numeric priority (1-100; None is the default, 50: standard)."""
     p = DEFAULT_PRIORITY if priority is None else priority

@@ -295,9 +295,9 @@ def test_a_bad_grant_is_refused_naming_it(classes):
 
 def test_the_settings_know_the_cores_classes():
     from services.core.fairness import CLASSES
-    from services.settings import DEFAULT_GRANT, PRIORITY_CLASSES
+    from services.settings import DEFAULT_GRANT
 
-    assert PRIORITY_CLASSES == CLASSES and set(DEFAULT_GRANT) <= set(CLASSES)
+    assert set(DEFAULT_GRANT) <= set(CLASSES) and DEFAULT_GRANT[0] == "standard"
 
 
 def test_request_ids_the_router_makes_are_random_not_a_counter():

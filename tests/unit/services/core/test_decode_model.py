@@ -187,20 +187,29 @@ def test_the_slope_stays_within_its_bound():
     assert model.tpot_slope == 1.2
 
 
-def test_the_scheduler_calibrates_a_worker_from_the_tpot_its_finished_requests_got():
-    """The step predicted when a batch formed, then the TPOT each member got (on_terminal):
-    the worker's calibration moves; a request without a measured TPOT teaches nothing."""
-    s = Scheduler(SchedulerConfig(), id_prefix="t")
-    report = WorkerStatusReported(worker_id="w0", role="pd_fusion", boot_id="b", block_size_tokens=16,
-                                  num_kv_blocks=10_000, num_free_kv_blocks=9_000, max_batch_tokens=65536,
-                                  max_seq_len_tokens=40960, num_running_requests=8, recent_step_ms=40.0, time_scale=2.0)
-    s.on_worker_event(report, 0)
-    for i in range(6):
+def loaded_report(worker_id: str, **fields) -> WorkerStatusReported:
+    """A colocated worker running 8 requests at 40 ms a step."""
+    return WorkerStatusReported(worker_id=worker_id, role="pd_fusion", boot_id="b", block_size_tokens=16,
+                                num_kv_blocks=10_000, num_free_kv_blocks=9_000, max_batch_tokens=65536,
+                                max_seq_len_tokens=40960, num_running_requests=8, recent_step_ms=40.0, **fields)
+
+
+def dispatch(s: Scheduler, n: int) -> None:
+    """Admit n small requests and tick (100 ms at a time) until every batch has left."""
+    for i in range(n):
         s.admit(AdmitRequest(request_id=f"r{i}", num_prompt_tokens=100, max_tokens=50), 1_000 * i)
     t = 0
     while s.queued:
         t += 100_000_000
         s.tick(t)
+
+
+def test_the_scheduler_calibrates_a_worker_from_the_tpot_its_finished_requests_got():
+    """The step predicted when a batch formed, then the TPOT each member got (on_terminal):
+    the worker's calibration moves; a request without a measured TPOT teaches nothing."""
+    s = Scheduler(SchedulerConfig(), id_prefix="t")
+    s.on_worker_event(loaded_report("w0", time_scale=2.0), 0)
+    dispatch(s, 6)
     predicted = {rid: step for rid, (_, step) in s.tpot_predicted.items()}
     assert len(predicted) == 6 and all(step > 0 for step in predicted.values())
     model = s.decode_model("w0")
@@ -220,17 +229,9 @@ def test_pool_scope_teaches_every_worker_of_the_pool_but_keeps_recent_tpot_its_o
     for scope in ("pool", "worker"):
         s = Scheduler(SchedulerConfig(decode_model_params=DecodeModelParams(tpot_calibration_scope=scope)), id_prefix="t")
         for wid, model in (("w0", ""), ("w1", ""), ("w2", "other")):
-            s.on_worker_event(WorkerStatusReported(
-                worker_id=wid, role="pd_fusion", boot_id="b", block_size_tokens=16, num_kv_blocks=10_000,
-                num_free_kv_blocks=9_000, max_batch_tokens=65536, max_seq_len_tokens=40960, num_running_requests=8,
-                recent_step_ms=40.0, model=model), 0)
+            s.on_worker_event(loaded_report(wid, model=model), 0)
             s.decode_model(wid)
-        for i in range(4):
-            s.admit(AdmitRequest(request_id=f"r{i}", num_prompt_tokens=100, max_tokens=50), 1_000 * i)
-        t = 0
-        while s.queued:
-            t += 100_000_000
-            s.tick(t)
+        dispatch(s, 4)
         on_w0 = [rid for rid, (wid, _) in s.tpot_predicted.items() if wid == "w0"]
         assert on_w0
         for rid in on_w0:
