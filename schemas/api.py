@@ -8,8 +8,9 @@ import msgspec
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
-    """`POST /v1/completions`. Unknown OpenAI fields (logprobs, echo false, ...) are accepted and
-    ignored (the chat endpoint refuses them; this one keeps accepting what it always did).
+    """`POST /v1/completions`. Fields FlexLB does not know (logprobs, echo, best_of, ...: not
+    null) go to the engine as they came (ForEngine.extra_body): an engine server behind
+    `--engine openai` takes them, FlexLB's own engines refuse them (400 naming the field).
     Sampling (temperature, top_p, seed, ignore_eos) reaches the engine; the sim engine's
     output does not depend on it. Absent temperature is greedy (0), not OpenAI's 1: the same
     request gives the same tokens unless asked otherwise."""
@@ -71,10 +72,12 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`POST /v1/chat/completions` (services/chat.py says how each field is used). Unknown
-    fields are refused naming the field (400 invalid_request), and so are known ones at a
-    value FlexLB would not honour (n > 1, logprobs, penalties, logit_bias, a response_format
-    other than text): nothing is accepted and then ignored."""
+    """`POST /v1/chat/completions` (services/chat.py says how each field is used). Fields
+    FlexLB does not know, and known ones its own engines do not honour (logprobs, penalties,
+    logit_bias, a response_format other than text, ...: services/chat.py ENGINE_ONLY_FIELDS),
+    go to the engine as they came: an engine server behind `--engine openai` takes them,
+    FlexLB's own engines refuse them (400 naming the field); n > 1 is refused everywhere.
+    Nothing is accepted and then ignored."""
 
     messages: list[dict[str, Any]]
     model: str | None = None

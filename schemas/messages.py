@@ -338,6 +338,12 @@ class TokensGenerated(_Event, tag="tokens.generated"):
     # On the last chunk: the prompt tokens the engine found in its prefix cache (the client's
     # usage.prompt_tokens_details.cached_tokens comes from it); None: not known.
     num_cached_tokens: int | None = None
+    # What the engine server's chunk said that FlexLB does not make itself, as JSON text of
+    # {"delta": {...}, "choice": {...}, "chunk": {...}} (each key only where it has fields):
+    # a chat delta's tool_calls, reasoning_content, a choice's logprobs, a finish_reason other
+    # than length or stop ("tool_calls"), fields of the server's own. The router puts each
+    # field, its bytes unchanged, into the client's chunk (schemas/openai_bodies.py). "": none.
+    extra: str = ""
 
     @property
     def num_chunk_tokens(self) -> int:
@@ -491,6 +497,11 @@ class ForEngine(msgspec.Struct, frozen=True, kw_only=True):
     # exactly as it would have; its tokens' start_index and its num_output_tokens count from
     # the request's first output token.
     output_offset: int = 0
+    # Fields of the client's body FlexLB does not use itself (logprobs, response_format, an
+    # extension it does not know, ...), as the client sent them: the openai agent adds them to
+    # its server's body (never over a field it sets itself); the router routes such a request
+    # only to workers whose engine takes OpenAI bodies (AdmitRequest.engine_fields). None: none.
+    extra_body: dict[str, Any] | None = None
 
 
 ENGINE_FIELDS = ForEngine.__struct_fields__

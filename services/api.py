@@ -63,14 +63,14 @@ from schemas.http import (
     send_error,
     sse,
 )
-from schemas.openai_bodies import ChatShape, CompletionShape
+from schemas.openai_bodies import ChatShape, CompletionShape, ExtrasJoiner
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 from services.chat import (
     OutputCursor,
     check_max_tokens,
     check_options,
-    decode_request,
+    decode_with_extra,
     parse_chat,
     resolve_chat_templates,
     sampling_of,
@@ -85,7 +85,13 @@ from services.shell.router import RequestHandle, RouterService
 
 log = logging.getLogger("flexlb.api")
 
+class _StrictCompletionRequest(CompletionRequest, forbid_unknown_fields=True):
+    """A completion body with no field FlexLB does not know (the usual case: one decode)."""
+
+
 _REQ_DECODER = msgspec.json.Decoder(CompletionRequest)
+_STRICT_REQ_DECODER = msgspec.json.Decoder(_StrictCompletionRequest)
+_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
 _ENC = msgspec.json.Encoder()
 # Refusals that say when to come back (Retry-After): every retryable code answered 429 or 503
 # (queue_full, shed, slo_unattainable, no_worker, not_ready, ...), and queue_timeout (504: the
@@ -261,10 +267,11 @@ def _error(code: str, message: str, request_id: str | None = None) -> Response:
 
 
 def parse_completion(body: bytes, settings,
-                     tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> tuple[CompletionRequest, list[int]]:
+                     tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER) -> tuple[CompletionRequest, list[int], dict]:
     """Decode and validate a completion body; raise HttpError with a design code. A text
-    prompt becomes `tokenizer`'s ids."""
-    req = decode_request(body, _REQ_DECODER, settings, "a prompt")
+    prompt becomes `tokenizer`'s ids. Fields FlexLB does not know (logprobs, echo, ...; not
+    null) come back apart, for the engine (ForEngine.extra_body)."""
+    req, extra = decode_with_extra(body, _STRICT_REQ_DECODER, _REQ_DECODER, _COMPLETION_FIELDS, settings, "a prompt")
     check_max_tokens(req.max_tokens, settings)
     if req.n != 1:
         raise HttpError("invalid_request", f"n: only one choice per request is supported, got {req.n}")
@@ -285,7 +292,7 @@ def parse_completion(body: bytes, settings,
     if len(tokens) > settings.max_prompt_tokens:
         raise HttpError("too_large", f"prompt of {len(tokens)} tokens exceeds the limit of {settings.max_prompt_tokens}")
     check_options(req, settings)
-    return req, tokens
+    return req, tokens, extra
 
 
 def models_body(models: dict[str, list[str]]) -> dict:
@@ -557,13 +564,14 @@ class CompletionsFront:
                 await send_error(send, "internal", f"internal error: {exc.__class__.__name__}")
 
     def _parse(self, body: bytes, chat: bool):
-        """-> (request, prompt ids, max_tokens, stop strings, sampling, ChatForward or None, include_usage)."""
+        """-> (request, prompt ids, max_tokens, stop strings, sampling, ChatForward or None,
+        include_usage, fields for the engine only)."""
         if chat:
             p = parse_chat(body, self.settings, self.tokenizer, self.chat_templates)
-            return p.req, p.tokens, p.max_tokens, p.stop, p.sampling, p.chat, p.include_usage
-        req, tokens = parse_completion(body, self.settings, self.tokenizer)
+            return p.req, p.tokens, p.max_tokens, p.stop, p.sampling, p.chat, p.include_usage, p.extra_body
+        req, tokens, extra = parse_completion(body, self.settings, self.tokenizer)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return req, tokens, req.max_tokens, stop_strings(req.stop), sampling_of(req), None, include_usage
+        return req, tokens, req.max_tokens, stop_strings(req.stop), sampling_of(req), None, include_usage, extra
 
     async def completions(self, scope, receive, send, chat: bool = False) -> None:
         service, settings = self.service, self.settings
@@ -594,9 +602,10 @@ class CompletionsFront:
             tenant = tenant_of(settings, api_key, tenant_raw, self.key_digests)
             body = await read_body(receive, settings.max_body_bytes, length)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
-                req, tokens, max_tokens, stop, sampling, forward, include_usage = await asyncio.to_thread(self._parse, body, chat)
+                req, tokens, max_tokens, stop, sampling, forward, include_usage, extra = await asyncio.to_thread(
+                    self._parse, body, chat)
             else:
-                req, tokens, max_tokens, stop, sampling, forward, include_usage = self._parse(body, chat)
+                req, tokens, max_tokens, stop, sampling, forward, include_usage, extra = self._parse(body, chat)
             request_id = req.request_id or request_id
             if request_id is not None:
                 validate_token("request_id", request_id)
@@ -626,7 +635,7 @@ class CompletionsFront:
             request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=priority,
             slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=timeout_s, sampling=sampling, stop=stop,
             chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, priority_class_asked=asked,
-            traceparent=traceparent)
+            traceparent=traceparent, extra_body=extra or None)
         try:
             await self._serve(request, req.stream, chat, include_usage, receive, send)
         finally:
@@ -729,8 +738,8 @@ class CompletionsFront:
                                 text, reason, stopped = cursor.take(item)
                                 if stopped:
                                     await service.cancel(handle, "stop string")  # nothing if it already ended
-                                if text or reason is not None or not shape.skips_empty:
-                                    out.append(shape.chunk(text, reason))
+                                if text or reason is not None or item.extra or not shape.skips_empty:
+                                    out.append(shape.chunk(text, reason, extra=item.extra))
                                 if reason is not None and (handle.stop or shape.include_usage):
                                     # The end is known: with a stop string the Terminal may never come.
                                     if shape.include_usage:
@@ -765,6 +774,7 @@ class CompletionsFront:
     async def collect(self, handle: RequestHandle, send, shape) -> None:
         service = self.service
         parts: list[str] = []
+        joiner = ExtrasJoiner()  # what the engine server said beyond the text (schemas/openai_bodies.py)
         cursor = OutputCursor(handle.stop)
         stopped = False
         try:
@@ -775,6 +785,8 @@ class CompletionsFront:
                         break
                     text, reason, stopped = cursor.take(item)
                     parts.append(text)
+                    if item.extra:
+                        joiner.add(item.extra)
                     if stopped:
                         await service.cancel(handle, "stop string")
         except TimeoutError:
@@ -787,5 +799,5 @@ class CompletionsFront:
                 await send_error(send, code, item.message, error_headers(handle.request_id, code))
                 return
             reason = item.finish_reason
-        body = shape.body("".join(parts), reason, cursor.usage(len(handle.prompt_token_ids)))
+        body = joiner.into(shape.body("".join(parts), reason, cursor.usage(len(handle.prompt_token_ids))), shape.is_chat)
         await send_bytes(send, 200, body, JSON_TYPE, _id_header(handle.request_id))

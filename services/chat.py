@@ -69,6 +69,42 @@ MAX_STOP_CHARS = 1024
 _CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
 
+class _LaxChatRequest(ChatCompletionRequest, forbid_unknown_fields=False):
+    """The chat body once its unknown fields are taken out for the engine (`decode_with_extra`)."""
+
+
+_LAX_CHAT_DECODER = msgspec.json.Decoder(_LaxChatRequest)
+_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
+_decode_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+MAX_EXTRA_FIELDS = 32  # fields of a body FlexLB does not know, passed to the engine: at most this many ...
+MAX_EXTRA_FIELD_NAME = 64  # ... with names this long (printable ASCII)
+
+
+def decode_with_extra(body: bytes, strict: msgspec.json.Decoder, lax: msgspec.json.Decoder, known: frozenset[str],
+                      settings, wants: str):
+    """(request, its unknown top-level fields) of a body: decoded by `strict` (no unknown field:
+    the usual case, one decode), else the fields not in `known` taken out (values not null, as
+    JSON values) and the rest decoded by `lax`. An unknown field inside a known one stays an
+    error (400 naming it)."""
+    try:
+        return decode_request(body, strict, settings, wants), {}
+    except HttpError as exc:
+        if "unknown field" not in exc.message or " - at `$." in exc.message:
+            raise
+    req = decode_request(body, lax, settings, wants)
+    extra = {}
+    for key, raw in _decode_raw_fields(body).items():
+        if key in known or bytes(raw) == b"null":
+            continue
+        if len(key) > MAX_EXTRA_FIELD_NAME or not key.isascii() or not key.isprintable():
+            raise HttpError("invalid_request", f"unknown field {key[:40]!r}: a field name of at most "
+                                               f"{MAX_EXTRA_FIELD_NAME} printable ASCII characters is needed")
+        extra[key] = msgspec.json.decode(raw)
+        if len(extra) > MAX_EXTRA_FIELDS:
+            raise HttpError("invalid_request", f"more than {MAX_EXTRA_FIELDS} fields this router does not know")
+    return req, extra
+
+
 MAX_MODEL_NAME_BYTES = 256  # a longer model name is refused (400)
 
 def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: str):
@@ -155,21 +191,30 @@ class ParsedChat:
     chat: m.ChatForward
     sampling: m.Sampling | None
     include_usage: bool
+    extra_body: dict  # fields for the engine only (ForEngine.extra_body); {}: none
+
+
+# Known OpenAI fields FlexLB's own engines do not honour, and their neutral values: given at
+# another value, each goes to the engine as it came (ForEngine.extra_body), so only an engine
+# server that takes OpenAI bodies runs the request (the scheduler's `engine_fields`).
+ENGINE_ONLY_FIELDS = (("logprobs", False), ("top_logprobs", None), ("presence_penalty", 0.0),
+                      ("frequency_penalty", 0.0), ("logit_bias", None), ("parallel_tool_calls", None),
+                      ("store", False), ("metadata", None))
+
+
+def engine_only(req: ChatCompletionRequest) -> dict:
+    """The request's engine-only fields (ENGINE_ONLY_FIELDS) not at their neutral value; a
+    response_format other than text too."""
+    out = {name: getattr(req, name) for name, neutral in ENGINE_ONLY_FIELDS if getattr(req, name) not in (neutral, None)}
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        out["response_format"] = req.response_format
+    return out
 
 
 def _refuse_unhonoured(req: ChatCompletionRequest) -> None:
-    """Known OpenAI fields at a value FlexLB would not honour: refused, naming the field."""
+    """Known OpenAI fields at a value no engine behind FlexLB is asked for: refused, naming the field."""
     if req.n != 1:
         raise HttpError("invalid_request", f"n: only one choice per request is supported, got {req.n}")
-    if req.logprobs or req.top_logprobs is not None:
-        raise HttpError("invalid_request", "logprobs / top_logprobs: not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise HttpError("invalid_request", f"{name}: not supported (only 0)")
-    if req.logit_bias:
-        raise HttpError("invalid_request", "logit_bias: not supported")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise HttpError("invalid_request", f"response_format: only type text is supported, got {req.response_format.get('type')!r}")
     if req.stream_options is not None:
         if not req.stream:
             raise HttpError("invalid_request", "stream_options: only with stream true")
@@ -201,8 +246,9 @@ def _check_messages(messages: list) -> None:
 def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
                templates: ChatTemplates | None) -> ParsedChat:
     """Decode, validate and render a chat completion body; HttpError with a design code."""
-    req = decode_request(body, _CHAT_DECODER, settings, "messages")
+    req, extra = decode_with_extra(body, _CHAT_DECODER, _LAX_CHAT_DECODER, _CHAT_FIELDS, settings, "messages")
     _refuse_unhonoured(req)
+    extra.update(engine_only(req))
     _check_messages(req.messages)
     check_options(req, settings)
     if req.max_completion_tokens is not None:
@@ -237,7 +283,7 @@ def parse_chat(body: bytes, settings, tokenizer: ByteTokenizer | HFTokenizer,
                          continue_final_message=req.continue_final_message,
                          chat_template_kwargs=req.chat_template_kwargs)
     return ParsedChat(req, tokens, max_tokens, stop, chat, sampling,
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage), extra_body=extra)
 
 
 class StopMatcher:

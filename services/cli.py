@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--incremental-streaming-output", action="store_true",
                      help="/generate streams each chunk's output_ids and text, not the whole output so far (SGLang's "
                           "flag of that name)")
+    sim.add_argument("--canned-chunks", metavar="FILE",
+                     help="a scripted server (relay tests): every streamed generation is answered with FILE's "
+                          "lines, one SSE event's data each, byte for byte; the bodies received at GET /_sim/requests")
     sim.add_argument("--fail-generations", action="store_true",
                      help="fault injection: answer every generation 500 at once while /health and /metrics stay "
                           "fine (a bad GPU, a wedged engine); counted in flexlb_sim_failed_generations_total")
@@ -603,6 +606,15 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
     from workers.sim_server.http import serve
 
     tokenizer = load_tokenizer(args.tokenizer)  # a bad file: ValueError, exit 2 (main)
+    canned = None
+    if args.canned_chunks:  # one event's data per non-empty line, kept as written (a bad line: exit 2)
+        with open(args.canned_chunks, "rb") as f:
+            canned = [line.strip() for line in f if line.strip()]
+        for i, line in enumerate(canned):
+            try:
+                json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"--canned-chunks {args.canned_chunks}: line {i + 1} is not JSON: {exc}") from None
     # Chat: --chat-template, else the template beside the tokenizer, else the built-in one for
     # the byte tokenizer (as the router resolves its own); a bad file: ChatTemplateError (a ValueError).
     chat_templates = load_chat_templates(args.chat_template or "", args.tokenizer or "")
@@ -610,7 +622,7 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
         chat_templates = ChatTemplates.builtin()
     serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer,
           bare_openai=args.bare_openai, incremental_streaming_output=args.incremental_streaming_output,
-          chat_templates=chat_templates, fail_generations=args.fail_generations)
+          chat_templates=chat_templates, fail_generations=args.fail_generations, canned_chunks=canned)
     return 0
 
 

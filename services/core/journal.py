@@ -120,6 +120,8 @@ def _request_out(req: AdmitRequest) -> dict[str, Any]:
         out["best_effort"] = True
     if req.excluded_workers:
         out["excluded_workers"] = list(req.excluded_workers)
+    if req.engine_fields:
+        out["engine_fields"] = list(req.engine_fields)
     return out
 
 
@@ -128,7 +130,8 @@ def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
                         block_hashes=tuple(d["block_hashes"]), priority=d["priority"], slo_ttft_ms=d["slo_ttft_ms"],
                         slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""),  # (no model: recorded before pools)
                         tenant=d.get("tenant", ""), priority_class=d.get("priority_class", ""),
-                        best_effort=d.get("best_effort", False), excluded_workers=tuple(d.get("excluded_workers", ())))
+                        best_effort=d.get("best_effort", False), excluded_workers=tuple(d.get("excluded_workers", ())),
+                        engine_fields=tuple(d.get("engine_fields", ())))
 
 
 # ------------------------------------------------------------------ the operations

@@ -33,6 +33,7 @@ class QueuedRequest:
     lora_adapter: str = ""  # the LoRA adapter it runs with ("": the base model; BatchRequest.lora_adapter)
     block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (a move scores other workers' hits)
     model: str = ""  # the pool it was routed in (the resolved model name)
+    openai_only: bool = False  # only workers whose engine takes OpenAI bodies (AdmitRequest.engine_fields)
 
 
 @dataclass(slots=True)
@@ -60,6 +61,9 @@ class AdmitRequest:
     best_effort: bool = False
     # Workers it may not go to (a retry: those that failed it before its first token).
     excluded_workers: tuple[str, ...] = ()
+    # Fields of its body only an engine server taking OpenAI bodies honours (ForEngine.extra_body:
+    # logprobs, response_format, ...): only workers whose engine protocol is "openai" serve it.
+    engine_fields: tuple[str, ...] = ()
 
 
 class RouteDecision:

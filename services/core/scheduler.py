@@ -700,6 +700,14 @@ class Scheduler:
             if not colocated and not (prefill_workers and decode_workers):
                 return Rejected("no_worker", "every worker that could serve it has its circuit breaker open"
                                 + (f" or failed it before (tried {len(req.excluded_workers)})" if req.excluded_workers else ""))
+        if req.engine_fields:  # fields only an engine server taking OpenAI bodies honours
+            colocated, prefill_workers, decode_workers = (
+                [w for w in ws if w.signals is not None and w.signals.protocol == "openai"]
+                for ws in (colocated, prefill_workers, decode_workers))
+            if not colocated and not (prefill_workers and decode_workers):
+                names = ", ".join(req.engine_fields[:8])
+                return Rejected("invalid_request", f"{names}: not honoured by the engines serving model {model!r}; "
+                                                   "only engine servers behind --engine openai take these fields")
         priority = cfg.slo.default_priority if req.priority is None else req.priority
         slo_ttft, slo_tpot = slo_targets(cfg.slo, n, priority, req.slo_ttft_ms, req.slo_tpot_ms)
         decisions: list[RouteDecision] = []
@@ -785,7 +793,7 @@ class Scheduler:
             strict_deadline=not req.best_effort and (mode == "reject" or (mode != "best-effort" and req.slo_ttft_ms is not None)),
             prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload, lora_adapter=adapter,
-            block_hashes=req.block_hashes, model=model,
+            block_hashes=req.block_hashes, model=model, openai_only=bool(req.engine_fields),
         )
         if adapter:  # the worker loads it (or uses it): the router's guess until its next report
             w = self.view.workers[p.pick.worker_id]
@@ -937,6 +945,7 @@ class Scheduler:
             total = item.num_prompt_tokens + item.max_tokens
             others = [w for w in self.view.routable(item.model).colocated
                       if w.worker_id != src and not 0 < w.max_seq_len_tokens < total
+                      and not (item.openai_only and (w.signals is None or w.signals.protocol != "openai"))
                       and not 0 < w.max_batch_tokens < item.num_prompt_tokens and self.breakers.is_closed(w.worker_id)]
             req = AdmitRequest(request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
                                max_tokens=item.max_tokens, block_hashes=item.block_hashes)

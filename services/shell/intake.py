@@ -83,6 +83,7 @@ class Intake:
             request_id=request_id, num_prompt_tokens=len(prompt), max_tokens=request.max_tokens, block_hashes=hashes,
             priority=request.priority, slo_ttft_ms=request.slo_ttft_ms, slo_tpot_ms=request.slo_tpot_ms, payload=handle,
             model=request.model, tenant=request.tenant, priority_class=request.priority_class,
+            engine_fields=tuple(sorted(request.extra_body)) if request.extra_body else (),
         ))
         try:
             decision = (self.s.scheduler.offer(handle.admit, now) if self.s.settings.fair_queue

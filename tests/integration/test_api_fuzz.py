@@ -38,9 +38,9 @@ def check(path: str, resp: httpx.Response) -> None:
 
 
 def fuzz_operation(client: httpx.Client, url: str, op, auth: dict, mode, seen: dict[str, set[int]]) -> None:
-    """30 cases of `op` in `mode` (derandomized: the same cases each run), each checked."""
+    """50 cases of `op` in `mode` (derandomized: the same cases each run), each checked."""
 
-    @settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=50, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def fuzz(case) -> None:
         kw = case.as_transport_kwargs(base_url=url)
@@ -63,7 +63,13 @@ def test_every_operation_answers_fuzzed_input_with_a_coded_error_or_a_result(fle
                          env={"FLEXLB_TENANT_API_KEYS": json.dumps({KEY: "fuzz"})}, open_admin=False)
     url = state["router_url"]
     admin = pathlib.Path(state["admin_token_file"]).read_text().strip()
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    # The stack's engines are FlexLB's own: fields of a body it does not know go to an engine
+    # server behind --engine openai only, and are refused here (test_relay_passthrough.py). The
+    # positive cases are made without them, so that they are the schema's own fields.
+    raw = httpx.get(url + "/openapi.json", timeout=30).json()
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        raw["components"]["schemas"][name]["additionalProperties"] = False
+    schema = schemathesis.openapi.from_dict(raw)
     ops = [r.ok() for r in schema.get_all_operations()]
     assert {"/v1/completions", "/v1/chat/completions", "/admin/workers"} <= {op.path for op in ops}
     seen: dict[str, set[int]] = {}

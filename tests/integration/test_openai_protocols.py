@@ -125,6 +125,32 @@ def test_chat_chunks_are_read_from_their_deltas_and_a_tool_call_ends_the_turn_no
     assert agent.num_chat_prompt_mismatches == 0  # the server rendered what the router did
 
 
+def test_what_a_chunk_says_beyond_its_text_rides_with_its_tokens_as_the_server_wrote_it():
+    """Tool-call deltas, reasoning, logprobs and a server's own field go out with the chunk's
+    tokens (TokensGenerated.extra, the server's bytes); a tool-call chunk without text still
+    goes; the held last chunk of a stream without ids keeps its part; the request's fields for
+    the engine only are in the server's body, never over the agent's own."""
+    agent = agent_of()
+    r = request_of(prompt=[5, 6, 7], chat=chat_of(), extra_body={"logprobs": True, "top_logprobs": 2, "stream": False})
+    relay = relay_of(agent, r)
+    path, body = agent._request(r)
+    assert path == "/v1/chat/completions" and body["logprobs"] is True and body["top_logprobs"] == 2
+    assert body["stream"] is True  # (the agent's own field stays the agent's)
+    call = b'"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":"{\\"a"}}]'
+    relay.on_data(b'{"system_fingerprint":"fp","choices":[{"index":0,"delta":{' + call + b'},'
+                  b'"logprobs":{"content":[{"token":"q","logprob":-0.25000001}]},"finish_reason":null}]}')
+    relay.on_data(data({"choices": [{"index": 0, "delta": {"reasoning_content": "hm", "content": "ok"},
+                                     "finish_reason": None}]}))
+    relay.on_data(data({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
+    relay.end()
+    chunks = agent.token_batches["flexlb.tok.rt"]
+    assert [c.text for c in chunks] == ["", "ok", ""] and chunks[-1].finish_reason == "stop"
+    assert call.decode() in chunks[0].extra and '"logprob":-0.25000001' in chunks[0].extra
+    assert json.loads(chunks[0].extra)["chunk"] == {"system_fingerprint": "fp"}
+    assert json.loads(chunks[1].extra) == {"delta": {"reasoning_content": "hm"}}
+    assert json.loads(chunks[2].extra) == {"choice": {"finish_reason": "tool_calls"}}  # (held, then sent)
+
+
 def test_a_different_rendering_is_counted_per_request_and_logged_once_per_model(caplog):
     agent = agent_of()
     caplog.set_level(logging.WARNING, logger="flexlb.worker.openai")

@@ -157,11 +157,11 @@ def test_router_settings_take_the_tokenizer_from_env_and_refuse_a_bad_one(tokeni
 
 def test_parse_completion_tokenizes_text_with_the_given_tokenizer_and_bounds_it_first(hf):
     settings = RouterSettings(max_prompt_tokens=64)
-    _, ids = parse_completion(json.dumps({"prompt": PROMPT}).encode(), settings, hf)
+    _, ids, _ = parse_completion(json.dumps({"prompt": PROMPT}).encode(), settings, hf)
     assert ids == hf.encode(PROMPT)
-    _, byte_ids = parse_completion(json.dumps({"prompt": PROMPT}).encode(), RouterSettings())
+    _, byte_ids, _ = parse_completion(json.dumps({"prompt": PROMPT}).encode(), RouterSettings())
     assert byte_ids == encode_text(PROMPT)
-    _, given_ids = parse_completion(json.dumps({"prompt": [5, 6, 7]}).encode(), settings, hf)
+    _, given_ids, _ = parse_completion(json.dumps({"prompt": [5, 6, 7]}).encode(), settings, hf)
     assert given_ids == [5, 6, 7]  # token ids are the client's: never re-tokenized
     too_long = json.dumps({"prompt": "a" * (64 * hf.max_chars_per_token + 1)}).encode()
     with pytest.raises(HttpError) as err:

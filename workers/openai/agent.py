@@ -120,10 +120,17 @@ request is answered from that view. A gap the replay socket cannot fill clears t
 the agent knows no blocks: run the router with `prefix_index approximate` (`flexlb up
 --engine openai` does so by itself).
 
+Pass-through. The client's fields FlexLB does not use itself (logprobs, response_format,
+penalties, a server's own extension; `ForEngine.extra_body`) are added to the server's body
+as they came, never over a field the agent sets. Back, whatever a chunk says beyond its text
+and token ids (a delta's tool_calls and reasoning, a choice's logprobs, a finish reason
+"tool_calls", the server's own fields; schemas/openai_bodies.py `chunk_extras`) rides with
+that chunk's tokens (`TokensGenerated.extra`, the server's bytes) to the router, which puts it
+into the client's chunk unchanged. SGLang's /generate has no such fields.
+
 Not done: PD through the server's KV connector (vLLM `kv_transfer_params`, SGLang
-bootstrap), logprobs; a chat stream's tool calls and reasoning are counted as output but
-not relayed (a token chunk carries text only: the router's answer has the content alone);
-text prompts are tokenized at the router (`--tokenizer`).
+bootstrap); n > 1 (the router refuses it); text prompts are tokenized at the router
+(`--tokenizer`).
 
 Parts: the /metrics reading (workers/openai/status.py) and the stream relays per protocol
 (workers/openai/relays.py). What stays here (about 500 lines with this docstring over it) is
@@ -526,7 +533,7 @@ class OpenAIAgent(WorkerAgent):
                   "stream_options": {"include_usage": True}, "return_token_ids": True, **self._sampling(r)}
         chat = r.chat
         if chat is None:
-            return "/v1/completions", {"prompt": r.prompt_token_ids, **common}
+            return "/v1/completions", self._with_extra_body(r, {"prompt": r.prompt_token_ids, **common})
         body = {"messages": chat.messages, **common}
         if chat.tools is not None:
             body["tools"] = chat.tools
@@ -540,7 +547,16 @@ class OpenAIAgent(WorkerAgent):
             body["continue_final_message"] = True
         if chat.chat_template_kwargs:
             body["chat_template_kwargs"] = chat.chat_template_kwargs
-        return "/v1/chat/completions", body
+        return "/v1/chat/completions", self._with_extra_body(r, body)
+
+    @staticmethod
+    def _with_extra_body(r: m.BatchRequest, body: dict) -> dict:
+        """The client's fields FlexLB does not use itself (ForEngine.extra_body), added as they
+        came; a field the agent sets (the prompt, max_tokens, stream, sampling) stays the agent's."""
+        if r.extra_body:
+            for key, value in r.extra_body.items():
+                body.setdefault(key, value)
+        return body
 
     def note_prompt_rendering(self, r: m.BatchRequest, server_ids: list[int]) -> None:
         """The server said how it rendered a chat request's messages: count a rendering other

@@ -14,6 +14,7 @@ from typing import Protocol
 import msgspec
 
 from schemas import messages as m
+from schemas.openai_bodies import ExtraTooLarge, chunk_extras
 from workers.agent import ReqMeta
 from workers.config import WorkerConfig
 from workers.openai.upstream import UpstreamFailure
@@ -53,16 +54,18 @@ class _Delta(msgspec.Struct):
     """A chat chunk's delta: what the agent reads of it."""
 
     content: str | None = None  # the text (None in the role chunk and in tool-call / reasoning chunks)
-    # Counted as output (a chunk with any of them stands for tokens) but not relayed as text:
-    # the token chunk has no field for them (module docstring, Not done).
+    # Counted as output (a chunk with any of them stands for tokens); relayed with the rest of
+    # what FlexLB does not make itself (TokensGenerated.extra).
     reasoning_content: str | None = None  # vLLM < 0.11, SGLang
     reasoning: str | None = None  # vLLM >= 0.11
     tool_calls: list | None = None
 
 
 class _Choice(msgspec.Struct):
-    """What the agent reads of a streamed completion or chat chunk's choice (the rest is ignored)."""
+    """What the agent reads of a streamed completion or chat chunk's choice (the rest is
+    relayed as it came: schemas/openai_bodies.py `chunk_extras`)."""
 
+    index: int | None = None
     text: str | None = None  # /v1/completions
     delta: _Delta | None = None  # /v1/chat/completions
     token_ids: list[int] | None = None  # vLLM >= 0.10.2 with return_token_ids: this chunk's
@@ -132,7 +135,7 @@ class _Relay:
             # way: close the stream (the server aborts it); whoever ended it reported it.
             raise UpstreamFailure("cancelled", "the request left the agent")
 
-    def _emit(self, ids: list[int], num_tokens: int, text: str, reason: str | None) -> None:
+    def _emit(self, ids: list[int], num_tokens: int, text: str, reason: str | None, extra: str = "") -> None:
         """A chunk of `num_tokens` tokens (`ids`, or none when the stream has no ids) to the
         outbox; a last chunk without ids is held (end())."""
         agent, rid = self.agent, self.request_id
@@ -146,7 +149,8 @@ class _Relay:
                 agent.note_token_gap(now_s, (now_s - self.last_s) * 1000 / num_tokens)
             self.last_s = now_s
         chunk = m.TokensGenerated(request_id=rid, worker_id=agent.cfg.worker_id, start_index=self.offset + self.index,
-                                  token_ids=ids, text=text, finish_reason=reason, num_tokens=0 if ids else num_tokens)
+                                  token_ids=ids, text=text, finish_reason=reason, num_tokens=0 if ids else num_tokens,
+                                  extra=extra)
         self.index += num_tokens
         if reason is not None:
             self.finish = reason
@@ -192,17 +196,22 @@ class StreamRelay(_Relay):
             raise UpstreamFailure("upstream_error", f"undecodable stream chunk: {payload[:200]!r}") from None
         if chunk.error is not None:
             raise UpstreamFailure("upstream_error", f"the engine server failed the request: {chunk.error}")
+        try:  # what the chunk says beyond the text, relayed unchanged (schemas/openai_bodies.py)
+            extras = chunk_extras(payload) if chunk.choices else {}
+        except (msgspec.DecodeError, ExtraTooLarge) as exc:
+            raise UpstreamFailure("upstream_error", f"stream chunk: {exc}") from None
         agent = self.agent
         usage = chunk.usage
         if usage:
             self._note_usage(usage)
         if chunk.prompt_token_ids is not None and self.request.chat is not None:
             agent.note_prompt_rendering(self.request, chunk.prompt_token_ids)
-        for choice in chunk.choices:
+        for position, choice in enumerate(chunk.choices):
             ids = choice.token_ids
             reason = choice.finish_reason
             delta = choice.delta
             text = (delta.content if delta is not None else choice.text) or ""
+            extra = extras.get(position if choice.index is None else choice.index, "") if extras else ""
             if reason is not None:
                 mapped = FINISH_REASONS.get(reason)
                 if mapped is None:
@@ -211,15 +220,15 @@ class StreamRelay(_Relay):
             if ids is not None:
                 if agent.stream_token_ids is not True:
                     agent.stream_token_ids = True
-                if ids or reason is not None:
-                    self._emit(ids, len(ids), text, reason)
+                if ids or reason is not None or extra:
+                    self._emit(ids, len(ids), text, reason, extra)
                 continue
             # No token ids (a server without return_token_ids): count the tokens this chunk
             # stands for: the server's running count where it gives one per chunk, else one
             # per chunk with output (text, reasoning or a tool call).
             has_output = bool(text) or (delta is not None and bool(delta.reasoning_content or delta.reasoning
                                                                     or delta.tool_calls))
-            if not has_output and reason is None:
+            if not has_output and reason is None and not extra:
                 continue  # a role chunk, or nothing new
             if has_output and agent.stream_token_ids is None:
                 agent.stream_token_ids = False
@@ -229,7 +238,7 @@ class StreamRelay(_Relay):
                 n = max(running - self.index, 0)
             else:
                 n = 1 if has_output else 0
-            self._emit([], n, text, reason)
+            self._emit([], n, text, reason, extra)
 
     def _note_usage(self, usage: dict) -> None:
         completion = usage.get("completion_tokens")

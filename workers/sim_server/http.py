@@ -129,6 +129,11 @@ metrics nor token ids (TGI, llama.cpp, vLLM < 0.10.2): `GET /metrics` is 404 (it
 stay at `/_sim/metrics`, for tests), and `return_token_ids` is ignored (no `token_ids` in
 choices, no `prompt_token_ids`). Everything else is served as usual (/health, /v1/models,
 usage with include_usage).
+`--canned-chunks FILE`: a scripted server, for relay tests. FILE has one SSE event's data per
+line (a chunk's JSON, as a real server would write it, kept byte for byte); every streamed
+/v1/chat/completions and /v1/completions request is answered with those events, then
+`data: [DONE]`, whatever it asks (a non-streamed one: 400). The bodies it was sent, the last
+16, are at `GET /_sim/requests` (what a router forwarded). The engine runs nothing for them.
 Not modelled: sampling (temperature, top_p, stop strings, logprobs: the output is the
 engine's deterministic `sim_token_id` text and always stops at max_tokens, finish_reason
 "length"; so no tool calls or reasoning either), several prompts per request, priorities and
@@ -145,6 +150,7 @@ Imports: `schemas` and `workers` only (never `services`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from typing import Any, Awaitable, Callable
@@ -183,8 +189,12 @@ class SimHttpApp:
     """The ASGI application: routes, lifespan (starts and stops the step loop), disconnects."""
 
     def __init__(self, front: SimFront, bare_openai: bool = False, incremental_streaming_output: bool = False,
-                 chat_templates: ChatTemplates | None = None, fail_generations: bool = False) -> None:
+                 chat_templates: ChatTemplates | None = None, fail_generations: bool = False,
+                 canned_chunks: list[bytes] | None = None) -> None:
         self.front = front
+        # --canned-chunks: every streamed generation answered with these events (module docstring)
+        self.canned_chunks = canned_chunks
+        self.received: collections.deque[dict] = collections.deque(maxlen=16)
         # Fault injection (--fail-generations): every generation answered 500 at once, while
         # /health, /metrics and the rest answer as usual (a bad GPU, a wedged engine process).
         self.fail_generations = fail_generations
@@ -214,6 +224,7 @@ class SimHttpApp:
             ("GET", "/metrics"): self.metrics,
             ("GET", "/_sim/metrics"): self.metrics,
             ("GET", "/_sim/bootstrap"): self.bootstrap,
+            ("GET", "/_sim/requests"): self.requests_received,
         }
         if bare_openai:
             del self.routes[("GET", "/metrics")]
@@ -273,8 +284,25 @@ class SimHttpApp:
             await send_error(send, "not_found", f"{path} is not served by the flexlb sim-server")
 
     # ----------------------------------------------------------------------- generation
+    async def _canned(self, body: dict[str, Any], send: Send) -> None:
+        """--canned-chunks: the scripted events, whatever was asked (module docstring)."""
+        self.received.append(body)
+        if not bool_field(body, "stream"):
+            raise HttpError("invalid_request", "--canned-chunks answers streamed requests only")
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        for data in self.canned_chunks or ():
+            await send({"type": "http.response.body", "body": sse(data), "more_body": True})
+        await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+
+    async def requests_received(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, list(self.received))
+
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        if self.canned_chunks is not None:
+            await self._canned(body, send)
+            return
         refuse_unmodelled(body)
         if "prompt" not in body:
             raise HttpError("invalid_request", "prompt is required")
@@ -292,6 +320,9 @@ class SimHttpApp:
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        if self.canned_chunks is not None:
+            await self._canned(body, send)
+            return
         refuse_unmodelled(body)
         prompt = await chat_prompt(body, self.chat_templates, self.front.tokenizer)
         max_tokens = int_field(body, "max_completion_tokens", int_field(body, "max_tokens", OPENAI_DEFAULT_MAX_TOKENS))
@@ -535,13 +566,13 @@ class SimHttpApp:
 def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info",
           tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER, bare_openai: bool = False,
           incremental_streaming_output: bool = False, chat_templates: ChatTemplates | None = None,
-          fail_generations: bool = False) -> None:
+          fail_generations: bool = False, canned_chunks: list[bytes] | None = None) -> None:
     """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
     import uvicorn
 
     app = SimHttpApp(SimFront(cfg, model_name, tokenizer), bare_openai=bare_openai,
                      incremental_streaming_output=incremental_streaming_output, chat_templates=chat_templates,
-                     fail_generations=fail_generations)
+                     fail_generations=fail_generations, canned_chunks=canned_chunks)
     uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
     # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",

@@ -43,11 +43,10 @@ def test_a_conversation_is_rendered_with_the_template_and_routed_on_its_byte_ids
 
 
 REFUSED = [
-    ("unknown-field", {"frobnicate": 1}, "frobnicate"),
     ("n-2", {"n": 2}, "n:"),
-    ("logprobs", {"logprobs": True}, "logprobs"),
-    ("penalty", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("json-mode", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("unknown-inside-a-known-field", {"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "x"),
+    ("unknown-field-name-too-long", {"f" * 65: 1}, "unknown field"),
+    ("too-many-unknown-fields", {f"f{i}": 1 for i in range(33)}, "more than 32"),
     ("stream-options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("both-continue-and-generation-prompt", {"continue_final_message": True}, "continue_final_message"),
     ("image-part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -58,6 +57,19 @@ REFUSED = [
     ("too-many-stops", {"stop": [str(i) for i in range(17)]}, "stop"),
     ("template-kwargs-override", {"chat_template_kwargs": {"messages": []}}, "messages"),
 ]
+
+
+def test_fields_only_an_engine_server_honours_go_to_the_engine_as_they_came():
+    """Unknown fields (not null) and known ones FlexLB's engines do not honour, at a value other
+    than neutral, leave the parse apart (ForEngine.extra_body); the scheduler then routes the
+    request only to engine servers behind --engine openai (test_scheduler, engine_fields)."""
+    given = {"frobnicate": {"deep": [1, 2.5]}, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5,
+             "response_format": {"type": "json_object"}, "parallel_tool_calls": False, "nothing": None}
+    p = parse({"messages": [{"role": "user", "content": "hi"}], **given})
+    assert p.extra_body == {k: v for k, v in given.items() if v is not None}
+    neutral = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": False, "presence_penalty": 0,
+                     "response_format": {"type": "text"}})
+    assert neutral.extra_body == {}
 
 
 @pytest.mark.parametrize("extra,needle", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])

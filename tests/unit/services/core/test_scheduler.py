@@ -457,3 +457,23 @@ def test_the_gates_and_expected_output_are_the_policies_parameters_as_the_settin
         return s.ledger.worker("w0").reservations["z"].expected_kv_tokens
 
     assert (expected_kv(1000), expected_kv(50)) == (600, 150)
+
+
+def test_fields_only_an_openai_engine_honours_route_to_such_workers_or_are_refused_naming_them():
+    """AdmitRequest.engine_fields (a body's logprobs, response_format, unknown fields): only a
+    worker whose engine takes OpenAI bodies (signals.protocol openai) may run it; a pool of
+    FlexLB's own engines refuses it, 400 invalid_request naming the fields."""
+    from schemas.messages import EngineSignals
+
+    native = make_scheduler(("w0", "w1"))
+    r = native.admit(req("a", engine_fields=("logprobs", "response_format")), 0)
+    assert isinstance(r, Rejected) and r.code == "invalid_request"
+    assert "logprobs, response_format" in r.message and "--engine openai" in r.message
+    assert isinstance(native.admit(req("b"), 0), Admitted)  # (a request without them runs anywhere)
+
+    mixed = make_scheduler(("w0",))
+    mixed.on_worker_event(status("w1", signals=EngineSignals(protocol="openai", metrics="vllm")), 0)
+    mixed.on_worker_event(status("w2", signals=EngineSignals(protocol="sglang", metrics="sglang")), 0)
+    picks = {mixed.admit(req(f"r{i}", engine_fields=("logprobs",)), 0).request.prefill_worker_id for i in range(6)}
+    assert picks == {"w1"}
+    assert {mixed.admit(req(f"p{i}"), 0).request.prefill_worker_id for i in range(6)} == {"w0", "w1", "w2"}
