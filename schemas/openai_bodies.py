@@ -37,7 +37,7 @@ from schemas.api import (
     PromptTokensDetails,
     UsageWithDetails,
 )
-from schemas.http import sse
+from schemas.http import SSE_DONE, error_body, sse
 
 _encode = msgspec.json.Encoder().encode
 
@@ -57,6 +57,7 @@ class CompletionShape:
 
     skips_empty = False
     is_chat = False
+    done = SSE_DONE
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False,
                  return_token_ids: bool = False) -> None:
@@ -82,6 +83,16 @@ class CompletionShape:
     def usage_chunk(self, usage: UsageWithDetails) -> bytes:
         return self._chunk([], usage)
 
+    def error(self, code: str, message: str) -> bytes:
+        return sse(error_body(code, message))
+
+    def stopped_by(self, stop: str | None) -> None:
+        """(Which stop string ended the output: OpenAI's answer does not say.)"""
+
+    def whole(self, text: str, finish_reason: str | None, usage: UsageWithDetails, joiner: "ExtrasJoiner") -> bytes:
+        """The non-streamed answer, with what the engine server said beyond the text."""
+        return joiner.into(self.body(text, finish_reason, usage), self.is_chat)
+
     def body(self, text: str, finish_reason: str | None, usage: UsageWithDetails,
              token_ids: list[int] | None = None) -> bytes:
         return _encode(CompletionResponse(id=self.request_id, created=self.created, model=self.model,
@@ -95,6 +106,7 @@ class ChatShape:
 
     skips_empty = True
     is_chat = True
+    done = SSE_DONE
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False,
                  return_token_ids: bool = False, prompt_token_ids: list[int] | None = None) -> None:
@@ -126,6 +138,16 @@ class ChatShape:
 
     def usage_chunk(self, usage: UsageWithDetails) -> bytes:
         return self._chunk([], usage)
+
+    def error(self, code: str, message: str) -> bytes:
+        return sse(error_body(code, message))
+
+    def stopped_by(self, stop: str | None) -> None:
+        """(Which stop string ended the output: OpenAI's answer does not say.)"""
+
+    def whole(self, text: str, finish_reason: str | None, usage: UsageWithDetails, joiner: "ExtrasJoiner") -> bytes:
+        """The non-streamed answer, with what the engine server said beyond the text."""
+        return joiner.into(self.body(text, finish_reason, usage), self.is_chat)
 
     def body(self, text: str, finish_reason: str | None, usage: UsageWithDetails,
              token_ids: list[int] | None = None) -> bytes:

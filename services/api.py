@@ -52,7 +52,6 @@ from schemas.api import CompletionRequest
 from schemas.errors import ERROR_CODES
 from schemas.http import (
     JSON_TYPE,
-    SSE_DONE,
     SSE_TYPE,
     ClientGone,
     HttpError,
@@ -61,11 +60,11 @@ from schemas.http import (
     read_body,
     send_bytes,
     send_error,
-    sse,
 )
 from schemas.openai_bodies import ChatShape, CompletionShape, ExtrasJoiner
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
+from services import anthropic
 from services.chat import (
     OutputCursor,
     check_max_tokens,
@@ -226,8 +225,16 @@ def _openapi(app: FastAPI) -> dict:
     statuses = sorted({c.http_status for c in ERROR_CODES.values()})
     error = {"description": "refused or failed: {\"error\": {\"code\", \"message\", \"retryable\"}} "
                             "(schemas/errors.py)", "content": {"application/json": {"schema": {"type": "object"}}}}
+    messages = {"type": "object", "required": ["max_tokens", "messages"], "properties": {
+        "model": {"type": "string"}, "max_tokens": {"type": "integer"}, "system": {},
+        "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"type": "string", "enum": ["user", "assistant"]}, "content": {}}}},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}}, "stream": {"type": "boolean"},
+        "temperature": {"type": "number"}, "top_p": {"type": "number"}, "tools": {"type": "array"},
+        "tool_choice": {"type": "object"}}}
     for path, body, what in (("/v1/completions", completion, "text completion (OpenAI API)"),
-                             ("/v1/chat/completions", chat, "chat completion (OpenAI API)")):
+                             ("/v1/chat/completions", chat, "chat completion (OpenAI API)"),
+                             ("/v1/messages", messages, "message (Anthropic's Messages API; services/anthropic.py)")):
         schema["paths"][path] = {"post": {
             "summary": what, "operationId": path.strip("/").replace("/", "_"),
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -526,11 +533,12 @@ class CompletionsFront:
     sent as ASGI messages; one deadline timer per request bounds the wait for its outcome
     (the request's timeout plus 2 s for the worker's timed_out report to arrive first). A
     streaming client that disconnects cancels its request: a watcher on `receive` tells the
-    stream, before its response started as after. Both endpoints share the path; what differs
-    is the parsing and the shapes (services/chat.py).
+    stream, before its response started as after. The endpoints share the path; what differs
+    is the parsing and the shapes (services/chat.py; Anthropic's /v1/messages is translated
+    into a chat request first and answered in its own shapes: services/anthropic.py).
     """
 
-    PATHS = ("/v1/completions", "/v1/chat/completions")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 
     def __init__(self, service: RouterService, tokenizer: ByteTokenizer | HFTokenizer, app: FastAPI,
                  chat_templates=None) -> None:
@@ -555,7 +563,9 @@ class CompletionsFront:
             if scope["method"] != "POST":
                 await send_error(tracked_send, "invalid_request", "Method Not Allowed")
                 return
-            await self.completions(scope, receive, tracked_send, chat=scope["path"] == "/v1/chat/completions")
+            path = scope["path"]
+            await self.completions(scope, receive, tracked_send, chat=path != "/v1/completions",
+                                   messages=path == "/v1/messages")
         except ClientGone:
             return
         except Exception as exc:
@@ -573,7 +583,7 @@ class CompletionsFront:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return req, tokens, req.max_tokens, stop_strings(req.stop), sampling_of(req), None, include_usage, extra
 
-    async def completions(self, scope, receive, send, chat: bool = False) -> None:
+    async def completions(self, scope, receive, send, chat: bool = False, messages: bool = False) -> None:
         service, settings = self.service, self.settings
         request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = traceparent_raw = None
         timeout_raw = None
@@ -591,6 +601,8 @@ class CompletionsFront:
                 tenant_raw = value.decode("latin-1")
             elif name == b"authorization":
                 api_key = value.decode("latin-1")
+            elif name == b"x-api-key" and messages and api_key is None:  # (Anthropic's clients send their key so)
+                api_key = "Bearer " + value.decode("latin-1")
             elif name == b"x-flexlb-priority-class":
                 class_raw = value.decode("latin-1")
             elif name == b"traceparent":
@@ -601,6 +613,8 @@ class CompletionsFront:
             # who it is first: a client without a valid key costs no body read, parse or tokenization
             tenant = tenant_of(settings, api_key, tenant_raw, self.key_digests)
             body = await read_body(receive, settings.max_body_bytes, length)
+            if messages:
+                body = anthropic.to_chat(body)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
                 req, tokens, max_tokens, stop, sampling, forward, include_usage, extra = await asyncio.to_thread(
                     self._parse, body, chat)
@@ -637,12 +651,13 @@ class CompletionsFront:
             chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, priority_class_asked=asked,
             traceparent=traceparent, extra_body=extra or None)
         try:
-            await self._serve(request, req.stream, chat, include_usage, receive, send)
+            await self._serve(request, req.stream, chat, include_usage, receive, send, messages)
         finally:
             if limited:
                 self.limits.release(tenant or DEFAULT_TENANT)
 
-    async def _serve(self, request: m.Request, stream: bool, chat: bool, include_usage: bool, receive, send) -> None:
+    async def _serve(self, request: m.Request, stream: bool, chat: bool, include_usage: bool, receive, send,
+                     messages: bool = False) -> None:
         """Submit the parsed request and answer it: refused, or its result (streamed or whole)."""
         request_id = request.request_id
         outcome = await self.service.submit(request)
@@ -654,8 +669,11 @@ class CompletionsFront:
             await send_error(send, outcome.code, outcome.message,
                              error_headers(request_id, outcome.code, outcome.retry_after_ms))
             return
-        shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), request.model or self.settings.model_name,
-                                                         include_usage)
+        model = request.model or self.settings.model_name
+        if messages:
+            shape = anthropic.MessagesShape(request_id, model, len(request.prompt_token_ids))
+        else:
+            shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), model, include_usage)
         if stream:
             await self.stream(outcome, receive, send, shape)
         else:
@@ -737,6 +755,7 @@ class CompletionsFront:
                             if isinstance(item, m.TokensGenerated):
                                 text, reason, stopped = cursor.take(item)
                                 if stopped:
+                                    shape.stopped_by(cursor.stop_matched)
                                     await service.cancel(handle, "stop string")  # nothing if it already ended
                                 if text or reason is not None or item.extra or not shape.skips_empty:
                                     out.append(shape.chunk(text, reason, extra=item.extra))
@@ -744,13 +763,13 @@ class CompletionsFront:
                                     # The end is known: with a stop string the Terminal may never come.
                                     if shape.include_usage:
                                         out.append(shape.usage_chunk(cursor.usage(len(handle.prompt_token_ids))))
-                                    out.append(SSE_DONE)
+                                    out.append(shape.done)
                                     finished = True
                                     break
                             else:
                                 if item.outcome != "finished":
-                                    out.append(sse(error_body(item.code or "worker_failed", item.message)))
-                                out.append(SSE_DONE)
+                                    out.append(shape.error(item.code or "worker_failed", item.message))
+                                out.append(shape.done)
                                 finished = True
                                 break
                             if queue.empty():
@@ -762,7 +781,7 @@ class CompletionsFront:
                 finished = True
                 message = f"no terminal outcome within {handle.timeout_s}s"
                 if started:
-                    await send({"type": "http.response.body", "body": sse(error_body("timed_out", message)) + SSE_DONE})
+                    await send({"type": "http.response.body", "body": shape.error("timed_out", message) + shape.done})
                 else:
                     await send_error(send, "timed_out", message, error_headers(rid, "timed_out"))
         finally:
@@ -788,6 +807,7 @@ class CompletionsFront:
                     if item.extra:
                         joiner.add(item.extra)
                     if stopped:
+                        shape.stopped_by(cursor.stop_matched)
                         await service.cancel(handle, "stop string")
         except TimeoutError:
             await service.cancel(handle, "router request timeout")
@@ -799,5 +819,5 @@ class CompletionsFront:
                 await send_error(send, code, item.message, error_headers(handle.request_id, code))
                 return
             reason = item.finish_reason
-        body = joiner.into(shape.body("".join(parts), reason, cursor.usage(len(handle.prompt_token_ids))), shape.is_chat)
+        body = shape.whole("".join(parts), reason, cursor.usage(len(handle.prompt_token_ids)), joiner)
         await send_bytes(send, 200, body, JSON_TYPE, _id_header(handle.request_id))

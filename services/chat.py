@@ -291,19 +291,21 @@ class StopMatcher:
     the text that may go out now and whether a stop string was met; `flush` the held tail
     at the end of the stream."""
 
-    __slots__ = ("stops", "hold", "pending")
+    __slots__ = ("stops", "hold", "pending", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self.hold = max(len(s) for s in stops) - 1  # the longest tail that can be a stop string's start
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         buf = self.pending + text if self.pending else text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return buf[:min(hits)], True
+            first, self.matched = min(hits)
+            return buf[:first], True
         keep = 0
         for k in range(min(self.hold, len(buf)), 0, -1):
             tail = buf[-k:]
@@ -360,4 +362,9 @@ class OutputCursor:
 
     def usage(self, num_prompt_tokens: int) -> UsageWithDetails:
         return usage_of(num_prompt_tokens, self.num_tokens, self.num_cached_tokens)
+
+    @property
+    def stop_matched(self) -> str | None:
+        """The stop string that ended the output (None: none did)."""
+        return self.stops.matched if self.stops is not None else None
 
