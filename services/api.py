@@ -64,7 +64,7 @@ from schemas.http import (
 from schemas.openai_bodies import ChatShape, CompletionShape, ExtrasJoiner
 from schemas.subjects import validate_token
 from schemas.tokens import BYTE_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
-from services import anthropic
+from services import anthropic, responses
 from services.chat import (
     OutputCursor,
     check_max_tokens,
@@ -234,7 +234,12 @@ def _openapi(app: FastAPI) -> dict:
         "tool_choice": {"type": "object"}}}
     for path, body, what in (("/v1/completions", completion, "text completion (OpenAI API)"),
                              ("/v1/chat/completions", chat, "chat completion (OpenAI API)"),
-                             ("/v1/messages", messages, "message (Anthropic's Messages API; services/anthropic.py)")):
+                             ("/v1/messages", messages, "message (Anthropic's Messages API; services/anthropic.py)"),
+                             ("/v1/responses", {"type": "object", "required": ["input"], "properties": {
+                                 "model": {"type": "string"}, "input": {}, "instructions": {"type": "string"},
+                                 "max_output_tokens": {"type": "integer"}, "stream": {"type": "boolean"},
+                                 "tools": {"type": "array"}}},
+                              "response (OpenAI's Responses API; services/responses.py)")):
         schema["paths"][path] = {"post": {
             "summary": what, "operationId": path.strip("/").replace("/", "_"),
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -538,7 +543,10 @@ class CompletionsFront:
     into a chat request first and answered in its own shapes: services/anthropic.py).
     """
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+    # The APIs translated onto the chat path: their request translation and answer shape.
+    DIALECTS = {"/v1/messages": (anthropic.to_chat, anthropic.MessagesShape),
+                "/v1/responses": (responses.to_chat, responses.ResponsesShape)}
 
     def __init__(self, service: RouterService, tokenizer: ByteTokenizer | HFTokenizer, app: FastAPI,
                  chat_templates=None) -> None:
@@ -565,7 +573,7 @@ class CompletionsFront:
                 return
             path = scope["path"]
             await self.completions(scope, receive, tracked_send, chat=path != "/v1/completions",
-                                   messages=path == "/v1/messages")
+                                   dialect=self.DIALECTS.get(path))
         except ClientGone:
             return
         except Exception as exc:
@@ -583,7 +591,9 @@ class CompletionsFront:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return req, tokens, req.max_tokens, stop_strings(req.stop), sampling_of(req), None, include_usage, extra
 
-    async def completions(self, scope, receive, send, chat: bool = False, messages: bool = False) -> None:
+    async def completions(self, scope, receive, send, chat: bool = False, dialect: tuple | None = None) -> None:
+        """One completion of any API (`dialect`: (request translation, answer shape) of an API
+        translated onto the chat path; None: OpenAI's own)."""
         service, settings = self.service, self.settings
         request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = traceparent_raw = None
         timeout_raw = None
@@ -601,7 +611,7 @@ class CompletionsFront:
                 tenant_raw = value.decode("latin-1")
             elif name == b"authorization":
                 api_key = value.decode("latin-1")
-            elif name == b"x-api-key" and messages and api_key is None:  # (Anthropic's clients send their key so)
+            elif name == b"x-api-key" and dialect is not None and api_key is None:  # (Anthropic's clients send their key so)
                 api_key = "Bearer " + value.decode("latin-1")
             elif name == b"x-flexlb-priority-class":
                 class_raw = value.decode("latin-1")
@@ -613,8 +623,8 @@ class CompletionsFront:
             # who it is first: a client without a valid key costs no body read, parse or tokenization
             tenant = tenant_of(settings, api_key, tenant_raw, self.key_digests)
             body = await read_body(receive, settings.max_body_bytes, length)
-            if messages:
-                body = anthropic.to_chat(body)
+            if dialect is not None:
+                body = dialect[0](body)
             if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
                 req, tokens, max_tokens, stop, sampling, forward, include_usage, extra = await asyncio.to_thread(
                     self._parse, body, chat)
@@ -651,13 +661,13 @@ class CompletionsFront:
             chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, priority_class_asked=asked,
             traceparent=traceparent, extra_body=extra or None)
         try:
-            await self._serve(request, req.stream, chat, include_usage, receive, send, messages)
+            await self._serve(request, req.stream, chat, include_usage, receive, send, dialect)
         finally:
             if limited:
                 self.limits.release(tenant or DEFAULT_TENANT)
 
     async def _serve(self, request: m.Request, stream: bool, chat: bool, include_usage: bool, receive, send,
-                     messages: bool = False) -> None:
+                     dialect: tuple | None = None) -> None:
         """Submit the parsed request and answer it: refused, or its result (streamed or whole)."""
         request_id = request.request_id
         outcome = await self.service.submit(request)
@@ -670,8 +680,8 @@ class CompletionsFront:
                              error_headers(request_id, outcome.code, outcome.retry_after_ms))
             return
         model = request.model or self.settings.model_name
-        if messages:
-            shape = anthropic.MessagesShape(request_id, model, len(request.prompt_token_ids))
+        if dialect is not None:
+            shape = dialect[1](request_id, model, len(request.prompt_token_ids))
         else:
             shape = (ChatShape if chat else CompletionShape)(request_id, int(time.time()), model, include_usage)
         if stream:
