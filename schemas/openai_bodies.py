@@ -192,12 +192,13 @@ def _kept(obj: dict[str, msgspec.Raw], made: frozenset) -> dict[str, msgspec.Raw
     return {k: v for k, v in obj.items() if k not in made and bytes(v) != _NULL}
 
 
-def chunk_extras(payload: bytes) -> dict[int, str]:
-    """Choice index -> the JSON text of what that choice's part of a streamed chunk (an SSE
+def chunk_extras(payload: bytes) -> dict[int, tuple[str, bool]]:
+    """Choice index -> (the JSON text of what that choice's part of a streamed chunk (an SSE
     event's data) says beyond what FlexLB makes (module section above): {"delta": {...},
-    "choice": {...}, "chunk": {...}}, each key only where it has fields; a choice with none is
-    left out. Values are the server's bytes. Raises msgspec.DecodeError on a chunk that is not a
-    JSON object, ExtraTooLarge past MAX_EXTRA_BYTES."""
+    "choice": {...}, "chunk": {...}}, each key only where it has fields; whether the choice's
+    own part says anything, not only the chunk's). A choice with nothing is left out. Values are
+    the server's bytes. Raises msgspec.DecodeError on a chunk that is not a JSON object,
+    ExtraTooLarge past MAX_EXTRA_BYTES."""
     top = _decode_raw_object(payload)
     chunk_level = _kept(top, MADE_CHUNK_FIELDS)
     raw_choices = top.get("choices")
@@ -216,16 +217,17 @@ def chunk_extras(payload: bytes) -> dict[int, str]:
             kept["finish_reason"] = reason
         if kept:
             extra["choice"] = kept
-        if not extra:
-            continue
+        own = bool(extra)
         if chunk_level:
             extra["chunk"] = chunk_level
+        if not extra:
+            continue
         text = _encode(extra)
         if len(text) > MAX_EXTRA_BYTES:
             raise ExtraTooLarge(f"a stream chunk's fields beyond its text are {len(text)} bytes, over the "
                                 f"{MAX_EXTRA_BYTES}-byte limit")
         index = choice.get("index")
-        out[msgspec.json.decode(index) if index is not None and bytes(index) != _NULL else position] = text.decode()
+        out[msgspec.json.decode(index) if index is not None and bytes(index) != _NULL else position] = (text.decode(), own)
     return out
 
 

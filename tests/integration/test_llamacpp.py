@@ -56,6 +56,15 @@ def test_flexlb_up_engine_llamacpp_serves_the_openai_client_and_keeps_a_conversa
     placed = [httpx.get(url + f"/admin/requests/{r.headers['x-request-id']}", timeout=10).json()["admission"]
               ["prefill_worker_id"] for r in (first, second)]
     assert placed[0] == placed[1], placed
+    # ... and llama.cpp says it found the first turn's prompt in its cache (its usage, relayed).
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    # Fields only an engine server honours reach llama.cpp, and what it answers reaches the client.
+    streamed = list(client.chat.completions.create(
+        model="flexlb-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3, stream=True,
+        logprobs=True, top_logprobs=2))
+    tops = [t.top_logprobs for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert tops and all(len(t) == 2 for t in tops)
+    assert {c.system_fingerprint for c in streamed[1:]} == {streamed[-1].system_fingerprint} != {None}
 
 
 def test_a_gguf_file_of_ones_own_and_arguments_for_its_servers(llama_server, flexlb_up, tmp_path):

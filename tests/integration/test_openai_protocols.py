@@ -121,7 +121,12 @@ def test_chat_chunks_are_read_from_their_deltas_and_a_tool_call_ends_the_turn_no
     relay.on_data(data({"choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [72, 101, 108]}]}))
     relay.on_data(data({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]},
                                      "token_ids": [9], "finish_reason": "tool_calls"}]}))
+    assert sent(agent) == [(0, [72, 101, 108], 3, "Hel", None)]  # (the last chunk waits for the usage after it)
+    relay.on_data(data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4,
+                                                 "prompt_tokens_details": {"cached_tokens": 2}}}))
+    relay.end()
     assert sent(agent) == [(0, [72, 101, 108], 3, "Hel", None), (3, [9], 1, "", "stop")]
+    assert agent.token_batches["flexlb.tok.rt"][-1].num_cached_tokens == 2  # (the client's usage says it)
     assert agent.num_chat_prompt_mismatches == 0  # the server rendered what the router did
 
 

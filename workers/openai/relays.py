@@ -122,8 +122,8 @@ class _Relay:
         self.finish: str | None = None
         self.first_ns = 0
         self.last_s = 0.0
-        # A stream without token ids: its last chunk, held until the stream ends, so that the
-        # server's usage (after it) can give the request's true count (end()).
+        # The last chunk, held until the stream ends, so that the server's usage (after it) can
+        # give the request's cached prompt tokens and, without ids, its true count (end()).
         self.held: m.TokensGenerated | None = None
         self.without_ids = False  # a chunk came without token ids (its tokens were counted)
         self.server_num_output_tokens: int | None = None  # the server's count (usage, meta_info)
@@ -137,7 +137,7 @@ class _Relay:
 
     def _emit(self, ids: list[int], num_tokens: int, text: str, reason: str | None, extra: str = "") -> None:
         """A chunk of `num_tokens` tokens (`ids`, or none when the stream has no ids) to the
-        outbox; a last chunk without ids is held (end())."""
+        outbox; the last chunk is held (end())."""
         agent, rid = self.agent, self.request_id
         if num_tokens:
             now_s = time.monotonic()
@@ -152,24 +152,27 @@ class _Relay:
                                   token_ids=ids, text=text, finish_reason=reason, num_tokens=0 if ids else num_tokens,
                                   extra=extra)
         self.index += num_tokens
-        if reason is not None:
+        if reason is not None:  # the last chunk: held for the server's usage, which comes after it (end())
             self.finish = reason
-            if self.without_ids:
-                self.held = chunk
-                return
+            self.held = chunk
+            return
         agent.queue_tokens(self.meta, chunk)
 
     def end(self) -> None:
-        """The stream is over: its held last chunk goes out, standing for the tokens the server
-        counted that the chunks before it did not (its usage comes after the last chunk)."""
+        """The stream is over: its held last chunk goes out with the prompt tokens the server
+        found cached (its usage, after the last chunk: the client's
+        usage.prompt_tokens_details.cached_tokens) and, where the stream has no ids, standing
+        for the tokens the server counted that the chunks before it did not."""
         chunk, self.held = self.held, None
         if chunk is None:
             return
         counted = self.server_num_output_tokens
-        if counted is not None and counted != self.index:
+        if self.without_ids and counted is not None and counted != self.index:
             n = max(counted - (chunk.start_index - self.offset), 0)
             self.index = chunk.start_index - self.offset + n
             chunk = msgspec.structs.replace(chunk, num_tokens=n)
+        if self.server_num_cached_tokens is not None:
+            chunk = msgspec.structs.replace(chunk, num_cached_tokens=self.server_num_cached_tokens)
         self.agent.queue_tokens(self.meta, chunk)
 
     def num_output_tokens(self) -> int:
@@ -211,7 +214,9 @@ class StreamRelay(_Relay):
             reason = choice.finish_reason
             delta = choice.delta
             text = (delta.content if delta is not None else choice.text) or ""
-            extra = extras.get(position if choice.index is None else choice.index, "") if extras else ""
+            # (own: the choice says something of its own, not only the chunk's fields, which ride
+            # with a chunk that goes anyway)
+            extra, own = extras.get(position if choice.index is None else choice.index, ("", False)) if extras else ("", False)
             if reason is not None:
                 mapped = FINISH_REASONS.get(reason)
                 if mapped is None:
@@ -220,7 +225,7 @@ class StreamRelay(_Relay):
             if ids is not None:
                 if agent.stream_token_ids is not True:
                     agent.stream_token_ids = True
-                if ids or reason is not None or extra:
+                if ids or reason is not None or own:
                     self._emit(ids, len(ids), text, reason, extra)
                 continue
             # No token ids (a server without return_token_ids): count the tokens this chunk
@@ -228,7 +233,7 @@ class StreamRelay(_Relay):
             # per chunk with output (text, reasoning or a tool call).
             has_output = bool(text) or (delta is not None and bool(delta.reasoning_content or delta.reasoning
                                                                     or delta.tool_calls))
-            if not has_output and reason is None and not extra:
+            if not has_output and reason is None and not own:
                 continue  # a role chunk, or nothing new
             if has_output and agent.stream_token_ids is None:
                 agent.stream_token_ids = False

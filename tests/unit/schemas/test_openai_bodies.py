@@ -86,16 +86,20 @@ TOOL_CHUNK = (b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,
 
 
 def test_a_chunks_fields_beyond_its_text_are_taken_with_their_bytes_and_what_flexlb_makes_is_not():
-    extra = json.loads(chunk_extras(TOOL_CHUNK)[0])
+    extra = json.loads(chunk_extras(TOOL_CHUNK)[0][0])
     assert set(extra) == {"delta", "choice", "chunk"}
     assert set(extra["delta"]) == {"reasoning_content", "tool_calls"}  # (not role, not content)
     assert set(extra["choice"]) == {"logprobs"}  # (null stop_reason left out; index, token_ids are FlexLB's)
     assert extra["chunk"] == {"system_fingerprint": "fp_9"}  # (id, created, model are FlexLB's)
-    raw = chunk_extras(TOOL_CHUNK)[0]
+    raw, own = chunk_extras(TOOL_CHUNK)[0]
+    assert own
     assert '"logprob":-0.313261657953262' in raw and '"arguments":"{\\"ci"' in raw  # the server's bytes
     assert chunk_extras(b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}') == {}
     assert chunk_extras(b'{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}]}') == {}
-    ended = json.loads(chunk_extras(b'{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}')[0])
+    # A server's own field alone: it rides with the chunk (which goes for its text), not on its own.
+    assert chunk_extras(b'{"system_fingerprint":"fp","choices":[{"index":0,"delta":{"content":"a"}}]}') == {
+        0: ('{"chunk":{"system_fingerprint":"fp"}}', False)}
+    ended = json.loads(chunk_extras(b'{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}')[0][0])
     assert ended == {"choice": {"finish_reason": "tool_calls"}}  # a finish reason FlexLB does not make itself
     with pytest.raises(ExtraTooLarge):
         chunk_extras(b'{"choices":[{"index":0,"delta":{"reasoning_content":"' + b"x" * MAX_EXTRA_BYTES + b'"}}]}')
@@ -103,7 +107,7 @@ def test_a_chunks_fields_beyond_its_text_are_taken_with_their_bytes_and_what_fle
 
 def test_the_clients_chunk_carries_them_unchanged_and_a_whole_answer_joins_them_as_the_sdks_do():
     shape = ChatShape("r1", 5, "flexlb-sim")
-    out = with_extra(shape.chunk("", None), chunk_extras(TOOL_CHUNK)[0], True)
+    out = with_extra(shape.chunk("", None), chunk_extras(TOOL_CHUNK)[0][0], True)
     assert out.startswith(b"data: ") and out.endswith(b"\n\n")
     body = json.loads(out[6:])
     sent = json.loads(TOOL_CHUNK)
@@ -111,10 +115,10 @@ def test_the_clients_chunk_carries_them_unchanged_and_a_whole_answer_joins_them_
     assert body["choices"][0]["delta"]["tool_calls"] == sent["choices"][0]["delta"]["tool_calls"]
     assert b'"logprob":-0.313261657953262' in out
     j = ExtrasJoiner()
-    j.add(chunk_extras(TOOL_CHUNK)[0])
+    j.add(chunk_extras(TOOL_CHUNK)[0][0])
     j.add(chunk_extras(b'{"choices":[{"index":0,"delta":{"reasoning_content":" more","tool_calls":[{"index":0,'
                        b'"function":{"arguments":"ty\\": \\"Paris\\"}"}}]},"logprobs":{"content":[{"token":"y",'
-                       b'"logprob":-1.0}]},"finish_reason":"tool_calls"}]}')[0])
+                       b'"logprob":-1.0}]},"finish_reason":"tool_calls"}]}')[0][0])
     whole = json.loads(j.into(shape.body("", "stop", usage_of(3, 2, None)), True))
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
