@@ -69,9 +69,10 @@ def test_stream_chunks_become_token_chunks_for_the_routers_batch_in_order():
     relay.on_data(b'{"choices": [{"text": "", "token_ids": [], "finish_reason": null}]}')  # nothing new: skipped
     relay.on_data(b'{"choices": [{"text": "c", "token_ids": [99], "finish_reason": "length"}]}')
     relay.on_data(b'{"choices": [], "usage": {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}}')
+    relay.end()  # (the last chunk waits for the stream's end: the usage after it says what was cached)
     chunks = agent.token_batches["flexlb.tok.rt"]
-    assert [(c.start_index, c.token_ids, c.text, c.finish_reason) for c in chunks] == [
-        (0, [97, 98], "ab", None), (2, [99], "c", "length")]
+    assert [(c.start_index, c.token_ids, c.text, c.finish_reason, c.num_cached_tokens) for c in chunks] == [
+        (0, [97, 98], "ab", None, None), (2, [99], "c", "length", 1)]
     assert (relay.index, relay.finish, relay.num_cached_tokens(), relay.num_output_tokens()) == (3, "length", 1, 3)
     assert agent.stream_token_ids is True
     assert agent.sent_tokens["r1"][1] == chunks  # kept for a resend
