@@ -20,13 +20,17 @@ Fields (schemas/api.py `ChatCompletionRequest`): `max_completion_tokens`, else `
 else `max_output_tokens` (the router's limit: like vLLM, a request without one may run to
 the limit); `stop` (a string or up to 16 strings); `seed`, `temperature` (absent: greedy, as
 on /v1/completions), `top_p`; `stream`, `stream_options.include_usage`; `tools` (to the
-template, and to the server), `tool_choice`, `parallel_tool_calls` (to the server);
+template, and to the server), `tool_choice` (to the server);
 `add_generation_prompt` (default true), `continue_final_message`, `chat_template_kwargs`
-(vLLM's extensions, to the template). Refused 400 `invalid_request`, naming the field: any
-unknown field; `n` > 1; `logprobs` / `top_logprobs`; non-zero penalties; `logit_bias`; a
-`response_format` other than text; `stream_options` without `stream`; a message part that
-is not text (images, audio: FlexLB's engines are text-only); `continue_final_message` with
-`add_generation_prompt`. A template error (its `raise_exception`, a missing variable in a
+(vLLM's extensions, to the template). For the engine only (`ENGINE_ONLY_FIELDS` at another
+value than neutral: logprobs, top_logprobs, penalties, logit_bias, parallel_tool_calls, store,
+metadata; a response_format other than text; any field FlexLB does not know, up to
+MAX_EXTRA_FIELDS): taken out as they came (`ParsedChat.extra_body`, then ForEngine.extra_body),
+so that only an engine server behind `--engine openai` runs the request, and FlexLB's own
+engines refuse it 400 naming them (the scheduler's `engine_fields`). Refused 400
+`invalid_request`, naming the field: `n` > 1; `stream_options` without `stream`; a message
+part that is not text (images, audio: FlexLB's engines are text-only); `continue_final_message`
+with `add_generation_prompt`. A template error (its `raise_exception`, a missing variable in a
 strict template) is 400 with the template's message.
 
 Stop strings, on both endpoints: the output text is cut before the first occurrence of any
