@@ -81,3 +81,53 @@ def test_a_gguf_file_of_ones_own_and_arguments_for_its_servers(llama_server, fle
     r = httpx.post(state["router_url"] + "/v1/completions", json={"model": "my-model", "prompt": "hello", "max_tokens": 3},
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+def test_one_llama_server_killed_under_load_every_request_ends_and_the_other_serves_on(llama_server, flexlb_up):
+    """Issue 36's rules with a server of someone else's: a llama-server streams text without token
+    ids, so a request it was streaming cannot migrate: it fails with a retryable code that
+    says so, never hangs; one not yet started there is retried on the other server; and what
+    comes after the kill is served by the server left."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from tests.integration.stack import run_concurrent_streams, wait_for
+
+    _, state = flexlb_up("--engine", "llamacpp", "--workers", "2")
+    url = state["router_url"]
+    victim = next(s for s in state["servers"] if s["name"] == "llama-server-0")
+    bodies = [{"model": "flexlb-tiny", "prompt": f"request {i}: the quick brown fox jumps over the lazy dog",
+               "max_tokens": 200, "ignore_eos": True} for i in range(24)]
+
+    async def load_then_kill() -> list[dict]:
+        streams = asyncio.ensure_future(run_concurrent_streams(url, bodies))
+        await asyncio.sleep(0.5)  # (some streaming, some queued at each server)
+        os.kill(victim["pid"], signal.SIGKILL)
+        return await asyncio.wait_for(streams, 300)
+
+    started = time.monotonic()
+    results = asyncio.run(load_then_kill())
+    assert time.monotonic() - started < 300  # (every request ended: none hangs on the dead server)
+    whole = [r for r in results if r["finish_reason"] == "length" and not r["errors"]]
+    failed = [r for r in results if r["errors"]]
+    assert len(whole) + len(failed) == len(bodies), results
+    assert whole, "the server left served nothing"
+    parallel = int(victim["argv"][victim["argv"].index("--parallel") + 1])
+    assert len(failed) <= parallel  # (only what the dead server was streaming: its slots)
+    for r in failed:  # a stream cut mid-way: retryable, and it says why it could not go on elsewhere
+        error = r["errors"][0]
+        assert isinstance(error, dict) and error["retryable"], r
+        assert error["code"] == "upstream_error" and "not migrated" in error["message"] and "without token ids" in error["message"]
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    retried = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("flexlb_retries_total"))
+    assert failed or retried > 0, "the kill touched no request: nothing shown"
+    # Afterwards the router knows: the dead server's worker is not ready, and saying why; the other serves.
+    def dead_known() -> bool:
+        workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
+        return any(w["reported_state"] == "not_ready" and victim["url"] in (w["not_ready_reason"] or "") for w in workers)
+
+    wait_for(dead_known, 60, "the router to see the killed llama-server's worker not ready")
+    after = asyncio.run(run_concurrent_streams(url, bodies[:6]))
+    assert all(r["finish_reason"] == "length" and not r["errors"] for r in after), after
