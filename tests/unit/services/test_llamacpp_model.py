@@ -4,6 +4,8 @@ command line."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services import llamacpp as lc
@@ -33,4 +35,20 @@ def test_a_server_listens_on_loopback_with_metrics_slots_and_its_models_name():
     assert argv[:3] == ["/bin/llama-server", "-m", "/m/flexlb-tiny.gguf"]
     assert argv[argv.index("--alias") + 1] == "flexlb-tiny" and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert {"--metrics", "--slots", "--jinja"} <= set(argv) and argv[-2:] == ["--threads", "1"]
+    assert argv[argv.index("--ctx-size") + 1] == str(2 * lc.LLAMACPP_CTX_PER_SLOT)
+
+
+def test_each_server_gets_its_share_of_the_cores_and_the_slots_its_kv_cache_fits_in_memory():
+    model = lc.tiny_model()
+    per_slot = lc.kv_bytes_per_slot(model)
+    assert per_slot == lc.LLAMACPP_CTX_PER_SLOT * 2 * 2 * (64 // 4) * 2 * 2  # (layers, KV heads, head size, K and V, f16)
+    size = os.path.getsize(model)
+    assert lc.machine_shape(model, 4, cores=2, free_bytes=10**12) == (lc.LLAMACPP_PARALLEL, 1)
+    assert lc.machine_shape(model, 2, cores=16, free_bytes=10**12) == (lc.LLAMACPP_PARALLEL, 8)
+    # Free memory for two slots' KV cache per server within the share (after the weights): two.
+    free = 3 * size + int(3 * 2 * per_slot / lc.LLAMACPP_KV_SHARE) + 1
+    assert lc.machine_shape(model, 3, cores=2, free_bytes=free) == (2, 1)
+    assert lc.machine_shape(model, 3, cores=2, free_bytes=1) == (1, 1)  # (never none)
+    argv = lc.server_argv("llama-server", model, 9, parallel=2, threads=1)
+    assert argv[argv.index("--threads") + 1] == "1" and argv[argv.index("--parallel") + 1] == "2"
     assert argv[argv.index("--ctx-size") + 1] == str(2 * lc.LLAMACPP_CTX_PER_SLOT)
