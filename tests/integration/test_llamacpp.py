@@ -99,7 +99,7 @@ def test_one_llama_server_killed_under_load_every_request_ends_and_the_other_ser
     url = state["router_url"]
     victim = next(s for s in state["servers"] if s["name"] == "llama-server-0")
     bodies = [{"model": "flexlb-tiny", "prompt": f"request {i}: the quick brown fox jumps over the lazy dog",
-               "max_tokens": 200, "ignore_eos": True} for i in range(24)]
+               "max_tokens": 1000, "ignore_eos": True} for i in range(24)]
 
     async def load_then_kill() -> list[dict]:
         streams = asyncio.ensure_future(run_concurrent_streams(url, bodies))
