@@ -65,6 +65,18 @@ def test_flexlb_up_engine_llamacpp_serves_the_openai_client_and_keeps_a_conversa
     tops = [t.top_logprobs for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert tops and all(len(t) == 2 for t in tops)
     assert {c.system_fingerprint for c in streamed[1:]} == {streamed[-1].system_fingerprint} != {None}
+    # Anthropic's client and the Responses API, over the same chat path, on llama.cpp.
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=url, api_key="-", max_retries=0, timeout=60)
+    with claude.messages.stream(model="flexlb-tiny", max_tokens=5, system="Be brief.",
+                                messages=[{"role": "user", "content": "hello"}]) as stream:
+        kinds = [e.type for e in stream]
+        message = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
+    response = client.responses.create(model="flexlb-tiny", input="hello", max_output_tokens=5)
+    assert response.status == "incomplete" and response.usage.output_tokens == 5 and response.output[0].type == "message"
 
 
 def test_a_gguf_file_of_ones_own_and_arguments_for_its_servers(llama_server, flexlb_up, tmp_path):
