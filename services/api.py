@@ -529,8 +529,8 @@ def error_headers(request_id: str | None, code: str, retry_after_ms: int = 0) ->
 
 
 class CompletionsFront:
-    """`POST /v1/completions` and `POST /v1/chat/completions` on the raw ASGI path; every
-    other request goes to FastAPI.
+    """`POST /v1/completions`, `/v1/chat/completions`, `/v1/messages` and `/v1/responses` on
+    the raw ASGI path; every other request goes to FastAPI.
 
     The completion path is the router's hot path: FastAPI's and Starlette's request,
     response and middleware objects were a third of its CPU per request (bench/README.md,
@@ -539,8 +539,9 @@ class CompletionsFront:
     (the request's timeout plus 2 s for the worker's timed_out report to arrive first). A
     streaming client that disconnects cancels its request: a watcher on `receive` tells the
     stream, before its response started as after. The endpoints share the path; what differs
-    is the parsing and the shapes (services/chat.py; Anthropic's /v1/messages is translated
-    into a chat request first and answered in its own shapes: services/anthropic.py).
+    is the parsing and the shapes (services/chat.py; Anthropic's /v1/messages and OpenAI's
+    /v1/responses are translated into a chat request first and answered in their own shapes:
+    services/anthropic.py, services/responses.py).
     """
 
     PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
