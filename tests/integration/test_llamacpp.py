@@ -143,3 +143,36 @@ def test_one_llama_server_killed_under_load_every_request_ends_and_the_other_ser
     wait_for(dead_known, 60, "the router to see the killed llama-server's worker not ready")
     after = asyncio.run(run_concurrent_streams(url, bodies[:6]))
     assert all(r["finish_reason"] == "length" and not r["errors"] for r in after), after
+
+
+def test_a_client_that_leaves_stops_the_work_at_llama_server(llama_server, flexlb_up):
+    """Abort on cancel: the client closes its stream; the router cancels the request, the agent
+    closes its upstream stream, and llama.cpp stops decoding it (its /slots say no slot is
+    processing, and its count of tokens predicted is short of the 3,000 asked)."""
+    import time
+
+    from tests.integration.stack import wait_for
+
+    _, state = flexlb_up("--engine", "llamacpp", "--workers", "1")
+    url = state["router_url"]
+    (server,) = [s for s in state["servers"] if s["name"].startswith("llama-server-")]
+    body = {"model": "flexlb-tiny", "prompt": "the quick brown fox", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=body) as resp:
+        rid = resp.headers["x-request-id"]
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip(lines, range(5))]  # a few chunks, then the client goes
+        assert len(got) == 5
+        assert any(s["is_processing"] for s in httpx.get(server["url"] + "/slots", timeout=5).json())
+    left = time.monotonic()
+
+    def idle() -> bool:
+        return not any(s["is_processing"] for s in httpx.get(server["url"] + "/slots", timeout=5).json())
+
+    wait_for(idle, 30, "llama-server to stop decoding the request whose client left")
+    predicted = next(float(line.split()[-1]) for line in httpx.get(server["url"] + "/metrics", timeout=5).text.splitlines()
+                     if line.startswith("llamacpp:tokens_predicted_total"))
+    assert predicted < 3000, predicted  # (stopped, not run to its end: llama.cpp's own count)
+    record = httpx.get(url + f"/admin/requests/{rid}", timeout=10).json()
+    assert time.monotonic() - left < 30
+    assert [e["event"] for e in record["timeline"]][-1] == "request.cancelled", record["timeline"]
