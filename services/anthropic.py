@@ -46,6 +46,7 @@ import msgspec
 from schemas.api import UsageWithDetails
 from schemas.http import HttpError
 from schemas.openai_bodies import ExtrasJoiner
+from services.chat import decode_object
 
 _encode = msgspec.json.Encoder().encode
 # Anthropic fields taken here (the rest go to the engine as they came, chat's pass-through)
@@ -145,14 +146,7 @@ def _tool_choice(choice: Any) -> Any:
 
 def to_chat(raw: bytes) -> bytes:
     """A Messages request body -> the chat completion body the router parses (module docstring)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
-    except RecursionError:
-        raise HttpError("invalid_request", "invalid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise HttpError("invalid_request", "the body must be a JSON object")
+    body = decode_object(raw, "messages and max_tokens")
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise HttpError("invalid_request", "max_tokens: required")

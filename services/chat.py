@@ -128,6 +128,15 @@ def decode_request(body: bytes, decoder: msgspec.json.Decoder, settings, wants: 
     return req
 
 
+_OBJECT_DECODER = msgspec.json.Decoder(dict)
+
+
+def decode_object(body: bytes, wants: str) -> dict:
+    """A body that must be a JSON object, with decode_request's errors (the APIs translated
+    onto the chat path: services/anthropic.py, services/responses.py)."""
+    return decode_request(body, _OBJECT_DECODER, None, wants)
+
+
 def check_options(req, settings) -> None:
     """The FlexLB fields both endpoints share (request_id, priority, timeout_s, SLO targets)."""
     if req.request_id is not None:

@@ -39,6 +39,7 @@ import msgspec
 from schemas.api import UsageWithDetails
 from schemas.http import HttpError
 from schemas.openai_bodies import ExtrasJoiner
+from services.chat import decode_object
 
 _encode = msgspec.json.Encoder().encode
 _FLEXLB = ("request_id", "priority", "priority_class", "slo_ttft_ms", "slo_tpot_ms", "timeout_s", "ignore_eos")
@@ -111,14 +112,7 @@ def _messages(body: dict) -> list[dict]:
 
 def to_chat(raw: bytes) -> bytes:
     """A Responses request body -> the chat completion body the router parses (module docstring)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError("invalid_request", f"invalid JSON: {exc}") from None
-    except RecursionError:
-        raise HttpError("invalid_request", "invalid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise HttpError("invalid_request", "the body must be a JSON object")
+    body = decode_object(raw, "input")
     chat: dict[str, Any] = {"messages": _messages(body)}
     taken = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text"}
     if body.get("max_output_tokens") is not None:

@@ -16,9 +16,8 @@ import json
 import anthropic
 import httpx
 
-from services.infra import free_port
-from tests.integration.stack import expected_text, wait_for
-from tests.integration.test_relay_passthrough import CANNED
+from tests.integration.stack import expected_text
+from tests.integration.test_relay_passthrough import start_canned_server
 
 KEY = "sk-ant-flexlb-test"
 TOOLS = [{"name": "get_weather", "description": "Weather of a city",
@@ -69,20 +68,8 @@ def test_the_anthropic_client_talks_to_flexlbs_own_engine_whole_and_streamed(fle
         pass
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def test_thinking_text_and_a_tool_call_from_an_engine_server_reach_the_anthropic_client(flexlb_up, spawn, tmp_path):
-    canned = tmp_path / "canned.jsonl"
-    canned.write_bytes(b"\n".join(CANNED) + b"\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    spawn("sim-server", "--port", str(port), "--worker-id", "s0", "--canned-chunks", str(canned), name="canned")
-    wait_for(lambda: _healthy(url), 60, f"{url}/health")
+    url = start_canned_server(spawn, tmp_path)
     _, state = flexlb_up("--engine", "openai", "--engine-url", url)
     client = client_of(state["router_url"])
     with client.messages.stream(model="flexlb-sim", max_tokens=32, messages=HISTORY[:1], tools=TOOLS) as stream:

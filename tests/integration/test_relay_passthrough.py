@@ -61,6 +61,17 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def start_canned_server(spawn, tmp_path) -> str:
+    """A `flexlb sim-server --canned-chunks` streaming CANNED, healthy: its URL."""
+    canned = tmp_path / "canned.jsonl"
+    canned.write_bytes(b"\n".join(CANNED) + b"\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    spawn("sim-server", "--port", str(port), "--worker-id", "s0", "--canned-chunks", str(canned), name="canned")
+    wait_for(lambda: _healthy(url), 60, f"{url}/health")
+    return url
+
+
 def _events(raw: bytes) -> list[bytes]:
     return [e[len(b"data: "):] for e in raw.split(b"\n\n") if e.startswith(b"data: ") and e != b"data: [DONE]"]
 
@@ -78,12 +89,7 @@ def _raw(data: bytes) -> dict[str, bytes]:
 
 def test_what_the_server_answers_reaches_the_client_and_what_the_client_asks_reaches_the_server(flexlb_up, spawn,
                                                                                                   tmp_path):
-    canned = tmp_path / "canned.jsonl"
-    canned.write_bytes(b"\n".join(CANNED) + b"\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    spawn("sim-server", "--port", str(port), "--worker-id", "s0", "--canned-chunks", str(canned), name="canned")
-    wait_for(lambda: _healthy(url), 60, f"{url}/health")
+    url = start_canned_server(spawn, tmp_path)
     _, state = flexlb_up("--engine", "openai", "--engine-url", url)
     router = state["router_url"]
 

@@ -17,9 +17,8 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from services.infra import free_port
-from tests.integration.stack import expected_text, wait_for
-from tests.integration.test_relay_passthrough import CANNED
+from tests.integration.stack import expected_text
+from tests.integration.test_relay_passthrough import start_canned_server
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -56,20 +55,8 @@ def test_the_openai_clients_responses_api_on_flexlbs_own_engine(flexlb_up):
     assert "previous_response_id" in str(err.value)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def test_reasoning_text_and_a_function_call_from_an_engine_server_reach_the_responses_client(flexlb_up, spawn, tmp_path):
-    canned = tmp_path / "canned.jsonl"
-    canned.write_bytes(b"\n".join(CANNED) + b"\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    spawn("sim-server", "--port", str(port), "--worker-id", "s0", "--canned-chunks", str(canned), name="canned")
-    wait_for(lambda: _healthy(url), 60, f"{url}/health")
+    url = start_canned_server(spawn, tmp_path)
     _, state = flexlb_up("--engine", "openai", "--engine-url", url)
     client = client_of(state["router_url"])
     whole = client.responses.create(model="flexlb-sim", input="Weather in Paris?", tools=TOOLS)
