@@ -152,6 +152,9 @@ class EngineSignals(msgspec.Struct, frozen=True, kw_only=True):
     liveness: str = "native"  # native | metrics | health | models: which endpoint says the server is up
     token_ids: bool | None = True  # the output stream carries token ids; False: text only; None: not seen yet
     kv_events: bool = True  # exact KV-cache events reach the router (else it learns prefixes from decisions)
+    # The server answers POST /v1/embeddings (the agent asks it once at its start: llama-server
+    # --embeddings, an embedding model behind vLLM or SGLang); FlexLB's own engines do not.
+    embeddings: bool = False
 
 
 class WorkerLivenessChanged(_Event, tag="worker.liveness_changed"):
@@ -475,6 +478,16 @@ class ChatForward(msgspec.Struct, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class EmbedForward(msgspec.Struct, frozen=True, kw_only=True):
+    """An embeddings request (`POST /v1/embeddings`) as its engine server gets it: the client's
+    inputs, each a text or a list of token ids (a single one made a list of one). The rest of
+    the client's fields (`encoding_format`, `dimensions`, `user`, ...) travel in
+    ForEngine.extra_body; the router's own tokenization of the inputs is `prompt_token_ids`
+    (what it sizes, routes and admits on)."""
+
+    input: list[str | list[int]]  # (all texts or all token lists: the API checks)
+
+
 class ForEngine(msgspec.Struct, frozen=True, kw_only=True):
     """What of a client's request travels to the engine that runs it. A Request has it, and so
     does each BatchRequest of a dispatch, which copies it whole (engine_part): a field added
@@ -502,6 +515,9 @@ class ForEngine(msgspec.Struct, frozen=True, kw_only=True):
     # its server's body (never over a field it sets itself); the router routes such a request
     # only to workers whose engine takes OpenAI bodies (AdmitRequest.engine_fields). None: none.
     extra_body: dict[str, Any] | None = None
+    # An embeddings request (EmbedForward): the engine returns vectors, not tokens; only workers
+    # whose server answers /v1/embeddings run it (EngineSignals.embeddings). None: a generation.
+    embed: EmbedForward | None = None
 
 
 ENGINE_FIELDS = ForEngine.__struct_fields__

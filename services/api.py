@@ -78,6 +78,7 @@ from services.chat import (
 from services.core.admission import DEFAULT_TENANT
 from services.core.fairness import CLASS_BANDS, CLASSES, class_of_priority
 from services.core.scheduler import Rejected
+from services.embeddings import EmbeddingsAnswer, parse_embeddings
 from services.limits import Refusal, TenantLimits, parse_limits
 from services.settings import DEFAULT_GRANT
 from services.shell.router import RequestHandle, RouterService
@@ -210,7 +211,7 @@ def admin_only(app):
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema of its own routes plus the two completions endpoints, which are served
+    """FastAPI's schema of its own routes plus the generation and embeddings endpoints, which are served
     on the raw ASGI path (CompletionsFront) and so unknown to FastAPI: their bodies' schemas
     come from the msgspec structs that parse them (schemas/api.py), the errors from
     schemas/errors.py. What /docs shows and an API fuzzer reads."""
@@ -219,8 +220,10 @@ def _openapi(app: FastAPI) -> dict:
     from schemas.api import ChatCompletionRequest
 
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    (completion, chat), defs = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest],
-                                                              ref_template="#/components/schemas/{name}")
+    from services.embeddings import EmbeddingRequest
+
+    (completion, chat, embeddings), defs = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, EmbeddingRequest], ref_template="#/components/schemas/{name}")
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs)
     statuses = sorted({c.http_status for c in ERROR_CODES.values()})
     error = {"description": "refused or failed: {\"error\": {\"code\", \"message\", \"retryable\"}} "
@@ -239,7 +242,8 @@ def _openapi(app: FastAPI) -> dict:
                                  "model": {"type": "string"}, "input": {}, "instructions": {"type": "string"},
                                  "max_output_tokens": {"type": "integer"}, "stream": {"type": "boolean"},
                                  "tools": {"type": "array"}}},
-                              "response (OpenAI's Responses API; services/responses.py)")):
+                              "response (OpenAI's Responses API; services/responses.py)"),
+                             ("/v1/embeddings", embeddings, "embeddings (OpenAI API; services/embeddings.py)")):
         schema["paths"][path] = {"post": {
             "summary": what, "operationId": path.strip("/").replace("/", "_"),
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -544,7 +548,7 @@ class CompletionsFront:
     services/anthropic.py, services/responses.py).
     """
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
     # The APIs translated onto the chat path: their request translation and answer shape.
     DIALECTS = {"/v1/messages": (anthropic.to_chat, anthropic.MessagesShape),
                 "/v1/responses": (responses.to_chat, responses.ResponsesShape)}
@@ -573,8 +577,9 @@ class CompletionsFront:
                 await send_error(tracked_send, "invalid_request", "Method Not Allowed")
                 return
             path = scope["path"]
-            await self.completions(scope, receive, tracked_send, chat=path != "/v1/completions",
-                                   dialect=self.DIALECTS.get(path))
+            embed = path == "/v1/embeddings"
+            await self.completions(scope, receive, tracked_send, chat=path != "/v1/completions" and not embed,
+                                   dialect=self.DIALECTS.get(path), embed=embed)
         except ClientGone:
             return
         except Exception as exc:
@@ -582,9 +587,12 @@ class CompletionsFront:
             if not started:
                 await send_error(send, "internal", f"internal error: {exc.__class__.__name__}")
 
-    def _parse(self, body: bytes, chat: bool):
-        """-> (request, prompt ids, max_tokens, stop strings, sampling, ChatForward or None,
-        include_usage, fields for the engine only)."""
+    def _parse(self, body: bytes, chat: bool, embed: bool = False):
+        """-> (request, prompt ids, max_tokens, stop strings, sampling, ChatForward or
+        EmbedForward or None, include_usage, fields for the engine only)."""
+        if embed:  # (one output token: services/embeddings.py)
+            req, tokens, forward, extra = parse_embeddings(body, self.settings, self.tokenizer)
+            return req, tokens, 1, [], None, forward, False, extra
         if chat:
             p = parse_chat(body, self.settings, self.tokenizer, self.chat_templates)
             return p.req, p.tokens, p.max_tokens, p.stop, p.sampling, p.chat, p.include_usage, p.extra_body
@@ -592,9 +600,10 @@ class CompletionsFront:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return req, tokens, req.max_tokens, stop_strings(req.stop), sampling_of(req), None, include_usage, extra
 
-    async def completions(self, scope, receive, send, chat: bool = False, dialect: tuple | None = None) -> None:
+    async def completions(self, scope, receive, send, chat: bool = False, dialect: tuple | None = None,
+                          embed: bool = False) -> None:
         """One completion of any API (`dialect`: (request translation, answer shape) of an API
-        translated onto the chat path; None: OpenAI's own)."""
+        translated onto the chat path; None: OpenAI's own), or an embeddings request (`embed`)."""
         service, settings = self.service, self.settings
         request_id = length = slo_ttft_raw = slo_tpot_raw = tenant_raw = api_key = class_raw = traceparent_raw = None
         timeout_raw = None
@@ -626,9 +635,9 @@ class CompletionsFront:
             body = await read_body(receive, settings.max_body_bytes, length)
             if dialect is not None:
                 body = dialect[0](body)
-            if self.tokenizer.is_costly or chat:  # an HF tokenizer or a template render: off the event loop
+            if self.tokenizer.is_costly or chat or embed:  # an HF tokenizer, a template, many inputs: off the event loop
                 req, tokens, max_tokens, stop, sampling, forward, include_usage, extra = await asyncio.to_thread(
-                    self._parse, body, chat)
+                    self._parse, body, chat, embed)
             else:
                 req, tokens, max_tokens, stop, sampling, forward, include_usage, extra = self._parse(body, chat)
             request_id = req.request_id or request_id
@@ -659,8 +668,8 @@ class CompletionsFront:
         request = m.Request(
             request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=priority,
             slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=timeout_s, sampling=sampling, stop=stop,
-            chat=forward, model=req.model or "", tenant=tenant, priority_class=priority_class, priority_class_asked=asked,
-            traceparent=traceparent, extra_body=extra or None)
+            chat=None if embed else forward, embed=forward if embed else None, model=req.model or "", tenant=tenant,
+            priority_class=priority_class, priority_class_asked=asked, traceparent=traceparent, extra_body=extra or None)
         try:
             await self._serve(request, req.stream, chat, include_usage, receive, send, dialect)
         finally:
@@ -681,6 +690,9 @@ class CompletionsFront:
                              error_headers(request_id, outcome.code, outcome.retry_after_ms))
             return
         model = request.model or self.settings.model_name
+        if request.embed is not None:
+            await self.collect_embeddings(outcome, send, EmbeddingsAnswer(model, len(request.prompt_token_ids)))
+            return
         if dialect is not None:
             shape = dialect[1](request_id, model, len(request.prompt_token_ids))
         else:
@@ -800,6 +812,24 @@ class CompletionsFront:
             if not finished and not handle.done:
                 # The client went away (or the send failed): stop the work.
                 await service.cancel(handle, "client disconnected")
+
+    async def collect_embeddings(self, handle: RequestHandle, send, answer: EmbeddingsAnswer) -> None:
+        """An embeddings request's answer: the server's data items (one per chunk) joined
+        (services/embeddings.py), or its failure's status."""
+        try:
+            async with asyncio.timeout_at(self._deadline(handle)):
+                while isinstance(item := await handle.queue.get(), m.TokensGenerated):
+                    if item.extra:
+                        answer.add(item.extra)
+        except TimeoutError:
+            await self.service.cancel(handle, "router request timeout")
+            await send_error(send, "timed_out", f"no terminal outcome within {handle.timeout_s}s", _id_header(handle.request_id))
+            return
+        if item.outcome != "finished":
+            code = item.code or "worker_failed"
+            await send_error(send, code, item.message, error_headers(handle.request_id, code))
+            return
+        await send_bytes(send, 200, answer.body(), JSON_TYPE, _id_header(handle.request_id))
 
     async def collect(self, handle: RequestHandle, send, shape) -> None:
         service = self.service

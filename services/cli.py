@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--canned-chunks", metavar="FILE",
                      help="a scripted server (relay tests): every streamed generation is answered with FILE's "
                           "lines, one SSE event's data each, byte for byte; the bodies received at GET /_sim/requests")
+    sim.add_argument("--embedding-dim", type=int, default=0, metavar="N",
+                     help="serve POST /v1/embeddings with vectors of N floats drawn from each input's tokens "
+                          "(0, the default: not served, 404)")
     sim.add_argument("--fail-generations", action="store_true",
                      help="fault injection: answer every generation 500 at once while /health and /metrics stay "
                           "fine (a bad GPU, a wedged engine); counted in flexlb_sim_failed_generations_total")
@@ -606,6 +609,8 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
     from workers.sim_server.http import serve
 
     tokenizer = load_tokenizer(args.tokenizer)  # a bad file: ValueError, exit 2 (main)
+    if not 0 <= args.embedding_dim <= 65536:
+        raise ValueError(f"--embedding-dim must be in 0..65536, got {args.embedding_dim}")
     canned = None
     if args.canned_chunks:  # one event's data per non-empty line, kept as written (a bad line: exit 2)
         with open(args.canned_chunks, "rb") as f:
@@ -622,7 +627,8 @@ def run_sim_server(args: argparse.Namespace, cfg) -> int:
         chat_templates = ChatTemplates.builtin()
     serve(cfg, host=args.host, port=args.port, model_name=args.model_name, log_level=args.log_level, tokenizer=tokenizer,
           bare_openai=args.bare_openai, incremental_streaming_output=args.incremental_streaming_output,
-          chat_templates=chat_templates, fail_generations=args.fail_generations, canned_chunks=canned)
+          chat_templates=chat_templates, fail_generations=args.fail_generations, canned_chunks=canned,
+          embedding_dim=args.embedding_dim)
     return 0
 
 

@@ -122,6 +122,8 @@ def _request_out(req: AdmitRequest) -> dict[str, Any]:
         out["excluded_workers"] = list(req.excluded_workers)
     if req.engine_fields:
         out["engine_fields"] = list(req.engine_fields)
+    if req.embeddings:
+        out["embeddings"] = True
     return out
 
 
@@ -131,7 +133,7 @@ def request_from_builtins(d: dict[str, Any]) -> AdmitRequest:
                         slo_tpot_ms=d["slo_tpot_ms"], model=d.get("model", ""),  # (no model: recorded before pools)
                         tenant=d.get("tenant", ""), priority_class=d.get("priority_class", ""),
                         best_effort=d.get("best_effort", False), excluded_workers=tuple(d.get("excluded_workers", ())),
-                        engine_fields=tuple(d.get("engine_fields", ())))
+                        engine_fields=tuple(d.get("engine_fields", ())), embeddings=d.get("embeddings", False))
 
 
 # ------------------------------------------------------------------ the operations

@@ -34,6 +34,7 @@ class QueuedRequest:
     block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (a move scores other workers' hits)
     model: str = ""  # the pool it was routed in (the resolved model name)
     openai_only: bool = False  # only workers whose engine takes OpenAI bodies (AdmitRequest.engine_fields)
+    embeddings: bool = False  # only workers whose engine serves embeddings (AdmitRequest.embeddings)
 
 
 @dataclass(slots=True)
@@ -64,6 +65,9 @@ class AdmitRequest:
     # Fields of its body only an engine server taking OpenAI bodies honours (ForEngine.extra_body:
     # logprobs, response_format, ...): only workers whose engine protocol is "openai" serve it.
     engine_fields: tuple[str, ...] = ()
+    # An embeddings request (ForEngine.embed): only workers whose engine server answers
+    # /v1/embeddings (EngineSignals.embeddings) serve it.
+    embeddings: bool = False
 
 
 class RouteDecision:

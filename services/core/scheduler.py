@@ -700,6 +700,14 @@ class Scheduler:
             if not colocated and not (prefill_workers and decode_workers):
                 return Rejected("no_worker", "every worker that could serve it has its circuit breaker open"
                                 + (f" or failed it before (tried {len(req.excluded_workers)})" if req.excluded_workers else ""))
+        if req.embeddings:  # only engine servers that answer /v1/embeddings
+            colocated, prefill_workers, decode_workers = (
+                [w for w in ws if w.signals is not None and w.signals.embeddings]
+                for ws in (colocated, prefill_workers, decode_workers))
+            if not colocated and not (prefill_workers and decode_workers):
+                return Rejected("invalid_request", f"model {model!r}: no live worker serves embeddings (an engine "
+                                                   "server that answers /v1/embeddings: llama-server --embeddings, an "
+                                                   "embedding model behind --engine openai)")
         if req.engine_fields:  # fields only an engine server taking OpenAI bodies honours
             colocated, prefill_workers, decode_workers = (
                 [w for w in ws if w.signals is not None and w.signals.protocol == "openai"]
@@ -794,6 +802,7 @@ class Scheduler:
             prefill_worker_id=p.pick.worker_id,
             decode_worker_id=decode_worker_id, payload=req.payload, lora_adapter=adapter,
             block_hashes=req.block_hashes, model=model, openai_only=bool(req.engine_fields),
+            embeddings=req.embeddings,
         )
         if adapter:  # the worker loads it (or uses it): the router's guess until its next report
             w = self.view.workers[p.pick.worker_id]
@@ -946,6 +955,7 @@ class Scheduler:
             others = [w for w in self.view.routable(item.model).colocated
                       if w.worker_id != src and not 0 < w.max_seq_len_tokens < total
                       and not (item.openai_only and (w.signals is None or w.signals.protocol != "openai"))
+                      and not (item.embeddings and (w.signals is None or not w.signals.embeddings))
                       and not 0 < w.max_batch_tokens < item.num_prompt_tokens and self.breakers.is_closed(w.worker_id)]
             req = AdmitRequest(request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
                                max_tokens=item.max_tokens, block_hashes=item.block_hashes)

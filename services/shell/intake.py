@@ -84,6 +84,7 @@ class Intake:
             priority=request.priority, slo_ttft_ms=request.slo_ttft_ms, slo_tpot_ms=request.slo_tpot_ms, payload=handle,
             model=request.model, tenant=request.tenant, priority_class=request.priority_class,
             engine_fields=tuple(sorted(request.extra_body)) if request.extra_body else (),
+            embeddings=request.embed is not None,
         ))
         try:
             decision = (self.s.scheduler.offer(handle.admit, now) if self.s.settings.fair_queue

@@ -176,3 +176,28 @@ def test_a_client_that_leaves_stops_the_work_at_llama_server(llama_server, flexl
     record = httpx.get(url + f"/admin/requests/{rid}", timeout=10).json()
     assert time.monotonic() - left < 30
     assert [e["event"] for e in record["timeline"]][-1] == "request.cancelled", record["timeline"]
+
+
+def test_embeddings_from_llama_server_have_the_models_dimension(llama_server, flexlb_up):
+    """POST /v1/embeddings through FlexLB to llama-servers started with `--embeddings` (and a
+    pooling OpenAI's API takes): the agent finds that its server serves them (/admin/workers),
+    the official client's vectors have the model's embedding width (the gguf's
+    `llama.embedding_length`), one per input, and generation still runs on the same servers."""
+    from openai import OpenAI
+
+    _, state = flexlb_up("--engine", "llamacpp", "--workers", "1", "--llama-server-arg=--embeddings",
+                         "--llama-server-arg=--pooling", "--llama-server-arg=mean")
+    router = state["router_url"]
+    workers = httpx.get(router + "/admin/workers", timeout=10).json()["workers"]
+    assert [w["signals"]["embeddings"] for w in workers] == [True]
+    import gguf
+
+    width = gguf.GGUFReader(lc.tiny_model()).fields["llama.embedding_length"].contents()
+    client = OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+    got = client.embeddings.create(model="flexlb-tiny", input=["the first text", "a second, longer text to embed"])
+    assert [len(d.embedding) for d in got.data] == [width, width] and [d.index for d in got.data] == [0, 1]
+    assert got.usage.prompt_tokens > 0
+    raw = httpx.post(router + "/v1/embeddings", json={"model": "flexlb-tiny", "input": "hello"}, timeout=60)
+    assert raw.status_code == 200 and len(raw.json()["data"][0]["embedding"]) == width, raw.text
+    out = client.chat.completions.create(model="flexlb-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert out.usage.completion_tokens == 4

@@ -128,6 +128,13 @@ and token ids (a delta's tool_calls and reasoning, a choice's logprobs, a finish
 that chunk's tokens (`TokensGenerated.extra`, the server's bytes) to the router, which puts it
 into the client's chunk unchanged. SGLang's /generate has no such fields.
 
+Embeddings. When its server comes up the agent asks it once whether it answers `POST
+/v1/embeddings` (one input: a 200 with a data list) and reports it (EngineSignals.embeddings):
+the router sends embeddings requests (ForEngine.embed) only to such workers. One is a plain
+POST of the client's inputs and fields (`model` the server's), not a stream; its data items go
+to the router one per chunk, byte for byte, and its usage last (relays.py `EmbeddingsRelay`).
+A whole answer (these, /metrics, /v1/models) over 64 MiB fails upstream_error.
+
 Not done: PD through the server's KV connector (vLLM `kv_transfer_params`, SGLang
 bootstrap); n > 1 (the router refuses it); text prompts are tokenized at the router
 (`--tokenizer`).
@@ -155,7 +162,7 @@ from schemas.errors import error_code
 from schemas.subjects import kv_events_subject
 from schemas.tokens import block_hashes
 from workers.agent import ReqMeta, WorkerAgent  # noqa: F401  (ReqMeta: where tests take it)
-from workers.openai.relays import FINISH_REASONS, OpenBatch, SGLangRelay, StreamRelay  # noqa: F401  (FINISH_REASONS: where tests take it)
+from workers.openai.relays import FINISH_REASONS, EmbeddingsRelay, OpenBatch, SGLangRelay, StreamRelay  # noqa: F401  (FINISH_REASONS: where tests take it)
 from workers.openai.status import (  # noqa: F401  (STATUS_METRICS, parse_prometheus: this module's API)
     STATUS_METRICS,
     MaxNumSeqsLearner,
@@ -224,6 +231,8 @@ class OpenAIAgent(WorkerAgent):
         # Requests let go of whose terminal event is being published: still reported as held
         # until it is out, or the router's calibration settles them as lost meanwhile.
         self.ending: set[str] = set()
+        # The server answers POST /v1/embeddings (asked each time it comes up: _probe_embeddings).
+        self.serves_embeddings = False
 
     def build_engine(self):
         return None  # the server is the engine
@@ -344,18 +353,33 @@ class OpenAIAgent(WorkerAgent):
                 self.server_not_ready_reason = reason
             return
         if not self.server_ok:
-            log.info("engine server %s answers (liveness: %s, metrics: %s): ready", self.base_url, self.liveness,
-                     self.server.flavour or "none")
+            await self._probe_embeddings()
+            log.info("engine server %s answers (liveness: %s, metrics: %s, embeddings: %s): ready", self.base_url,
+                     self.liveness, self.server.flavour or "none", "yes" if self.serves_embeddings else "no")
         self.server_ok = True
         self.server_not_ready_reason = ""
         self.num_failed_polls = 0
         self.learned_max_num_seqs = self.max_num_seqs_learner.observe(self.server)
         self.wake.set()
 
+    async def _probe_embeddings(self) -> None:
+        """Whether the server answers POST /v1/embeddings (EngineSignals.embeddings): one input,
+        a 200 with a data list. Another status (llama-server without --embeddings: 501; a
+        generative model behind vLLM: 400 or 404) or no answer: it does not."""
+        body = _encode_json({"model": self.cfg.engine_model, "input": "flexlb embeddings probe"})
+        try:
+            status, raw = await self.upstream.post("/v1/embeddings", body, METRICS_TIMEOUT_S)
+            data = _decode_json(raw).get("data") if status == 200 else None
+        except (UpstreamFailure, msgspec.DecodeError, AttributeError) as exc:
+            status, data = f"no answer ({exc})", None
+        self.serves_embeddings = isinstance(data, list) and bool(data)
+        if not self.serves_embeddings:
+            log.debug("engine server %s: POST /v1/embeddings answered %s: no embeddings", self.base_url, status)
+
     def signals(self) -> m.EngineSignals:
         return m.EngineSignals(protocol=self.protocol, metrics=self.server.flavour or "none",
                                liveness=self.liveness or "metrics", token_ids=self.stream_token_ids,
-                               kv_events=bool(self.cfg.kv_events_endpoint))
+                               kv_events=bool(self.cfg.kv_events_endpoint), embeddings=self.serves_embeddings)
 
     async def _status_loop(self) -> None:
         interval = self.cfg.heartbeat_interval_ms / 1000
@@ -594,11 +618,17 @@ class OpenAIAgent(WorkerAgent):
         if meta is None:  # ended by the router between its release and now
             self.streams.pop(rid, None)
             return
-        relay = (SGLangRelay if self.protocol == "sglang" else StreamRelay)(self, batch, r, meta)
-        path, body = self._request(r)
-        try:
-            await self.upstream.stream(path, _encode_json(body), rid, relay.on_data, self.cfg.upstream_stall_timeout_s,
+        if r.embed is not None:  # not a stream: one POST, its vectors as chunks (relays.py)
+            relay = EmbeddingsRelay(self, batch, r, meta)
+            body = self._with_extra_body(r, {"model": r.lora_adapter or self.cfg.engine_model, "input": r.embed.input})
+            run = relay.fetch(self.upstream, _encode_json(body), self.cfg.upstream_stall_timeout_s)
+        else:
+            relay = (SGLangRelay if self.protocol == "sglang" else StreamRelay)(self, batch, r, meta)
+            path, body = self._request(r)
+            run = self.upstream.stream(path, _encode_json(body), rid, relay.on_data, self.cfg.upstream_stall_timeout_s,
                                        r.traceparent, r.output_offset)
+        try:
+            await run
             if relay.finish is None:
                 raise UpstreamFailure("upstream_error",
                                       f"the stream ended after {relay.index} tokens without a finish reason")

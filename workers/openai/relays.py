@@ -3,6 +3,7 @@ engine server's stream into token chunks in the agent's outbox (workers/openai/a
 module docstring "Execution" and "Streams without token ids"). `StreamRelay` reads OpenAI's
 /v1/completions and /v1/chat/completions chunks, `SGLangRelay` SGLang's /generate; both
 read through lean reader Structs (only the fields the agent uses; the rest is ignored).
+`EmbeddingsRelay` turns a /v1/embeddings answer (not a stream) into chunks the same way.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Protocol
 import msgspec
 
 from schemas import messages as m
-from schemas.openai_bodies import ExtraTooLarge, chunk_extras
+from schemas.openai_bodies import MAX_EXTRA_BYTES, ExtraTooLarge, chunk_extras
 from workers.agent import ReqMeta
 from workers.config import WorkerConfig
 from workers.openai.upstream import UpstreamFailure
+from workers.openai.upstream import refusal_of as _refusal
 
 
 @dataclass
@@ -308,3 +310,43 @@ class SGLangRelay(_Relay):
             new_text = text
         if new_ids or reason is not None:
             self._emit(new_ids, len(new_ids), new_text, reason)
+
+
+_decode_answer = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_items = msgspec.json.Decoder(list[msgspec.Raw]).decode
+
+
+class EmbeddingsRelay(_Relay):
+    """An embeddings request (ForEngine.embed): one POST /v1/embeddings, not a stream. Its
+    answer's `data` items go to the router one per chunk, each chunk's `extra` the JSON text
+    {"data": <the item's bytes>}, then a last chunk (finish_reason "stop") with {"usage":
+    <the server's usage>}; no tokens (services/embeddings.py joins them). The answer is the
+    request's first token as the batch's prefill measure sees it."""
+
+    __slots__ = ()
+
+    async def fetch(self, upstream, body: bytes, timeout_s: float) -> None:
+        status, raw = await upstream.post("/v1/embeddings", body, timeout_s)
+        self._check_owner()
+        if status != 200:
+            raise _refusal(status, raw)
+        try:
+            answer = _decode_answer(raw)
+            items = _decode_items(answer["data"]) if "data" in answer else None
+        except msgspec.DecodeError:
+            items = None
+        if items is None:
+            raise UpstreamFailure("upstream_error", f"an embeddings answer without a data list: {bytes(raw[:200])!r}")
+        agent = self.agent
+        self.first_ns = time.time_ns()
+        agent.first_token_ns[self.request_id] = self.first_ns
+        agent.first_or_end(self.batch, self.request_id, (time.monotonic_ns() - self.batch.released_ns) / 1e6)
+        for item in items:
+            extra = b'{"data":' + bytes(item) + b"}"
+            if len(extra) > MAX_EXTRA_BYTES:
+                raise UpstreamFailure("upstream_error", f"an embedding of {len(extra)} bytes exceeds the "
+                                                        f"{MAX_EXTRA_BYTES}-byte limit of a chunk: ask for base64")
+            self._emit([], 0, "", None, extra.decode())
+        usage = answer.get("usage")
+        known = usage is not None and bytes(usage) != b"null"
+        self._emit([], 0, "", "stop", ('{"usage":' + bytes(usage).decode() + "}") if known else "")

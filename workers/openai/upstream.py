@@ -54,6 +54,7 @@ CONNECT_TIMEOUT_S = 5.0
 IDLE_MAX_S = 2.0  # a pooled connection idle longer than this is closed, not reused
 DONE_GRACE_S = 1.0  # after [DONE], how long the end of the body is waited for (to reuse the connection)
 ERROR_BODY_MAX_BYTES = 65536  # of a non-200 answer, kept for its message
+BODY_MAX_BYTES = 64 << 20  # of a whole (not streamed) answer: /metrics, /v1/models, /v1/embeddings; beyond, upstream_error
 
 _decode_json = msgspec.json.Decoder().decode
 
@@ -178,6 +179,9 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         ex = self.exchange
         if ex.on_data is None:
+            if len(ex.body) + len(body) > BODY_MAX_BYTES:
+                self.fail(UpstreamFailure("upstream_error", f"the engine server's answer exceeds {BODY_MAX_BYTES >> 20} MiB"))
+                return
             ex.body += body
             return
         if ex.status != 200:

@@ -129,6 +129,12 @@ metrics nor token ids (TGI, llama.cpp, vLLM < 0.10.2): `GET /metrics` is 404 (it
 stay at `/_sim/metrics`, for tests), and `return_token_ids` is ignored (no `token_ids` in
 choices, no `prompt_token_ids`). Everything else is served as usual (/health, /v1/models,
 usage with include_usage).
+`--embedding-dim N`: `POST /v1/embeddings` (OpenAI's: `input` a text, token ids, or a list of
+either; `encoding_format` float or base64; `dimensions` up to N) answers each input with N
+floats drawn from its token ids (`sim_embedding`: the same text, the same vector), at once,
+with the engine running nothing; `usage.prompt_tokens` the inputs' tokens. Without it (0, the
+default) the path is 404, as on a server that serves no embeddings. The bodies it was sent are
+at `GET /_sim/requests` too.
 `--canned-chunks FILE`: a scripted server, for relay tests. FILE has one SSE event's data per
 line (a chunk's JSON, as a real server would write it, kept byte for byte); every streamed
 /v1/chat/completions and /v1/completions request is answered with those events, then
@@ -150,9 +156,14 @@ Imports: `schemas` and `workers` only (never `services`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
+import hashlib
 import itertools
 import logging
+import math
+import random
+import struct
 from typing import Any, Awaitable, Callable
 
 from schemas.chat_template import ChatTemplates
@@ -180,6 +191,16 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a larger request body is refused (413)
 HEALTH_PROMPT = "health"  # 6 tokens: under a block (16 by default), so never in the prefix cache
 
+def sim_embedding(token_ids: list[int], dim: int) -> list[float]:
+    """A text's simulated embedding: `dim` floats drawn from its token ids (the same ids give
+    the same vector), L2-normalized, rounded to 6 digits (so its JSON is short and exact)."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(token_ids)}q", *token_ids), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "little"))
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [round(x / norm, 6) for x in vector]
+
+
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 _CLIENT_GONE = Delta([])  # put on a stream by the disconnect watcher
 _ABORTED = Delta([])  # put on a stream by POST /abort_request
@@ -190,8 +211,10 @@ class SimHttpApp:
 
     def __init__(self, front: SimFront, bare_openai: bool = False, incremental_streaming_output: bool = False,
                  chat_templates: ChatTemplates | None = None, fail_generations: bool = False,
-                 canned_chunks: list[bytes] | None = None) -> None:
+                 canned_chunks: list[bytes] | None = None, embedding_dim: int = 0) -> None:
         self.front = front
+        # --embedding-dim: POST /v1/embeddings answers vectors of this many floats (0: not served)
+        self.embedding_dim = embedding_dim
         # --canned-chunks: every streamed generation answered with these events (module docstring)
         self.canned_chunks = canned_chunks
         self.received: collections.deque[dict] = collections.deque(maxlen=16)
@@ -212,6 +235,7 @@ class SimHttpApp:
             ("POST", "/generate"): self.generate,
             ("POST", "/abort_request"): self.abort_request,
             ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/v1/embeddings"): self.embeddings,
             ("POST", "/v1/completions/render"): self.render,
             ("GET", "/health"): self.health,
             ("GET", "/health_generate"): self.health_generate,
@@ -524,6 +548,32 @@ class SimHttpApp:
         await send_json(send, 200, {"count": len(tokens), "max_model_len": self.front.cfg.max_seq_len_tokens,
                                     "tokens": tokens, "token_strs": None})
 
+    async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """--embedding-dim N: each input's vector, N floats from its token ids (module docstring)."""
+        if not self.embedding_dim:
+            raise HttpError("not_found", "this sim-server serves no embeddings (start it with --embedding-dim N)")
+        body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        self.received.append(body)
+        raw = body.get("input")
+        inputs = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)) else raw
+        if not isinstance(inputs, list) or not inputs:
+            raise HttpError("invalid_request", "input must be a text, token ids or a non-empty list of either")
+        dim = body.get("dimensions", self.embedding_dim)
+        if type(dim) is not int or not 1 <= dim <= self.embedding_dim:
+            raise HttpError("invalid_request", f"dimensions must be in 1..{self.embedding_dim}, got {dim!r}")
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise HttpError("invalid_request", f"encoding_format must be float or base64, got {encoding!r}")
+        data, count = [], 0
+        for i, one in enumerate(inputs):
+            tokens = await prompt_of(self.front.tokenizer, one, f"input[{i}]", body)
+            count += len(tokens)
+            vector = sim_embedding(tokens, dim)
+            data.append({"object": "embedding", "index": i, "embedding": vector if encoding == "float" else
+                         base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode()})
+        await send_json(send, 200, {"object": "list", "data": data, "model": self.front.model_name,
+                                    "usage": {"prompt_tokens": count, "total_tokens": count}})
+
     async def render(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
         if "prompt" not in body:
@@ -566,13 +616,13 @@ class SimHttpApp:
 def serve(cfg: WorkerConfig, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME, log_level: str = "info",
           tokenizer: ByteTokenizer | HFTokenizer = BYTE_TOKENIZER, bare_openai: bool = False,
           incremental_streaming_output: bool = False, chat_templates: ChatTemplates | None = None,
-          fail_generations: bool = False, canned_chunks: list[bytes] | None = None) -> None:
+          fail_generations: bool = False, canned_chunks: list[bytes] | None = None, embedding_dim: int = 0) -> None:
     """Run the front until SIGINT / SIGTERM (uvicorn's handlers); open requests then fail."""
     import uvicorn
 
     app = SimHttpApp(SimFront(cfg, model_name, tokenizer), bare_openai=bare_openai,
                      incremental_streaming_output=incremental_streaming_output, chat_templates=chat_templates,
-                     fail_generations=fail_generations, canned_chunks=canned_chunks)
+                     fail_generations=fail_generations, canned_chunks=canned_chunks, embedding_dim=embedding_dim)
     uvicorn_level = {"warn": "warning"}.get(log_level.lower(), log_level.lower())
     # Keep-alive stays uvicorn's 5 s, as in the vLLM and SGLang servers the routers expect.
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, lifespan="on",

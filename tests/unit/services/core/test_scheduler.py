@@ -477,3 +477,24 @@ def test_fields_only_an_openai_engine_honours_route_to_such_workers_or_are_refus
     picks = {mixed.admit(req(f"r{i}", engine_fields=("logprobs",)), 0).request.prefill_worker_id for i in range(6)}
     assert picks == {"w1"}
     assert {mixed.admit(req(f"p{i}"), 0).request.prefill_worker_id for i in range(6)} == {"w0", "w1", "w2"}
+
+
+def test_an_embeddings_request_goes_only_to_workers_whose_server_serves_embeddings_or_is_refused_saying_so():
+    """AdmitRequest.embeddings (POST /v1/embeddings): only workers whose engine server answers
+    /v1/embeddings (signals.embeddings) are candidates; none: 400 invalid_request saying so.
+    The journal keeps the flag, so a replay routes it the same way."""
+    from schemas.messages import EngineSignals
+    from services.core.journal import _request_out, request_from_builtins
+
+    native = make_scheduler(("w0", "w1"))
+    r = native.admit(req("a", embeddings=True), 0)
+    assert isinstance(r, Rejected) and r.code == "invalid_request" and "no live worker serves embeddings" in r.message
+
+    mixed = make_scheduler(("w0",))
+    mixed.on_worker_event(status("w1", signals=EngineSignals(protocol="openai", metrics="none", embeddings=True)), 0)
+    mixed.on_worker_event(status("w2", signals=EngineSignals(protocol="openai", metrics="vllm")), 0)
+    picks = {mixed.admit(req(f"e{i}", embeddings=True), 0).request.prefill_worker_id for i in range(6)}
+    assert picks == {"w1"}
+    assert {mixed.admit(req(f"g{i}"), 0).request.prefill_worker_id for i in range(6)} == {"w0", "w1", "w2"}
+    back = request_from_builtins(_request_out(req("j", embeddings=True)))
+    assert back.embeddings and not request_from_builtins(_request_out(req("k"))).embeddings
