@@ -146,11 +146,19 @@ async def stream_one(host: str, port: int, body: bytes, rec: Any, request_id: st
                         rec.error = stream_error(err)
                         rec.error_message = str(err.get("message", "") if isinstance(err, dict) else err)[:300]
                         continue
-                    n = len(obj["choices"][0].get("text") or "")  # byte tokenizer: one ASCII char, one token
+                    usage = obj.get("usage")
+                    if COUNT_TOKENS == "usage" and usage:  # the server's count (include_usage: after the last text)
+                        rec.tokens = int(usage.get("completion_tokens") or rec.tokens)
+                    choices = obj.get("choices")
+                    if not choices:
+                        continue
+                    text = choices[0].get("text") or ""
+                    # byte tokenizer: one ASCII char, one token; else one chunk, one token until the usage says
+                    n = len(text) if COUNT_TOKENS == "chars" else (1 if text else 0)
                     if n:
                         rec.tokens += n
-                        if rec.ttft_s is None:
-                            rec.ttft_s = now - t_send
+                    if rec.ttft_s is None and (n or COUNT_TOKENS == "usage"):  # (usage: a token's chunk, text or not)
+                        rec.ttft_s = now - t_send
         if rec.error is None:
             rec.error = "client_no_done"
     except (OSError, asyncio.IncompleteReadError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -173,6 +181,10 @@ class Plan:
 # The bodies and URLs live in module globals so that forked client processes share them
 # without pickling (tens of MB for Mooncake); a harness fills them before `run_clients`.
 BODIES: list[bytes] = []
+# How stream_one counts a request's tokens: "chars" (the byte tokenizer of FlexLB's engines: one
+# ASCII character, one token) or "usage" (another tokenizer: one per chunk with text, then the
+# server's usage.completion_tokens when the stream has it: stream_options.include_usage).
+COUNT_TOKENS = "chars"
 REQUEST_IDS: list[str] = []
 URLS: list[tuple[str, int]] = []
 
