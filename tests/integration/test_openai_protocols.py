@@ -276,7 +276,7 @@ def test_100_streams_through_servers_without_metrics_or_token_ids(spawn, flexlb_
     admin = {w["id"]: w for w in httpx.get(state["router_url"] + "/admin/workers", timeout=30).json()["workers"]}
     for wid in ("w0", "w1"):
         assert admin[wid]["signals"] == {"protocol": "openai", "metrics": "none", "liveness": "health",
-                                         "token_ids": False, "kv_events": False}
+                                         "token_ids": False, "kv_events": False, "embeddings": False}
         assert admin[wid]["not_ready_reason"] == ""
     # Served by the servers (their counters, which a bare server keeps off /metrics).
     served = sum(sum(v for _, v in parse_prometheus(httpx.get(u + "/_sim/metrics", timeout=5).text)
