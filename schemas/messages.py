@@ -496,6 +496,11 @@ class ForEngine(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     max_tokens: int
     sampling: Sampling | None = None  # None: greedy
+    # The client's prompt as it sent it, when it sent text to /v1/completions ("": ids, or chat).
+    # The router routes on its own tokenization (`prompt_token_ids`); an openai agent whose
+    # server should tokenize the text itself (`engine_prompt` text: a llama-server whose model's
+    # tokenizer the router does not have) sends this instead of the ids.
+    prompt_text: str = ""
     # OpenAI `stop` strings: the router ends the request at the first one in its output text
     # (and cuts the text there); an engine server is given them too, so it stops early.
     stop: list[str] = []

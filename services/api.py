@@ -668,6 +668,7 @@ class CompletionsFront:
         request = m.Request(
             request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens, priority=priority,
             slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, timeout_s=timeout_s, sampling=sampling, stop=stop,
+            prompt_text=req.prompt if not chat and not embed and isinstance(req.prompt, str) else "",
             chat=None if embed else forward, embed=forward if embed else None, model=req.model or "", tenant=tenant,
             priority_class=priority_class, priority_class_asked=asked, traceparent=traceparent, extra_body=extra or None)
         try:

@@ -146,6 +146,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, many_servers: bool = False) ->
                    help="openai: how the agent drives the server: openai (default; /v1/completions, and "
                         "/v1/chat/completions for chat: vLLM, SGLang, any OpenAI-compatible server) | sglang "
                         "(SGLang's native /generate with input_ids)")
+    p.add_argument("--engine-prompt", choices=["ids", "text"],
+                   help="openai: a completion's prompt as the agent sends it: ids (default: the router's token ids) | "
+                        "text (the client's text where it sent text: the server tokenizes it; for a server whose "
+                        "tokenizer the router does not have; `flexlb up --engine llamacpp` sets it without --tokenizer)")
     p.add_argument("--upstream-max-concurrency", type=int, help="openai: most requests open to the server (default 256)")
     p.add_argument("--upstream-stall-timeout-s", type=float,
                    help="openai: a stream silent this long fails with upstream_error (default 60)")

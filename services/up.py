@@ -392,6 +392,8 @@ def run_up(args, settings: RouterSettings) -> int:
                                        extra=args.llama_server_arg or [])
             servers.extend(started)
             args.engine, args.engine_url = "openai", [s.url for s in started]
+            if args.engine_prompt is None and not settings.tokenizer:  # the router lacks the model's tokenizer:
+                args.engine_prompt = "text"  # text completions are tokenized by llama-server itself
         env = dict(os.environ, FLEXLB_NATS_URL=nats_url, FLEXLB_REDIS_URL=redis_url, **replicas_env, **sentinel_env)
         admin_token = settings.admin_token
         if not admin_token and not args.open_admin:  # the admin API is closed by default
@@ -404,7 +406,7 @@ def run_up(args, settings: RouterSettings) -> int:
         for flag in ("engine", "model", "device", "model_seed", "dtype", "torch_threads", "time_scale", "heartbeat_interval_ms",
                      "num_kv_blocks", "block_size_tokens", "max_batch_tokens", "max_seq_len_tokens", "profile",
                      "outbound_buffer_bytes", "max_num_batched_tokens", "max_num_seqs", "scheduler", "max_prefill_tokens",
-                     "engine_model", "served_model_name", "engine_protocol",
+                     "engine_model", "served_model_name", "engine_protocol", "engine_prompt",
                      "upstream_max_concurrency", "upstream_stall_timeout_s", "kv_events_topic",
                      "lora_adapters", "max_loras", "lora_load_ms", "engine_max_num_seqs", "drain_timeout_s"):
             value = getattr(args, flag)

@@ -57,6 +57,7 @@ ENGINES = ("sim", "torch", "openai")
 # default `model_name` (services/settings.py), so a plain stack needs neither set.
 SIM_MODEL_NAME = "flexlb-sim"
 PROTOCOLS = ("openai", "sglang")
+ENGINE_PROMPTS = ("ids", "text")  # what the openai agent sends as a completion's prompt (OpenAISettings.engine_prompt)
 DEFAULT_MAX_LORAS = 4  # sim with adapters, max_loras 0: bench/lora.py's slots per worker (vLLM's own default is 1)
 
 
@@ -125,6 +126,10 @@ class OpenAISettings(msgspec.Struct, frozen=True, kw_only=True):
     engine_url: str  # its base URL
     engine_model: str  # the served model name; "": the first of its GET /v1/models
     engine_protocol: str  # openai (/v1/completions, /v1/chat/completions) | sglang (/generate)
+    # a completion's prompt: "ids" (the router's token ids: the server sees exactly what the
+    # router routed on) | "text" (the client's text where it sent text, the server tokenizes it:
+    # for a server whose tokenizer the router does not have; ForEngine.prompt_text)
+    engine_prompt: str
     upstream_max_concurrency: int  # most requests open to it at once
     upstream_stall_timeout_s: float  # a stream silent this long fails (upstream_error)
     kv_events_endpoint: str  # vLLM's KV-event ZMQ PUB endpoint; "": no events
@@ -141,6 +146,8 @@ class OpenAISettings(msgspec.Struct, frozen=True, kw_only=True):
                              "connector (vLLM kv_transfer_params) is not supported")
         if self.engine_protocol not in PROTOCOLS:
             raise ValueError(f"engine_protocol must be openai or sglang, got {self.engine_protocol!r}")
+        if self.engine_prompt not in ENGINE_PROMPTS:
+            raise ValueError(f"engine_prompt must be ids or text, got {self.engine_prompt!r}")
         if self.upstream_max_concurrency <= 0 or self.upstream_stall_timeout_s <= 0:
             raise ValueError("upstream_max_concurrency and upstream_stall_timeout_s must be > 0")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -206,6 +213,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_url: str = ""
     engine_model: str = ""
     engine_protocol: str = "openai"
+    engine_prompt: str = "ids"
     upstream_max_concurrency: int = 256
     upstream_stall_timeout_s: float = 60.0
     kv_events_endpoint: str = ""

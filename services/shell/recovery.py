@@ -206,7 +206,8 @@ class Recovery:
         now = time.time_ns()
         rid = handle.request_id
         prompt = [*handle.prompt_token_ids, *handle.output_ids]
-        continuation = msgspec.structs.replace(handle.request, prompt_token_ids=prompt, max_tokens=left, output_offset=sent)
+        continuation = msgspec.structs.replace(handle.request, prompt_token_ids=prompt, max_tokens=left, output_offset=sent,
+                                               prompt_text="")  # (the ids: they hold the output so far)
         admit = dataclasses.replace(
             handle.admit, num_prompt_tokens=len(prompt), max_tokens=left, best_effort=True,
             block_hashes=tuple(block_hashes(prompt, s.scheduler.block_size_tokens())),

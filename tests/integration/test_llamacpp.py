@@ -201,3 +201,26 @@ def test_embeddings_from_llama_server_have_the_models_dimension(llama_server, fl
     assert raw.status_code == 200 and len(raw.json()["data"][0]["embedding"]) == width, raw.text
     out = client.chat.completions.create(model="flexlb-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert out.usage.completion_tokens == 4
+
+
+def test_a_text_completion_is_tokenized_by_llama_server_itself(llama_server, flexlb_up):
+    """Without the model's tokenizer at the router (`--tokenizer`), `flexlb up --engine llamacpp`
+    has its agents send a text completion's text (`--engine-prompt text`), so the server runs
+    its own model's tokens, not the router's byte ids: the prompt tokens it processed are its
+    own /tokenize count of the text, fewer than the text's bytes (the model's BPE merges)."""
+    _, state = flexlb_up("--engine", "llamacpp", "--workers", "1")
+    (server,) = [s["url"] for s in state["servers"] if s["name"].startswith("llama-server-")]
+    text = "the theory of the thing is that the other three are there then " * 4
+
+    def processed() -> float:
+        metrics = httpx.get(server + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("llamacpp:prompt_tokens_total"))
+
+    own = httpx.post(server + "/tokenize", json={"content": text, "add_special": True}, timeout=30).json()["tokens"]
+    assert len(own) < len(text.encode())  # (else this test could not tell the two apart)
+    before = processed()
+    r = httpx.post(state["router_url"] + "/v1/completions", json={"model": "flexlb-tiny", "prompt": text, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert processed() - before == len(own)

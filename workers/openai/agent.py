@@ -557,7 +557,8 @@ class OpenAIAgent(WorkerAgent):
                   "stream_options": {"include_usage": True}, "return_token_ids": True, **self._sampling(r)}
         chat = r.chat
         if chat is None:
-            return "/v1/completions", self._with_extra_body(r, {"prompt": r.prompt_token_ids, **common})
+            prompt = r.prompt_text if r.prompt_text and self.cfg.engine_prompt == "text" else r.prompt_token_ids
+            return "/v1/completions", self._with_extra_body(r, {"prompt": prompt, **common})
         body = {"messages": chat.messages, **common}
         if chat.tools is not None:
             body["tools"] = chat.tools

@@ -165,7 +165,7 @@ def full_request() -> m.Request:
                      slo_tpot_ms=50.0, timeout_s=9.0, sampling=m.Sampling(temperature=0.5), stop=["\n"],
                      chat=m.ChatForward(messages=[{"role": "user", "content": "hi"}]), model="m", tenant="acme",
                      priority_class="standard", priority_class_asked="critical", traceparent=TRACEPARENT,
-                     output_offset=3, extra_body={"logprobs": True}, embed=m.EmbedForward(input=["hi", "there"]))
+                     output_offset=3, extra_body={"logprobs": True}, embed=m.EmbedForward(input=["hi", "there"]), prompt_text="hi")
 
 
 def test_a_request_travels_whole_in_a_forward():
