@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -164,7 +165,7 @@ class Run:
         port = free_port()
         state_file = self.workdir / f"state-{self.tag}.json"
         up = self._proc("up", [*flexlb_exe(), "up", "--open-admin", *flags, "--port", str(port),
-                               "--state-file", str(state_file)])
+                               "--state-file", str(state_file), *shlex.split(self.args.flexlb_args)])
         self.state = wait_up_state(up, state_file, deadline, self.args.startup_timeout_s)
         wait_http(self.state["router_url"] + "/readyz", deadline, [up], lambda s, _: s == 200)
         self.url = ("127.0.0.1", port)
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-s", type=float, default=60.0)
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--stop-timeout-s", type=float, default=20.0)
+    p.add_argument("--flexlb-args", default="", help="appended to every `flexlb up` command line (a variant)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "peers_llamacpp.json"))
     args = p.parse_args(argv)
     import os
