@@ -533,8 +533,8 @@ def error_headers(request_id: str | None, code: str, retry_after_ms: int = 0) ->
 
 
 class CompletionsFront:
-    """`POST /v1/completions`, `/v1/chat/completions`, `/v1/messages` and `/v1/responses` on
-    the raw ASGI path; every other request goes to FastAPI.
+    """`POST /v1/completions`, `/v1/chat/completions`, `/v1/messages`, `/v1/responses` and
+    `/v1/embeddings` on the raw ASGI path; every other request goes to FastAPI.
 
     The completion path is the router's hot path: FastAPI's and Starlette's request,
     response and middleware objects were a third of its CPU per request (bench/README.md,
@@ -545,7 +545,8 @@ class CompletionsFront:
     stream, before its response started as after. The endpoints share the path; what differs
     is the parsing and the shapes (services/chat.py; Anthropic's /v1/messages and OpenAI's
     /v1/responses are translated into a chat request first and answered in their own shapes:
-    services/anthropic.py, services/responses.py).
+    services/anthropic.py, services/responses.py). An embeddings request takes the same path to
+    its worker and is answered whole (services/embeddings.py, `collect_embeddings`).
     """
 
     PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
