@@ -287,6 +287,20 @@ class FlexlbFleet(Fleet):
         return out
 
 
+def peer_router_ready(workers: int) -> Callable[[int | None, str], bool]:
+    """A peer router's /readiness answer says ready with all `workers` healthy (wait_http's test)."""
+
+    def ready(status: int | None, text: str) -> bool:
+        if status != 200:
+            return False
+        try:
+            return int(json.loads(text).get("healthy_workers", -1)) >= workers
+        except (ValueError, AttributeError, TypeError):
+            return True  # 200 without the counts: take the router's word
+
+    return ready
+
+
 class SimFleet(Fleet):
     """K `flexlb sim-server` processes, and the peer router in front of them (or none)."""
 
@@ -363,15 +377,7 @@ class SimFleet(Fleet):
         self.procs.append(router)
         router.start()
 
-        def ready(status: int | None, text: str) -> bool:
-            if status != 200:
-                return False
-            try:
-                return int(json.loads(text).get("healthy_workers", -1)) >= a.workers
-            except (ValueError, AttributeError, TypeError):
-                return True  # 200 without the counts: take the router's word
-
-        wait_http(f"http://127.0.0.1:{port}/readiness", deadline, self.procs, ready)
+        wait_http(f"http://127.0.0.1:{port}/readiness", deadline, self.procs, peer_router_ready(a.workers))
         self.urls = [("127.0.0.1", port)]
 
     def target_of(self, i: int) -> int:

@@ -74,6 +74,7 @@ from bench.common import (  # noqa: E402
     wait_http,
     wait_up_state,
 )
+from bench.peers_fleet import peer_router_ready  # noqa: E402
 from bench.workloads import load_workload  # noqa: E402
 from services import llamacpp as lc  # noqa: E402
 from services.infra import free_port  # noqa: E402
@@ -150,15 +151,7 @@ class Run:
                               "--prometheus-port", str(prom), "--log-level", "warn" if kind == "sglang" else "warning",
                               "--worker-startup-check-interval", "1"])
 
-        def ready(status: int | None, text: str) -> bool:
-            if status != 200:
-                return False
-            try:
-                return int(json.loads(text).get("healthy_workers", -1)) >= a.workers
-            except (ValueError, AttributeError, TypeError):
-                return True
-
-        wait_http(f"http://127.0.0.1:{port}/readiness", deadline, self.procs, ready)
+        wait_http(f"http://127.0.0.1:{port}/readiness", deadline, self.procs, peer_router_ready(a.workers))
         self.url = ("127.0.0.1", port)
 
     def _up(self, flags: list[str], deadline: float) -> None:
